@@ -1,0 +1,44 @@
+# timeslice: co-operative accelerator time-slicing for RL jobs.
+# `make test` and `make demo` work on a fresh machine: they create .venv and install everything.
+
+PYTHON ?= python3.11
+VENV   := .venv
+BIN    := $(VENV)/bin
+PY     := $(BIN)/python
+STAMP  := $(VENV)/.installed
+PKGS   := -p timeslice -p timeslice_orchestrator -p timeslice_agent
+
+.PHONY: venv test test-fast lint typecheck protos protos-check demo cluster bench bench-quick clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/pytest -n auto -q
+
+test-fast: $(STAMP)
+	$(BIN)/pytest -n auto -q -m "not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check libs/timeslice services tests bench
+	PATH=$(abspath $(BIN)):$$PATH MYPYPATH=libs:services $(BIN)/mypy --strict $(PKGS)
+
+typecheck: lint
+
+# Regenerates the betterproto2 code under libs/timeslice_proto (never edit it by hand).
+protos: $(STAMP)
+	PATH=$(abspath $(BIN)):$$PATH $(PY) scripts/protogen.py libs/timeslice_proto
+
+demo: $(STAMP)
+	$(PY) -m timeslice.demo
+
+cluster: $(STAMP)
+	$(BIN)/timeslice dev cluster
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
