@@ -1,0 +1,203 @@
+"""The client API (TimeSlice service): thin handlers over LockService.
+
+Typed errors become gRPC statuses whose message starts with "[kind]" (timeslice.errors).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Iterator
+
+import grpclib
+from grpclib.const import Status
+
+from timeslice.errors import TimeSliceError
+from timeslice_orchestrator.locks import LockService, Progress, Stage
+from timeslice_orchestrator.metrics import Metrics
+from timeslice_orchestrator.store.cache import GroupView, Mirror
+from timeslice_orchestrator.store.etcd import StoreError
+from timeslice_proto.timeslice.v1 import (
+    AcquireEvent,
+    AcquireRequest,
+    AcquireState,
+    CloseSessionRequest,
+    CloseSessionResponse,
+    FaultedJob,
+    GetGroupStatusRequest,
+    GroupEvent,
+    GroupStatus,
+    GroupSummary,
+    KeepAliveRequest,
+    KeepAliveResponse,
+    ListGroupsRequest,
+    ListGroupsResponse,
+    NodeResidency,
+    OpenSessionRequest,
+    OpenSessionResponse,
+    QueueEntry,
+    SwitchPhase,
+    SwitchStatus,
+    TimeSliceBase,
+    WatchGroupRequest,
+    YieldRequest,
+    YieldResponse,
+)
+
+log = logging.getLogger(__name__)
+
+_STATE = {
+    Stage.QUEUED: AcquireState.QUEUED,
+    Stage.SWITCHING: AcquireState.SWITCHING,
+    Stage.GRANTED: AcquireState.GRANTED,
+}
+
+
+class TimeSliceService(TimeSliceBase):
+    def __init__(self, locks: LockService, mirror: Mirror, metrics: Metrics) -> None:
+        self._locks = locks
+        self._mirror = mirror
+        self._metrics = metrics
+
+    @contextlib.contextmanager
+    def _typed_errors(self) -> Iterator[None]:
+        try:
+            yield
+        except TimeSliceError as exc:
+            self._metrics.rpc_errors.labels(kind=exc.kind.value).inc()
+            raise grpclib.GRPCError(exc.status, exc.wire_message()) from exc
+        except StoreError as exc:
+            self._metrics.rpc_errors.labels(kind="unavailable").inc()
+            raise grpclib.GRPCError(Status.UNAVAILABLE, f"[unavailable] {exc}") from exc
+
+    async def open_session(self, message: OpenSessionRequest) -> OpenSessionResponse:
+        with self._typed_errors():
+            sid, ttl = await self._locks.open_session(
+                message.job_id, message.ttl_seconds, message.client_host, message.client_pid
+            )
+        return OpenSessionResponse(session_id=sid, ttl_seconds=ttl)
+
+    async def keep_alive(self, message: KeepAliveRequest) -> KeepAliveResponse:
+        with self._typed_errors():
+            ttl = await self._locks.keepalive(message.session_id)
+        return KeepAliveResponse(ttl_seconds=ttl)
+
+    async def close_session(self, message: CloseSessionRequest) -> CloseSessionResponse:
+        with self._typed_errors():
+            await self._locks.close_session(message.session_id)
+        return CloseSessionResponse()
+
+    async def acquire(self, message: AcquireRequest) -> AsyncIterator[AcquireEvent]:
+        grant: Progress | None = None
+        delivered = False
+        try:
+            with self._typed_errors():
+                progress = self._locks.acquire(
+                    message.session_id, message.job_id, message.group_id, message.priority
+                )
+                async with contextlib.aclosing(progress):
+                    async for step in progress:
+                        if step.stage is Stage.GRANTED:
+                            grant = step
+                        yield _event(step)
+                        # Resumed: the framework sent the event and asked for more.
+                        delivered = grant is not None
+        finally:
+            if grant is not None and not delivered:
+                await self._locks.release_unsent(
+                    message.group_id, message.job_id, message.session_id, grant.epoch
+                )
+
+    async def yield_(self, message: YieldRequest) -> YieldResponse:
+        with self._typed_errors():
+            await self._locks.release(
+                message.session_id, message.job_id, message.group_id, message.epoch
+            )
+        return YieldResponse()
+
+    async def list_groups(self, message: ListGroupsRequest) -> ListGroupsResponse:
+        groups = []
+        for name in self._mirror.group_names():
+            view = self._mirror.group(name)
+            groups.append(
+                GroupSummary(
+                    group_id=name,
+                    holder_job_id=view.holder.record.job if view.holder else "",
+                    queue_length=len(view.queue),
+                    switching=view.switch is not None,
+                )
+            )
+        return ListGroupsResponse(groups=groups)
+
+    async def get_group_status(self, message: GetGroupStatusRequest) -> GroupStatus:
+        with self._typed_errors():
+            return group_status(self._locks.view(message.group_id), self._mirror)
+
+    async def watch_group(self, message: WatchGroupRequest) -> AsyncIterator[GroupEvent]:
+        with self._typed_errors():
+            view = self._locks.view(message.group_id)
+        topic = f"group:{view.group}"
+        while True:
+            seen = self._mirror.version(topic)
+            view = self._mirror.group(view.group)
+            yield GroupEvent(revision=view.revision, status=group_status(view, self._mirror))
+            await self._mirror.wait_for_change(topic, seen)
+
+
+def _event(step: Progress) -> AcquireEvent:
+    return AcquireEvent(
+        state=_STATE[step.stage],
+        queue_position=step.position,
+        epoch=step.epoch,
+        waited_seconds=step.waited_seconds,
+        restored=step.restored,
+        previous_job_id=step.previous_job,
+        switch_seconds=step.switch_seconds,
+    )
+
+
+_PHASE = {
+    "checkpoint": SwitchPhase.CHECKPOINT,
+    "restore": SwitchPhase.RESTORE,
+    "rollback": SwitchPhase.ROLLBACK,
+}
+
+
+def group_status(view: GroupView, mirror: Mirror) -> GroupStatus:
+    agents = mirror.agents()
+    resident = view.resident_nodes
+    nodes = sorted(
+        set(resident) | {n for n, a in agents.items() if any(w.group == view.group for w in a.workers)}
+    )
+    status = GroupStatus(
+        group_id=view.group,
+        queue=[
+            QueueEntry(
+                job_id=q.job,
+                priority=q.entry.record.priority,
+                enqueued_at=q.entry.record.enqueued_at,
+                revision=q.revision,
+            )
+            for q in view.queue
+        ],
+        nodes=[NodeResidency(node=n, resident_job_id=resident.get(n, "")) for n in nodes],
+        faulted=[FaultedJob(job_id=j, reason=f.record.reason) for j, f in sorted(view.faults.items())],
+        last_error=view.stats.last_error,
+        switches=view.stats.switches,
+        driver_replica=view.driver or "",
+    )
+    if view.holder is not None:
+        status.holder_job_id = view.holder.record.job
+        status.holder_epoch = view.holder.create_revision
+        status.held_since = view.holder.record.granted_at
+    if view.switch is not None:
+        s = view.switch.record
+        status.switch = SwitchStatus(
+            switch_id=s.switch_id,
+            epoch=view.switch.create_revision,
+            from_job_id=",".join(s.from_jobs),
+            to_job_id=s.to_job,
+            phase=_PHASE[s.phase.value],
+            started_at=s.started_at,
+        )
+    return status

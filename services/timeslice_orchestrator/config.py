@@ -1,0 +1,79 @@
+"""Settings of one orchestrator replica, from flags or TIMESLICE_* environment variables."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Address:
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, text: str) -> Address:
+        host, sep, port = text.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"expected HOST:PORT, got {text!r}")
+        return cls(host or "0.0.0.0", int(port))
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class OrchestratorConfig:
+    listen: Address
+    http: Address
+    etcd: list[str]
+    prefix: str
+    replica_id: str
+    session_ttl: int
+    replica_ttl: int
+    directive_timeout: float
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(f"TIMESLICE_{name}", default)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
+    p = argparse.ArgumentParser(prog="timeslice orchestrator", description=__doc__)
+    p.add_argument("--listen", default=_env("LISTEN", "0.0.0.0:50051"), help="gRPC HOST:PORT")
+    p.add_argument("--http", default=_env("HTTP", "0.0.0.0:8080"), help="health/metrics HOST:PORT")
+    p.add_argument("--etcd", default=_env("ETCD", "127.0.0.1:2379"),
+                   help="comma-separated etcd HOST:PORT endpoints")
+    p.add_argument("--prefix", default=_env("PREFIX", "/timeslice/default"),
+                   help="etcd key prefix of this deployment")
+    p.add_argument("--replica-id", default=_env("REPLICA_ID", ""),
+                   help="unique name of this replica (default: host-random)")
+    p.add_argument("--session-ttl", type=int, default=int(_env("SESSION_TTL", "10")),
+                   help="default client session lease TTL, seconds")
+    p.add_argument("--replica-ttl", type=int, default=int(_env("REPLICA_TTL", "5")),
+                   help="this replica's lease TTL: how fast others take over its groups")
+    p.add_argument("--directive-timeout", type=float,
+                   default=float(_env("DIRECTIVE_TIMEOUT", "30")),
+                   help="deadline of one checkpoint/restore directive on a node, seconds")
+    a = p.parse_args(argv)
+    try:
+        listen, http = Address.parse(a.listen), Address.parse(a.http)
+    except ValueError as exc:
+        p.error(str(exc))
+    if a.session_ttl < 1 or a.replica_ttl < 1:
+        p.error("TTLs must be at least 1 second")
+    replica_id = a.replica_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+    return OrchestratorConfig(
+        listen=listen,
+        http=http,
+        etcd=[e.strip() for e in a.etcd.split(",") if e.strip()],
+        prefix=a.prefix.rstrip("/"),
+        replica_id=replica_id,
+        session_ttl=a.session_ttl,
+        replica_ttl=a.replica_ttl,
+        directive_timeout=a.directive_timeout,
+    )

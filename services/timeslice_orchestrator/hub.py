@@ -1,0 +1,174 @@
+"""The agent hub: holds each node agent's stream, sends directives, matches acks.
+
+Agents dial in (AgentHub.Connect). The hub publishes each connected agent, with the workers it
+reports, to etcd under ``agents/<node>`` attached to this replica's lease, so group membership is
+visible to every replica and vanishes with the replica that held the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpclib
+from grpclib.const import Status
+
+from timeslice.errors import InvalidArgument
+from timeslice.ids import validate_group_id, validate_job_id, validate_node
+from timeslice_orchestrator.metrics import Metrics
+from timeslice_orchestrator.store.groups import GroupStore
+from timeslice_orchestrator.store.records import AgentRecord, WorkerRecord
+from timeslice_proto.timeslice.v1 import (
+    AgentHello,
+    AgentHubBase,
+    AgentMessage,
+    Directive,
+    DirectiveAck,
+    OrchestratorMessage,
+    Welcome,
+    WorkerInfo,
+)
+
+log = logging.getLogger(__name__)
+
+HELLO_TIMEOUT = 10.0
+
+
+class AgentUnavailable(Exception):
+    """No stream to that node's agent is held here, or it broke before the ack."""
+
+
+@dataclass(eq=False)
+class AgentConnection:
+    node: str
+    record: AgentRecord
+    outgoing: asyncio.Queue[OrchestratorMessage] = field(default_factory=asyncio.Queue)
+    pending: dict[str, asyncio.Future[DirectiveAck]] = field(default_factory=dict)
+
+    def fail_pending(self, reason: str) -> None:
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_exception(AgentUnavailable(reason))
+        self.pending.clear()
+
+
+def _workers(infos: list[WorkerInfo]) -> list[WorkerRecord]:
+    out = []
+    for w in infos:
+        try:
+            out.append(
+                WorkerRecord(
+                    job=validate_job_id(w.job_id),
+                    group=validate_group_id(w.group_id),
+                    pid=w.pid,
+                    state_bytes=w.state_bytes,
+                    app_callbacks=w.app_callbacks,
+                    acquirer=w.acquirer,
+                )
+            )
+        except InvalidArgument as exc:
+            log.warning("ignoring invalid worker registration %s: %s", w, exc)
+    return out
+
+
+class AgentHub(AgentHubBase):
+    def __init__(self, store: GroupStore, replica_id: str, lease: int, metrics: Metrics) -> None:
+        self._store = store
+        self._replica_id = replica_id
+        self._lease = lease
+        self._metrics = metrics
+        self._connections: dict[str, AgentConnection] = {}
+
+    @property
+    def nodes(self) -> list[str]:
+        return sorted(self._connections)
+
+    async def connect(self, messages: AsyncIterator[AgentMessage]) -> AsyncIterator[OrchestratorMessage]:
+        hello = await self._read_hello(messages)
+        node = hello.node
+        record = AgentRecord(
+            node=node,
+            replica=self._replica_id,
+            backend=hello.backend,
+            emulated=hello.emulated,
+            connected_at=time.time(),
+            workers=_workers(hello.workers),
+            devices=len(hello.devices),
+        )
+        conn = AgentConnection(node, record)
+        previous = self._connections.get(node)
+        if previous is not None:
+            previous.fail_pending("agent reconnected")
+        self._connections[node] = conn
+        self._metrics.agents_connected.set(len(self._connections))
+        log.info("agent %s connected (backend %s%s)", node, hello.backend,
+                 ", emulated" if hello.emulated else "")
+        reader = asyncio.create_task(self._read(conn, messages), name=f"agent-reader-{node}")
+        try:
+            await self._store.publish_agent(record, self._lease)
+            yield OrchestratorMessage(welcome=Welcome(replica_id=self._replica_id))
+            while True:
+                get = asyncio.ensure_future(conn.outgoing.get())
+                done, _ = await asyncio.wait({get, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if get in done:
+                    yield get.result()
+                    continue
+                get.cancel()
+                if reader.exception() is not None:
+                    log.warning("agent %s stream failed: %r", node, reader.exception())
+                return
+        finally:
+            reader.cancel()
+            with contextlib.suppress(BaseException):
+                await reader
+            conn.fail_pending("agent stream closed")
+            if self._connections.get(node) is conn:
+                del self._connections[node]
+                self._metrics.agents_connected.set(len(self._connections))
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self._store.remove_agent(node, self._replica_id))
+            log.info("agent %s disconnected", node)
+
+    async def _read_hello(self, messages: AsyncIterator[AgentMessage]) -> AgentHello:
+        try:
+            async with asyncio.timeout(HELLO_TIMEOUT):
+                first = await anext(messages)
+        except (TimeoutError, StopAsyncIteration) as exc:
+            raise grpclib.GRPCError(Status.INVALID_ARGUMENT, "expected AgentHello first") from exc
+        if first.hello is None:
+            raise grpclib.GRPCError(Status.INVALID_ARGUMENT, "expected AgentHello first")
+        try:
+            validate_node(first.hello.node)
+        except InvalidArgument as exc:
+            raise grpclib.GRPCError(exc.status, exc.wire_message()) from exc
+        return first.hello
+
+    async def _read(self, conn: AgentConnection, messages: AsyncIterator[AgentMessage]) -> None:
+        async for msg in messages:
+            if msg.ack is not None:
+                fut = conn.pending.pop(msg.ack.directive_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg.ack)
+            elif msg.workers is not None:
+                conn.record.workers = _workers(msg.workers.workers)
+                await self._store.publish_agent(conn.record, self._lease)
+
+    async def execute(self, node: str, directive: Directive, timeout: float) -> DirectiveAck:
+        """Send one directive and wait for its ack (at most ``timeout`` seconds)."""
+        conn = self._connections.get(node)
+        if conn is None:
+            raise AgentUnavailable(f"agent {node} is not connected to this replica")
+        fut: asyncio.Future[DirectiveAck] = asyncio.get_running_loop().create_future()
+        conn.pending[directive.directive_id] = fut
+        await conn.outgoing.put(OrchestratorMessage(directive=directive))
+        try:
+            async with asyncio.timeout(timeout):
+                return await fut
+        except TimeoutError as exc:
+            raise AgentUnavailable(f"agent {node} did not ack within {timeout:.1f} s") from exc
+        finally:
+            conn.pending.pop(directive.directive_id, None)

@@ -1,0 +1,176 @@
+"""Acquire and yield: what the client API does, in terms of the store and the mirror.
+
+An Acquire puts the job in the group's queue, then waits on the mirror (one etcd watch per
+replica, never polling) until the driver grants it, streaming its progress. Leaving early
+(cancel, deadline, disconnect) withdraws the queue entry, or gives back a grant that raced
+the exit, so no waiter is lost and no grant leaks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from timeslice.errors import (
+    Cancelled,
+    GroupFaulted,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    SessionExpired,
+)
+from timeslice.ids import validate_group_id, validate_job_id
+from timeslice_orchestrator.metrics import Metrics
+from timeslice_orchestrator.store.cache import GroupView, Mirror
+from timeslice_orchestrator.store.groups import GroupStore, lease_of
+
+log = logging.getLogger(__name__)
+
+MIRROR_LAG_TIMEOUT = 10.0
+MAX_TTL = 3600
+
+
+class Stage(enum.Enum):
+    QUEUED = 1
+    SWITCHING = 2
+    GRANTED = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    stage: Stage
+    position: int = 0
+    epoch: int = 0
+    waited_seconds: float = 0.0
+    restored: bool = False
+    previous_job: str = ""
+    switch_seconds: float = 0.0
+
+
+class LockService:
+    def __init__(
+        self, store: GroupStore, mirror: Mirror, metrics: Metrics, default_ttl: int
+    ) -> None:
+        self._store = store
+        self._mirror = mirror
+        self._metrics = metrics
+        self._default_ttl = default_ttl
+
+    async def open_session(self, job: str, ttl: int, host: str, pid: int) -> tuple[str, int]:
+        validate_job_id(job)
+        if ttl < 0 or ttl > MAX_TTL:
+            raise InvalidArgument(f"ttl_seconds must be between 1 and {MAX_TTL} (0 = default)")
+        ttl = ttl or self._default_ttl
+        return await self._store.open_session(job, ttl, host[:253], pid), ttl
+
+    async def keepalive(self, session_id: str) -> int:
+        return await self._store.keepalive(session_id)
+
+    async def close_session(self, session_id: str) -> None:
+        await self._store.close_session(session_id)
+
+    async def acquire(
+        self, session_id: str, job: str, group: str, priority: int
+    ) -> AsyncIterator[Progress]:
+        """Queue ``job`` for ``group`` and yield its progress; the last item is GRANTED."""
+        validate_job_id(job)
+        validate_group_id(group)
+        lease_of(session_id)
+        session = await self._store.session(session_id)
+        if session.record.job != job:
+            raise PermissionDenied(f"session {session_id} belongs to job {session.record.job}")
+        started = time.monotonic()
+        enqueued = await self._store.enqueue(session, session_id, group, priority)
+        await self._mirror.wait_for_revision(enqueued.revision, MIRROR_LAG_TIMEOUT)
+        topic = f"group:{group}"
+        granted = False
+        last: tuple[Stage, int] | None = None
+        self._metrics.waiters.inc()
+        try:
+            while True:
+                seen = self._mirror.version(topic)
+                view = self._mirror.group(group)
+                progress = self._progress(view, session_id, job, enqueued.entry_revision)
+                if progress.stage is Stage.GRANTED:
+                    granted = True
+                    log.debug("%s granted %s after %.3f s", job, group, time.monotonic() - started)
+                    yield progress
+                    return
+                if (progress.stage, progress.position) != last:
+                    last = (progress.stage, progress.position)
+                    yield progress
+                await self._mirror.wait_for_change(topic, seen)
+        finally:
+            self._metrics.waiters.dec()
+            if not granted:
+                await _shielded(
+                    self._store.withdraw(group, job, session_id, enqueued.entry_revision)
+                )
+
+    def _progress(self, view: GroupView, session_id: str, job: str, entry_revision: int) -> Progress:
+        holder = view.holder
+        if (
+            holder is not None
+            and holder.record.job == job
+            and holder.record.session == session_id
+            and holder.create_revision > entry_revision
+        ):
+            h = holder.record
+            return Progress(
+                Stage.GRANTED,
+                epoch=holder.create_revision,
+                waited_seconds=h.waited_seconds,
+                restored=h.restored,
+                previous_job=h.previous_job,
+                switch_seconds=h.switch_seconds,
+            )
+        fault = view.faults.get(job)
+        if fault is not None and fault.create_revision > entry_revision:
+            raise GroupFaulted(fault.record.reason)
+        queued = view.queued(job)
+        if queued is None or queued.revision != entry_revision:
+            if self._mirror.session(session_id) is None:
+                raise SessionExpired(f"session {session_id} expired while waiting for {view.group}")
+            raise Cancelled(f"the queue entry of {job} in {view.group} was removed")
+        switch = view.switch
+        if switch is not None and switch.record.to_job == job:
+            return Progress(Stage.SWITCHING, 0)
+        return Progress(Stage.QUEUED, view.position(job) or 0)
+
+    async def release_unsent(self, group: str, job: str, session_id: str, epoch: int) -> None:
+        """Give back a grant the client never received (it left as the grant was sent)."""
+        try:
+            await _shielded(self._store.release(group, job, epoch, session_id))
+            log.info("released undelivered grant of %s on %s (epoch %d)", job, group, epoch)
+        except Exception:
+            log.exception("could not release undelivered grant of %s on %s", job, group)
+
+    async def release(self, session_id: str, job: str, group: str, epoch: int) -> None:
+        validate_job_id(job)
+        validate_group_id(group)
+        if session_id:
+            lease_of(session_id)
+        if epoch <= 0:
+            raise InvalidArgument("epoch must be the positive fencing token of the grant")
+        await self._store.release(group, job, epoch, session_id)
+
+    def view(self, group: str) -> GroupView:
+        validate_group_id(group)
+        view = self._mirror.group(group)
+        if not view.exists:
+            raise NotFound(f"group {group} does not exist")
+        return view
+
+
+async def _shielded(coro: object) -> object:
+    """Finish ``coro`` even if the caller is being cancelled (cleanup must not be lost)."""
+    task = asyncio.ensure_future(coro)  # type: ignore[call-overload]
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait({task}, timeout=MIRROR_LAG_TIMEOUT)
+        raise

@@ -1,0 +1,44 @@
+"""Prometheus metrics of one orchestrator replica (served on /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.grants = Counter(
+            "timeslice_grants", "Grants made", ["kind"], registry=r
+        )
+        self.switches = Counter(
+            "timeslice_switches", "Context switches by outcome", ["outcome"], registry=r
+        )
+        self.switch_seconds = Histogram(
+            "timeslice_switch_seconds",
+            "Wall time of a context switch, checkpoint to commit",
+            registry=r,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        )
+        self.acquire_wait_seconds = Histogram(
+            "timeslice_acquire_wait_seconds",
+            "Time from Acquire to grant",
+            registry=r,
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60, 300),
+        )
+        self.directives = Counter(
+            "timeslice_directives", "Directives sent, by kind and ack status", ["kind", "status"],
+            registry=r,
+        )
+        self.agents_connected = Gauge(
+            "timeslice_agents_connected", "Agent streams held by this replica", registry=r
+        )
+        self.waiters = Gauge("timeslice_waiters", "Acquire calls waiting on this replica", registry=r)
+        self.rpc_errors = Counter(
+            "timeslice_rpc_errors", "Client API calls that ended in a typed error", ["kind"],
+            registry=r,
+        )
+        self.driver_errors = Counter(
+            "timeslice_driver_errors", "Unexpected errors in the switch driver", registry=r
+        )

@@ -1,0 +1,235 @@
+"""A read-only mirror of the deployment's keys, kept by one list-then-watch loop per replica.
+
+Acquire waiters and the switch driver read group state from here and wait on per-topic
+conditions instead of each opening its own etcd watch. It is a cache, never an authority:
+every decision that changes state is an etcd transaction with compares.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from timeslice_orchestrator.store.etcd import (
+    EtcdClient,
+    EventType,
+    KeyValue,
+    StoreUnavailable,
+    WatchCompacted,
+)
+from timeslice_orchestrator.store.keys import Keyspace
+from timeslice_orchestrator.store.records import (
+    AgentRecord,
+    CorruptRecord,
+    FaultRecord,
+    GroupStats,
+    HolderRecord,
+    QueueRecord,
+    ResidentRecord,
+    SessionRecord,
+    Stored,
+    SwitchRecord,
+)
+
+log = logging.getLogger(__name__)
+
+AGENTS_TOPIC = "agents"
+SESSIONS_TOPIC = "sessions"
+
+
+def topic_of(rel: str) -> str:
+    """The notification topic of a relative key: "group:<g>", "agents" or "sessions"."""
+    parts = rel.split("/", 2)
+    if parts[0] == "groups" and len(parts) > 1:
+        return f"group:{parts[1]}"
+    return parts[0]
+
+
+@dataclass(slots=True)
+class QueuedJob:
+    job: str
+    entry: Stored[QueueRecord]
+
+    @property
+    def revision(self) -> int:
+        return self.entry.create_revision
+
+
+@dataclass(slots=True)
+class GroupView:
+    """A consistent snapshot of one group's keys at ``revision``."""
+
+    group: str
+    revision: int
+    exists: bool
+    holder: Stored[HolderRecord] | None
+    queue: list[QueuedJob]  # FIFO: ordered by create revision
+    resident: Stored[ResidentRecord] | None
+    switch: Stored[SwitchRecord] | None
+    driver: str | None
+    faults: dict[str, Stored[FaultRecord]] = field(default_factory=dict)
+    stats: GroupStats = field(default_factory=GroupStats)
+
+    def queued(self, job: str) -> QueuedJob | None:
+        return next((q for q in self.queue if q.job == job), None)
+
+    def position(self, job: str) -> int | None:
+        return next((i for i, q in enumerate(self.queue) if q.job == job), None)
+
+    @property
+    def resident_nodes(self) -> dict[str, str]:
+        return dict(self.resident.record.nodes) if self.resident else {}
+
+
+class Mirror:
+    """List-watch mirror of everything under the keyspace root."""
+
+    def __init__(self, etcd: EtcdClient, keys: Keyspace) -> None:
+        self._etcd = etcd
+        self._keys = keys
+        self._kvs: dict[str, KeyValue] = {}
+        self.revision = 0
+        self.synced = asyncio.Event()
+        self._conditions: dict[str, asyncio.Condition] = {}
+        self._listeners: list[Callable[[set[str]], None]] = []
+        self._versions: dict[str, int] = {}
+        self.reconnects = 0
+
+    # -- reading ------------------------------------------------------------------------
+
+    def get(self, rel: str) -> KeyValue | None:
+        return self._kvs.get(rel)
+
+    def under(self, rel_prefix: str) -> list[tuple[str, KeyValue]]:
+        return sorted((k, v) for k, v in self._kvs.items() if k.startswith(rel_prefix))
+
+    def group_names(self) -> list[str]:
+        return sorted({k.split("/", 2)[1] for k in self._kvs if k.startswith("groups/")})
+
+    def session(self, session_id: str) -> Stored[SessionRecord] | None:
+        kv = self._kvs.get(f"sessions/{session_id}")
+        return Stored.of(kv, SessionRecord.decode(kv.value)) if kv else None
+
+    def agents(self) -> dict[str, AgentRecord]:
+        out: dict[str, AgentRecord] = {}
+        for rel, kv in self.under("agents/"):
+            try:
+                out[rel.split("/", 1)[1]] = AgentRecord.decode(kv.value)
+            except CorruptRecord:
+                log.exception("ignoring corrupt agent record %s", rel)
+        return out
+
+    def group(self, group: str) -> GroupView:
+        base = f"groups/{group}/"
+        holder = resident = switch = None
+        driver: str | None = None
+        queue: list[QueuedJob] = []
+        faults: dict[str, Stored[FaultRecord]] = {}
+        stats = GroupStats()
+        exists = False
+        for rel, kv in self.under(base):
+            exists = True
+            name = rel[len(base) :]
+            if name == "holder":
+                holder = Stored.of(kv, HolderRecord.decode(kv.value))
+            elif name == "resident":
+                resident = Stored.of(kv, ResidentRecord.decode(kv.value))
+            elif name == "switch":
+                switch = Stored.of(kv, SwitchRecord.decode(kv.value))
+            elif name == "driver":
+                driver = kv.value.decode()
+            elif name == "stats":
+                stats = GroupStats.decode(kv.value)
+            elif name.startswith("queue/"):
+                queue.append(QueuedJob(name[6:], Stored.of(kv, QueueRecord.decode(kv.value))))
+            elif name.startswith("faulted/"):
+                faults[name[8:]] = Stored.of(kv, FaultRecord.decode(kv.value))
+        queue.sort(key=lambda q: q.revision)
+        return GroupView(
+            group, self.revision, exists, holder, queue, resident, switch, driver, faults, stats
+        )
+
+    # -- waiting ------------------------------------------------------------------------
+
+    def condition(self, topic: str) -> asyncio.Condition:
+        cond = self._conditions.get(topic)
+        if cond is None:
+            cond = self._conditions[topic] = asyncio.Condition()
+        return cond
+
+    def version(self, topic: str) -> int:
+        """Counts the changes seen on ``topic``; wait for it to move to avoid lost wake-ups."""
+        return self._versions.get(topic, 0)
+
+    async def wait_for_change(self, topic: str, seen: int) -> None:
+        cond = self.condition(topic)
+        async with cond:
+            await cond.wait_for(lambda: self._versions.get(topic, 0) != seen)
+
+    def add_listener(self, listener: Callable[[set[str]], None]) -> None:
+        """Call ``listener(topics)`` after every applied batch of changes."""
+        self._listeners.append(listener)
+
+    async def wait_for_revision(self, revision: int, timeout: float) -> None:
+        """Wait until the mirror reflects ``revision`` (one of our own writes)."""
+        cond = self.condition("*")
+        async with asyncio.timeout(timeout), cond:
+            await cond.wait_for(lambda: self.revision >= revision)
+
+    # -- maintaining --------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """List, then watch from the next revision; re-list on compaction, resume on errors."""
+        backoff = 0.05
+        while True:
+            try:
+                if not self.synced.is_set():
+                    await self._relist()
+                async for batch in self._etcd.watch_prefix(self._keys.root, self.revision + 1):
+                    backoff = 0.05
+                    await self._apply(batch.revision, batch.events)
+            except WatchCompacted as exc:
+                log.warning("watch compacted (%s); re-listing", exc)
+                self.synced.clear()
+            except StoreUnavailable as exc:
+                self.reconnects += 1
+                log.warning("etcd watch interrupted (%s); resuming from %d", exc, self.revision + 1)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+
+    async def _relist(self) -> None:
+        revision, kvs = await self._etcd.get_prefix(self._keys.root)
+        old = set(self._kvs)
+        self._kvs = {self._keys.relative(kv.key): kv for kv in kvs}
+        self.revision = revision
+        self.synced.set()
+        await self._notify({topic_of(k) for k in old | set(self._kvs)})
+
+    async def _apply(self, revision: int, events: tuple[object, ...]) -> None:
+        topics: set[str] = set()
+        for ev in events:
+            kv = ev.kv  # type: ignore[attr-defined]
+            rel = self._keys.relative(kv.key)
+            if ev.type is EventType.PUT:  # type: ignore[attr-defined]
+                self._kvs[rel] = kv
+            else:
+                self._kvs.pop(rel, None)
+            topics.add(topic_of(rel))
+        # A batch's header revision can run ahead of its events while a watcher catches up,
+        # so only an empty batch (a progress notification) may move the revision past them.
+        newest = max((ev.kv.mod_revision for ev in events), default=revision)  # type: ignore[attr-defined]
+        if newest > self.revision:
+            self.revision = newest
+        await self._notify(topics)
+
+    async def _notify(self, topics: set[str]) -> None:
+        for topic in (*topics, "*"):
+            self._versions[topic] = self._versions.get(topic, 0) + 1
+            cond = self._conditions.get(topic)
+            if cond is not None:
+                async with cond:
+                    cond.notify_all()
+        for listener in self._listeners:
+            listener(topics)

@@ -1,0 +1,353 @@
+"""The transactions that change sessions, queues, holds and switches.
+
+Each method is one etcd transaction (or a read then one transaction) whose compares carry the
+whole authority for the change: a stale replica's write fails its compare instead of landing.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from timeslice.errors import (
+    AlreadyExists,
+    NotFound,
+    NotHolder,
+    PermissionDenied,
+    SessionExpired,
+)
+from timeslice_orchestrator.store.etcd import (
+    Delete,
+    EtcdClient,
+    Get,
+    KeyValue,
+    LeaseExpired,
+    Put,
+    Txn,
+    absent,
+    created_at,
+    modified_at,
+    present,
+    value_is,
+)
+from timeslice_orchestrator.store.keys import Keyspace
+from timeslice_orchestrator.store.records import (
+    AgentRecord,
+    FaultRecord,
+    GroupStats,
+    HolderRecord,
+    Phase,
+    QueueRecord,
+    ResidentRecord,
+    SessionRecord,
+    Stored,
+    SwitchRecord,
+)
+
+
+def session_id_of(lease_id: int) -> str:
+    return f"{lease_id:016x}"
+
+
+def lease_of(session_id: str) -> int:
+    try:
+        value = int(session_id, 16)
+    except ValueError:
+        value = 0
+    if len(session_id) != 16 or value <= 0:
+        raise NotFound(f"session {session_id!r} does not exist")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Enqueued:
+    revision: int  # the store revision after the enqueue
+    entry_revision: int  # create revision of the queue entry: the job's place in line
+    reattached: bool
+
+
+class GroupStore:
+    def __init__(self, etcd: EtcdClient, keys: Keyspace) -> None:
+        self.etcd = etcd
+        self.keys = keys
+
+    # -- sessions -----------------------------------------------------------------------
+
+    async def open_session(self, job: str, ttl: int, host: str, pid: int) -> str:
+        lease = await self.etcd.grant_lease(ttl)
+        sid = session_id_of(lease)
+        record = SessionRecord(job=job, host=host, pid=pid, opened_at=time.time())
+        await self.etcd.put(self.keys.session(sid), record.encode(), lease=lease)
+        return sid
+
+    async def session(self, session_id: str) -> Stored[SessionRecord]:
+        lease_of(session_id)
+        kv = await self.etcd.get(self.keys.session(session_id))
+        if kv is None:
+            raise SessionExpired(f"session {session_id} has expired or was closed")
+        return Stored.of(kv, SessionRecord.decode(kv.value))
+
+    async def keepalive(self, session_id: str) -> int:
+        try:
+            return await self.etcd.keepalive_once(lease_of(session_id))
+        except LeaseExpired as exc:
+            raise SessionExpired(f"session {session_id} has expired") from exc
+
+    async def close_session(self, session_id: str) -> None:
+        await self.etcd.revoke_lease(lease_of(session_id))
+
+    # -- the lock -----------------------------------------------------------------------
+
+    async def enqueue(
+        self, session: Stored[SessionRecord], session_id: str, group: str, priority: int
+    ) -> Enqueued:
+        """Put the job in the group's queue; creates the group on first use.
+
+        Re-acquiring with the same session re-attaches to the existing entry (its place in
+        line is kept); the job already holding the group, or waiting through another
+        session, is refused.
+        """
+        job = session.record.job
+        k = self.keys
+        holder = await self.etcd.get(k.holder(group))
+        if holder is not None and HolderRecord.decode(holder.value).job == job:
+            raise AlreadyExists(f"job {job} already holds group {group}")
+        entry = QueueRecord(session=session_id, priority=priority, enqueued_at=time.time())
+        result = await self.etcd.txn(
+            Txn(
+                compare=[absent(k.queue_entry(group, job)), present(k.session(session_id))],
+                success=[
+                    Put(k.queue_entry(group, job), entry.encode(), lease=session.lease),
+                    Delete(k.fault(group, job)),
+                    Txn([absent(k.meta(group))], [Put(k.meta(group), b"{}")]),
+                ],
+                failure=[Get(k.queue_entry(group, job)), Get(k.session(session_id))],
+            )
+        )
+        if result.succeeded:
+            return Enqueued(result.revision, result.revision, reattached=False)
+        existing, sessions = result.reads
+        if not sessions:
+            raise SessionExpired(f"session {session_id} has expired or was closed")
+        current = existing[0]
+        if QueueRecord.decode(current.value).session != session_id:
+            raise AlreadyExists(f"job {job} already waits for group {group} in another session")
+        return Enqueued(result.revision, current.create_revision, reattached=True)
+
+    async def withdraw(self, group: str, job: str, session_id: str, entry_revision: int) -> bool:
+        """Cancel-safe exit of a waiter: drop its queue entry, or the grant that raced it.
+
+        Returns True when a grant had to be given back.
+        """
+        k = self.keys
+        result = await self.etcd.txn(
+            Txn(
+                compare=[created_at(k.queue_entry(group, job), entry_revision)],
+                success=[Delete(k.queue_entry(group, job))],
+                failure=[Get(k.holder(group))],
+            )
+        )
+        if result.succeeded or not result.reads[0]:
+            return False
+        holder = result.reads[0][0]
+        record = HolderRecord.decode(holder.value)
+        if record.job != job or record.session != session_id:
+            return False
+        if holder.create_revision < entry_revision:
+            return False
+        released = await self.etcd.txn(
+            Txn([modified_at(k.holder(group), holder.mod_revision)], [Delete(k.holder(group))])
+        )
+        return released.succeeded
+
+    async def release(self, group: str, job: str, epoch: int, session_id: str) -> None:
+        """Yield: compare-and-delete the holder key. Moves no data (lazy switching)."""
+        k = self.keys
+        holder = await self.etcd.get(k.holder(group))
+        if holder is None:
+            if await self.etcd.get(k.meta(group)) is None:
+                raise NotFound(f"group {group} does not exist")
+            raise NotHolder(f"job {job} does not hold group {group} (nobody does)")
+        record = HolderRecord.decode(holder.value)
+        if record.job != job:
+            raise PermissionDenied(f"group {group} is held by another job, not {job}")
+        if holder.create_revision != epoch:
+            raise NotHolder(
+                f"epoch {epoch} is stale: job {job} holds group {group} "
+                "under a newer grant"
+            )
+        if session_id and record.session != session_id:
+            raise PermissionDenied(f"the hold on {group} belongs to another session of {job}")
+        result = await self.etcd.txn(
+            Txn([modified_at(k.holder(group), holder.mod_revision)], [Delete(k.holder(group))])
+        )
+        if not result.succeeded:
+            raise NotHolder(f"job {job} lost its hold on {group} (session expired?)")
+
+    # -- the switch driver --------------------------------------------------------------
+
+    async def claim_driver(self, group: str, replica: str, lease: int) -> bool:
+        """Become (or stay) the replica that drives this group's switches."""
+        k = self.keys
+        result = await self.etcd.txn(
+            Txn(
+                compare=[absent(k.driver(group))],
+                success=[Put(k.driver(group), replica.encode(), lease=lease)],
+                failure=[Get(k.driver(group))],
+            )
+        )
+        if result.succeeded:
+            return True
+        current = result.reads[0]
+        return bool(current) and current[0].value == replica.encode()
+
+    def _driving(self, group: str, replica: str) -> list[object]:
+        return [value_is(self.keys.driver(group), replica.encode())]
+
+    async def grant(
+        self,
+        group: str,
+        replica: str,
+        entry: Stored[QueueRecord],
+        job: str,
+        holder: HolderRecord,
+        resident: ResidentRecord,
+        resident_revision: int,
+        switch: Stored[SwitchRecord] | None,
+        stats: GroupStats,
+    ) -> int | None:
+        """Commit point: resident, holder (with a new epoch) and queue change in one txn.
+
+        Returns the epoch (the holder key's create revision) or None if a compare failed
+        (the waiter left, another replica drives, or the group changed underneath).
+        """
+        k = self.keys
+        compare = [
+            *self._driving(group, replica),
+            absent(k.holder(group)),
+            created_at(k.queue_entry(group, job), entry.create_revision),
+            modified_at(k.resident(group), resident_revision),
+        ]
+        ops = [
+            Put(k.holder(group), holder.encode(), lease=entry.lease),
+            Delete(k.queue_entry(group, job)),
+            Put(k.resident(group), resident.encode()),
+            Put(k.stats(group), stats.encode()),
+        ]
+        if switch is not None:
+            compare.append(modified_at(k.switch(group), switch.mod_revision))
+            ops.append(Delete(k.switch(group)))
+        else:
+            compare.append(absent(k.switch(group)))
+        result = await self.etcd.txn(Txn(compare, ops))  # type: ignore[arg-type]
+        return result.revision if result.succeeded else None
+
+    async def begin_switch(
+        self, group: str, replica: str, record: SwitchRecord, resident_revision: int
+    ) -> Stored[SwitchRecord] | None:
+        """Write the switch record; its create revision is the epoch of every directive."""
+        k = self.keys
+        result = await self.etcd.txn(
+            Txn(
+                [
+                    *self._driving(group, replica),  # type: ignore[list-item]
+                    absent(k.switch(group)),
+                    absent(k.holder(group)),
+                    modified_at(k.resident(group), resident_revision),
+                ],
+                [Put(k.switch(group), record.encode()), Get(k.switch(group))],
+            )
+        )
+        if not result.succeeded:
+            return None
+        kv = result.reads[0][0]
+        return Stored.of(kv, record)
+
+    async def update_switch(
+        self, group: str, replica: str, switch: Stored[SwitchRecord], phase: Phase
+    ) -> Stored[SwitchRecord] | None:
+        k = self.keys
+        switch.record.phase = phase
+        result = await self.etcd.txn(
+            Txn(
+                [*self._driving(group, replica), modified_at(k.switch(group), switch.mod_revision)],  # type: ignore[list-item]
+                [Put(k.switch(group), switch.record.encode()), Get(k.switch(group))],
+            )
+        )
+        if not result.succeeded:
+            return None
+        return Stored.of(result.reads[0][0], switch.record)
+
+    async def end_switch(
+        self,
+        group: str,
+        replica: str,
+        switch: Stored[SwitchRecord],
+        resident: ResidentRecord,
+        stats: GroupStats,
+        fault: tuple[str, Stored[QueueRecord], str] | None = None,
+    ) -> bool:
+        """Close a switch without a grant (aborted, or the waiter left mid-switch).
+
+        ``fault`` = (job, its queue entry, reason) isolates a job whose switch failed for
+        good: its queue entry goes and a fault record tells its waiter why.
+        """
+        k = self.keys
+        compare = [*self._driving(group, replica), modified_at(k.switch(group), switch.mod_revision)]
+        ops: list[Put | Delete] = [
+            Delete(k.switch(group)),
+            Put(k.resident(group), resident.encode()),
+            Put(k.stats(group), stats.encode()),
+        ]
+        if fault is not None:
+            job, entry, reason = fault
+            ops.append(Delete(k.queue_entry(group, job)))
+            ops.append(
+                Put(
+                    k.fault(group, job),
+                    FaultRecord(reason=reason, at=time.time()).encode(),
+                    lease=entry.lease,
+                )
+            )
+        result = await self.etcd.txn(Txn(compare, ops))  # type: ignore[arg-type]
+        return result.succeeded
+
+    async def fault_waiter(
+        self, group: str, replica: str, job: str, entry: Stored[QueueRecord], reason: str,
+        stats: GroupStats,
+    ) -> bool:
+        """Give up on a waiter: its queue entry goes and a fault record tells it why."""
+        k = self.keys
+        result = await self.etcd.txn(
+            Txn(
+                [*self._driving(group, replica), created_at(k.queue_entry(group, job), entry.create_revision)],  # type: ignore[list-item]
+                [
+                    Delete(k.queue_entry(group, job)),
+                    Put(k.fault(group, job), FaultRecord(reason=reason, at=time.time()).encode(),
+                        lease=entry.lease),
+                    Put(k.stats(group), stats.encode()),
+                ],
+            )
+        )
+        return result.succeeded
+
+    # -- agents -------------------------------------------------------------------------
+
+    async def publish_agent(self, record: AgentRecord, lease: int) -> None:
+        await self.etcd.put(self.keys.agent(record.node), record.encode(), lease=lease)
+
+    async def remove_agent(self, node: str, replica: str) -> None:
+        k = self.keys
+        current = await self.etcd.get(k.agent(node))
+        if current is None or AgentRecord.decode(current.value).replica != replica:
+            return
+        await self.etcd.txn(Txn([modified_at(k.agent(node), current.mod_revision)], [Delete(k.agent(node))]))
+
+
+def new_switch_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def raw(kv: KeyValue | None) -> bytes:
+    return kv.value if kv else b""

@@ -1,0 +1,176 @@
+"""Typed values stored in etcd, encoded as compact JSON.
+
+A record that fails to decode is a bug or a foreign writer; decoding raises CorruptRecord
+rather than guessing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from dataclasses import dataclass, field
+from typing import Any, Generic, Self, TypeVar
+
+from timeslice_orchestrator.store.etcd import KeyValue
+
+
+class CorruptRecord(ValueError):
+    pass
+
+
+class _Record:
+    def encode(self) -> bytes:
+        data = dataclasses.asdict(self)  # type: ignore[call-overload]
+        return json.dumps(data, separators=(",", ":"), default=_enum_value).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Self:
+        try:
+            data = json.loads(raw)
+            return cls._from_dict(data)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise CorruptRecord(f"{cls.__name__}: {exc}: {raw[:200]!r}") from exc
+
+    @classmethod
+    def _from_dict(cls, data: dict[str, Any]) -> Self:
+        return cls(**data)
+
+
+def _enum_value(obj: object) -> object:
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    raise TypeError(f"not serialisable: {obj!r}")
+
+
+@dataclass(slots=True)
+class SessionRecord(_Record):
+    job: str
+    host: str
+    pid: int
+    opened_at: float
+
+
+@dataclass(slots=True)
+class QueueRecord(_Record):
+    session: str
+    priority: int
+    enqueued_at: float
+
+
+@dataclass(slots=True)
+class HolderRecord(_Record):
+    job: str
+    session: str
+    granted_at: float
+    waited_seconds: float = 0.0
+    restored: bool = False
+    previous_job: str = ""
+    switch_seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class ResidentRecord(_Record):
+    """Whose device state is on the devices of each node of the group."""
+
+    nodes: dict[str, str] = field(default_factory=dict)
+
+
+class Phase(enum.Enum):
+    CHECKPOINT = "checkpoint"
+    RESTORE = "restore"
+    ROLLBACK = "rollback"
+
+
+@dataclass(slots=True)
+class NodeStep:
+    """One node's part of a switch: what leaves the devices and what comes back."""
+
+    node: str
+    evict: str  # job to checkpoint on this node, "" if none
+    restore: str  # job to restore on this node, "" if none
+
+
+@dataclass(slots=True)
+class SwitchRecord(_Record):
+    switch_id: str
+    group: str
+    to_job: str
+    to_revision: int  # create revision of the waiter's queue entry being served
+    steps: list[NodeStep]
+    phase: Phase
+    driver: str
+    started_at: float
+    attempt: int = 1
+
+    @classmethod
+    def _from_dict(cls, data: dict[str, Any]) -> Self:
+        data = dict(data)
+        data["steps"] = [NodeStep(**s) for s in data["steps"]]
+        data["phase"] = Phase(data["phase"])
+        return cls(**data)
+
+    @property
+    def from_jobs(self) -> list[str]:
+        return sorted({s.evict for s in self.steps if s.evict})
+
+
+@dataclass(slots=True)
+class FaultRecord(_Record):
+    reason: str
+    at: float
+
+
+@dataclass(slots=True)
+class GroupStats(_Record):
+    switches: int = 0
+    grants: int = 0
+    last_error: str = ""
+    last_switch_seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class WorkerRecord:
+    job: str
+    group: str
+    pid: int
+    state_bytes: int
+    app_callbacks: bool = False
+    acquirer: bool = False
+
+
+@dataclass(slots=True)
+class AgentRecord(_Record):
+    node: str
+    replica: str
+    backend: str
+    emulated: bool
+    connected_at: float
+    workers: list[WorkerRecord] = field(default_factory=list)
+    devices: int = 0
+
+    @classmethod
+    def _from_dict(cls, data: dict[str, Any]) -> Self:
+        data = dict(data)
+        data["workers"] = [WorkerRecord(**w) for w in data["workers"]]
+        return cls(**data)
+
+    def jobs_of(self, group: str) -> set[str]:
+        return {w.job for w in self.workers if w.group == group}
+
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Stored(Generic[T]):
+    """A decoded record with the etcd metadata that fencing and compares need."""
+
+    record: T
+    create_revision: int
+    mod_revision: int
+    lease: int
+
+    @classmethod
+    def of(cls, kv: KeyValue, record: T) -> "Stored[T]":
+        return cls(record, kv.create_revision, kv.mod_revision, kv.lease)
