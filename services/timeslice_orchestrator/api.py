@@ -153,6 +153,7 @@ def _event(step: Progress) -> AcquireEvent:
         restored=step.restored,
         previous_job_id=step.previous_job,
         switch_seconds=step.switch_seconds,
+        ticket=step.ticket,
     )
 
 

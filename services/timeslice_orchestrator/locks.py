@@ -9,6 +9,7 @@ the exit, so no waiter is lost and no grant leaks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 import time
@@ -49,6 +50,7 @@ class Progress:
     restored: bool = False
     previous_job: str = ""
     switch_seconds: float = 0.0
+    ticket: int = 0
 
 
 class LockService:
@@ -94,7 +96,10 @@ class LockService:
             while True:
                 seen = self._mirror.version(topic)
                 view = self._mirror.group(group)
-                progress = self._progress(view, session_id, job, enqueued.entry_revision)
+                progress = dataclasses.replace(
+                    self._progress(view, session_id, job, enqueued.entry_revision),
+                    ticket=enqueued.entry_revision,
+                )
                 if progress.stage is Stage.GRANTED:
                     granted = True
                     log.debug("%s granted %s after %.3f s", job, group, time.monotonic() - started)

@@ -317,6 +317,11 @@ class AcquireEvent(betterproto2.Message):
 
     switch_seconds: "float" = betterproto2.field(7, betterproto2.TYPE_DOUBLE)
 
+    ticket: "int" = betterproto2.field(8, betterproto2.TYPE_UINT64)
+    """
+    The create revision of the job's queue entry: its place in line (FIFO order).
+    """
+
 
 default_message_pool.register_message("timeslice.v1", "AcquireEvent", AcquireEvent)
 

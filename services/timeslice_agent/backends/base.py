@@ -1,0 +1,104 @@
+"""The narrow interface every data-movement backend implements.
+
+A backend moves one job's device state between the accelerators and host memory. The executor
+owns job state, fencing, hooks and deadlines; a backend only acts, and reports what it moved.
+It must leave nothing half-done when it raises: either the whole job moved or nothing did.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+from timeslice_proto.timeslice.v1 import Device, WorkerInfo
+
+
+class BackendError(Exception):
+    """The backend tried and failed; the directive is acked FAILED with ``reason``."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class BackendRefused(BackendError):
+    """The backend declined before acting (admission, safety); acked REFUSED, nothing changed."""
+
+
+@dataclass(frozen=True)
+class ResidentJob:
+    """Another job whose device state currently occupies this node's accelerators."""
+
+    job_id: str
+    state_bytes: int
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """What a backend may know about the job it moves.
+
+    ``state_bytes`` is the sum of the workers' announced device bytes (0 when unknown);
+    ``saved_bytes`` and ``saved_pids`` describe the last checkpoint when the job is on the host;
+    ``resident`` lists the other jobs on the device, for admission decisions.
+    """
+
+    job_id: str
+    group_id: str
+    workers: tuple[WorkerInfo, ...] = ()
+    state_bytes: int = 0
+    saved_bytes: int = 0
+    saved_pids: tuple[int, ...] = ()
+    resident: tuple[ResidentJob, ...] = field(default_factory=tuple)
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        """Distinct pids of the job: registered workers plus those of its last checkpoint."""
+        return tuple(sorted({w.pid for w in self.workers} | set(self.saved_pids)))
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """The result of one backend move."""
+
+    bytes_moved: int
+    elapsed_seconds: float
+
+
+@dataclass(frozen=True)
+class SavedJob:
+    """A job the durable state file says is parked on the host, for :meth:`Backend.reconcile`."""
+
+    job_id: str
+    group_id: str
+    saved_bytes: int
+    saved_pids: tuple[int, ...]
+
+
+class Backend(abc.ABC):
+    """A pluggable way to move device state.
+
+    ``emulated`` is True when nothing is really moved (the sim backend); it is reported with
+    every hello, ack, log line and metric so modelled numbers are never mistaken for real ones.
+    """
+
+    name: str
+    emulated: bool
+
+    @abc.abstractmethod
+    async def checkpoint(self, job: JobContext) -> Transfer:
+        """Move the job's device state to host memory."""
+
+    @abc.abstractmethod
+    async def restore(self, job: JobContext) -> Transfer:
+        """Bring the job's device state back onto the accelerators."""
+
+    @abc.abstractmethod
+    async def reconcile(self, job: SavedJob) -> str | None:
+        """Re-adopt a job that was SAVED before the agent restarted.
+
+        Returns None when the job can stay SAVED, else the reason it cannot (it is then FAULTED).
+        """
+
+    @abc.abstractmethod
+    def devices(self, discovered: list[Device]) -> list[Device]:
+        """The devices to announce, given those NVML found (possibly none)."""

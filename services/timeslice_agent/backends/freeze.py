@@ -1,0 +1,184 @@
+"""The ``freeze`` backend: SIGSTOP / SIGCONT of a job's registered worker processes.
+
+It moves no bytes; it makes a job's processes stop issuing work so another job can use the
+accelerators (the device memory stays allocated). Safety rules, all checked before any signal
+is sent (a violation refuses the directive and signals nothing):
+
+- never a pid registered with ``acquirer=True`` (the process that calls acquire must keep
+  running, or the job could never yield again);
+- never the agent itself, never pid 0 or 1;
+- never a pid that does not exist (or is a zombie).
+
+A checkpoint waits until every process really is stopped (``T`` in /proc/<pid>/stat); if any
+step fails, the processes it already stopped are resumed, so a failure leaves nothing frozen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+from timeslice_proto.timeslice.v1 import Device
+
+from timeslice_agent.backends.base import (
+    Backend,
+    BackendError,
+    BackendRefused,
+    JobContext,
+    SavedJob,
+    Transfer,
+)
+
+log = logging.getLogger(__name__)
+
+STOP_WAIT_SECONDS = 10.0
+_POLL_SECONDS = 0.002
+
+
+def process_state(pid: int) -> str | None:
+    """The one-letter state of ``pid`` from /proc (R, S, T, Z, ...), or None if it is gone."""
+    try:
+        # procfs is memory-backed: this read does not block the event loop in any real sense.
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    except OSError:
+        return None
+    # The command name is in parentheses and may contain spaces; the state follows it.
+    _, _, rest = text.rpartition(")")
+    fields = rest.split()
+    return fields[0] if fields else None
+
+
+def pid_exists(pid: int) -> bool:
+    """True if ``pid`` names a live (non-zombie) process."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    state = process_state(pid)
+    if state is None:
+        # No procfs (non-Linux): the signal-0 probe is all we have.
+        return not Path("/proc/self").exists()
+    return state not in ("Z", "X", "x")
+
+
+class FreezeBackend(Backend):
+    """SIGSTOP/SIGCONT of registered worker pids (see the module docstring for the rules)."""
+
+    name = "freeze"
+    emulated = False
+
+    def __init__(self, *, own_pid: int | None = None, stop_wait: float = STOP_WAIT_SECONDS) -> None:
+        self._own_pid = os.getpid() if own_pid is None else own_pid
+        self._stop_wait = stop_wait
+
+    def _never_signal(self, pid: int) -> str | None:
+        if pid <= 1:
+            return f"refusing to signal pid {pid}"
+        if pid == self._own_pid:
+            return f"refusing to signal pid {pid}: it is the agent itself"
+        return None
+
+    def _check_freezable(self, job: JobContext) -> tuple[int, ...]:
+        acquirers = {w.pid for w in job.workers if w.acquirer}
+        pids = tuple(sorted({w.pid for w in job.workers}))
+        for pid in pids:
+            reason = self._never_signal(pid)
+            if reason is None and pid in acquirers:
+                reason = f"refusing to freeze pid {pid}: it is registered as the acquirer"
+            if reason is None and not pid_exists(pid):
+                reason = f"refusing to freeze pid {pid}: no such process"
+            if reason is not None:
+                raise BackendRefused(f"job {job.job_id}: {reason}")
+        return pids
+
+    async def _wait_stopped(self, pid: int, deadline: float) -> None:
+        while True:
+            state = process_state(pid)
+            if state is None:
+                if not Path("/proc/self").exists():
+                    return
+                raise BackendError(f"process {pid} vanished while being frozen")
+            if state in ("T", "t"):
+                return
+            if state in ("Z", "X", "x"):
+                raise BackendError(f"process {pid} exited while being frozen")
+            if time.monotonic() >= deadline:
+                raise BackendError(
+                    f"process {pid} did not stop within {self._stop_wait:g} s (state {state})"
+                )
+            await asyncio.sleep(_POLL_SECONDS)
+
+    @staticmethod
+    def _resume(pids: list[int]) -> None:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except OSError as exc:
+                log.warning("could not resume pid %d after a failed freeze: %s", pid, exc)
+
+    async def checkpoint(self, job: JobContext) -> Transfer:
+        pids = self._check_freezable(job)
+        started = time.monotonic()
+        stopped: list[int] = []
+        try:
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGSTOP)
+                except ProcessLookupError:
+                    raise BackendError(
+                        f"process {pid} vanished between check and signal"
+                    ) from None
+                except PermissionError:
+                    raise BackendError(f"no permission to signal process {pid}") from None
+                stopped.append(pid)
+            deadline = time.monotonic() + self._stop_wait
+            for pid in pids:
+                await self._wait_stopped(pid, deadline)
+        except BaseException:
+            # Covers cancellation by the directive deadline too: never leave a job half frozen.
+            self._resume(stopped)
+            raise
+        elapsed = time.monotonic() - started
+        log.info("froze job %s: pids %s in %.3f s", job.job_id, list(pids), elapsed)
+        return Transfer(bytes_moved=0, elapsed_seconds=elapsed)
+
+    async def restore(self, job: JobContext) -> Transfer:
+        acquirers = {w.pid for w in job.workers if w.acquirer}
+        pids = [p for p in job.pids if p not in acquirers]
+        for pid in pids:
+            reason = self._never_signal(pid)
+            if reason is not None:
+                raise BackendRefused(f"job {job.job_id}: {reason}")
+        started = time.monotonic()
+        vanished: list[int] = []
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                vanished.append(pid)
+            except PermissionError:
+                raise BackendError(f"no permission to signal process {pid}") from None
+        elapsed = time.monotonic() - started
+        if vanished:
+            raise BackendError(f"processes {vanished} of job {job.job_id} vanished while frozen")
+        log.info("resumed job %s: pids %s in %.3f s", job.job_id, pids, elapsed)
+        return Transfer(bytes_moved=0, elapsed_seconds=elapsed)
+
+    async def reconcile(self, job: SavedJob) -> str | None:
+        gone = [p for p in job.saved_pids if not pid_exists(p)]
+        if gone:
+            return f"frozen processes {gone} vanished while the agent was down"
+        return None
+
+    def devices(self, discovered: list[Device]) -> list[Device]:
+        return discovered

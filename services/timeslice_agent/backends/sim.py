@@ -1,0 +1,145 @@
+"""The ``sim`` backend: an EMULATION that models device memory and transfer time.
+
+Nothing is moved. A job's device state is modelled as the sum of its workers' announced
+``state_bytes`` (or a configured default when they announced 0); a checkpoint or restore sleeps
+``bytes / bandwidth * time_scale`` seconds and updates the model's books. A restore that does
+not fit into the modelled capacity (capacity minus the jobs currently on the device, IDLE or
+RUNNING, minus restores in flight) is refused before acting. Every result it produces is
+labelled emulated (hello, acks, metrics) and every log line it writes says so.
+
+It exists for CI, demos and scheduling benchmarks, where real accelerators are absent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from timeslice_proto.timeslice.v1 import Device
+
+from timeslice_agent.backends.base import (
+    Backend,
+    BackendRefused,
+    JobContext,
+    SavedJob,
+    Transfer,
+)
+from timeslice_agent.config import GB, SimSettings
+
+log = logging.getLogger(__name__)
+
+_TAG = "[sim emulation]"
+
+
+def _gb(n: int) -> str:
+    return f"{n} bytes ({n / GB:.2f} GB)"
+
+
+class SimBackend(Backend):
+    """Emulated data movement with a capacity and bandwidth model (see the module docstring)."""
+
+    name = "sim"
+    emulated = True
+
+    def __init__(
+        self,
+        settings: SimSettings,
+        *,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self._settings = settings
+        self._sleep = sleep
+        # Host-side books: bytes each checkpointed job parks in (modelled) host memory.
+        self._host: dict[str, int] = {}
+        # Restores in flight reserve their bytes so concurrent restores cannot overcommit.
+        self._incoming: dict[str, int] = {}
+
+    @property
+    def settings(self) -> SimSettings:
+        return self._settings
+
+    @property
+    def host_bytes(self) -> int:
+        """Modelled bytes parked in host memory, all jobs together."""
+        return sum(self._host.values())
+
+    def job_bytes(self, state_bytes: int) -> int:
+        """Modelled device bytes of a job whose workers announced ``state_bytes`` in total."""
+        return state_bytes if state_bytes > 0 else self._settings.default_state_bytes
+
+    def transfer_seconds(self, nbytes: int) -> float:
+        """Modelled time to move ``nbytes`` in one direction."""
+        return nbytes / self._settings.bandwidth_bytes_per_s * self._settings.time_scale
+
+    async def checkpoint(self, job: JobContext) -> Transfer:
+        nbytes = self.job_bytes(job.state_bytes)
+        started = time.monotonic()
+        # The books change only after the modelled transfer: a cancelled checkpoint moved nothing.
+        await self._sleep(self.transfer_seconds(nbytes))
+        self._host[job.job_id] = nbytes
+        elapsed = time.monotonic() - started
+        log.info(
+            "%s checkpoint job %s: %s device -> host in %.3f s",
+            _TAG,
+            job.job_id,
+            _gb(nbytes),
+            elapsed,
+        )
+        return Transfer(bytes_moved=nbytes, elapsed_seconds=elapsed)
+
+    async def restore(self, job: JobContext) -> Transfer:
+        if job.job_id in self._host:
+            nbytes = self._host[job.job_id]
+        elif job.saved_bytes > 0:
+            nbytes = job.saved_bytes
+        else:
+            nbytes = self.job_bytes(job.state_bytes)
+        in_use = sum(
+            self.job_bytes(r.state_bytes) for r in job.resident if r.job_id != job.job_id
+        ) + sum(b for j, b in self._incoming.items() if j != job.job_id)
+        free = max(self._settings.capacity_bytes - in_use, 0)
+        if nbytes > free:
+            reason = f"insufficient device memory: need {_gb(nbytes)}, free {_gb(free)} (emulated)"
+            log.warning("%s restore job %s refused: %s", _TAG, job.job_id, reason)
+            raise BackendRefused(reason)
+        self._incoming[job.job_id] = nbytes
+        started = time.monotonic()
+        try:
+            await self._sleep(self.transfer_seconds(nbytes))
+        finally:
+            del self._incoming[job.job_id]
+        self._host.pop(job.job_id, None)
+        elapsed = time.monotonic() - started
+        log.info(
+            "%s restore job %s: %s host -> device in %.3f s",
+            _TAG,
+            job.job_id,
+            _gb(nbytes),
+            elapsed,
+        )
+        return Transfer(bytes_moved=nbytes, elapsed_seconds=elapsed)
+
+    async def reconcile(self, job: SavedJob) -> str | None:
+        # The model's books died with the previous process; the state file is the truth.
+        self._host[job.job_id] = job.saved_bytes
+        log.info(
+            "%s re-adopted saved job %s with %s on the host",
+            _TAG,
+            job.job_id,
+            _gb(job.saved_bytes),
+        )
+        return None
+
+    def devices(self, discovered: list[Device]) -> list[Device]:
+        if discovered:
+            return discovered
+        return [
+            Device(
+                index=0,
+                name="sim-device (emulated)",
+                memory_bytes=self._settings.capacity_bytes,
+                uuid="sim-0",
+            )
+        ]

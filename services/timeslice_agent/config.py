@@ -1,0 +1,257 @@
+"""Command-line and environment configuration of the agent.
+
+Every option ``--some-name`` can also be given as the environment variable
+``TIMESLICE_AGENT_SOME_NAME``; the command line wins. Values from the environment go through the
+same parsing and validation as the command line, so a bad value fails the start with a clear
+message either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import math
+import os
+import socket
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from timeslice.errors import InvalidArgument
+from timeslice.ids import validate_node
+
+ENV_PREFIX = "TIMESLICE_AGENT_"
+DEFAULT_WORKER_SOCKET = Path("/run/timeslice/agent.sock")
+GB = 1_000_000_000
+
+
+class BackendKind(enum.Enum):
+    """The data-movement backends this agent can run."""
+
+    SIM = "sim"
+    FREEZE = "freeze"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A ``HOST:PORT`` network address."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    """Parameters of the simulated (emulated) backend."""
+
+    capacity_bytes: int
+    bandwidth_bytes_per_s: float
+    default_state_bytes: int
+    time_scale: float
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Everything the agent needs to start; built by :func:`parse_config`."""
+
+    orchestrators: tuple[Endpoint, ...]
+    node: str
+    backend: BackendKind
+    worker_socket: Path
+    state_file: Path
+    http: Endpoint | None
+    sim: SimSettings
+    hook_timeout: float
+    log_level: str
+
+
+def parse_endpoint(text: str, *, allow_port_zero: bool = False) -> Endpoint:
+    """Parse ``HOST:PORT`` (IPv6 hosts in brackets); raise :class:`InvalidArgument` if malformed."""
+    value = text.strip()
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not host:
+        raise InvalidArgument(f"address {text!r} must be HOST:PORT")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host:
+        raise InvalidArgument(f"address {text!r} has an empty host")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise InvalidArgument(f"address {text!r} has a non-numeric port") from None
+    low = 0 if allow_port_zero else 1
+    if not low <= port <= 65535:
+        raise InvalidArgument(f"address {text!r}: port must be in {low}..65535")
+    return Endpoint(host, port)
+
+
+def _argtype(func: Callable[[str], object]) -> Callable[[str], object]:
+    """Adapt a parser raising InvalidArgument/ValueError into one argparse reports cleanly."""
+
+    def convert(text: str) -> object:
+        try:
+            return func(text)
+        except (InvalidArgument, ValueError) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = getattr(func, "__name__", "value")
+    return convert
+
+
+def _targets(text: str) -> tuple[Endpoint, ...]:
+    parts = [p for p in text.split(",") if p.strip()]
+    if not parts:
+        raise InvalidArgument("--orchestrator needs at least one HOST:PORT")
+    return tuple(parse_endpoint(p) for p in parts)
+
+
+def _http_endpoint(text: str) -> Endpoint:
+    return parse_endpoint(text, allow_port_zero=True)
+
+
+def _number(minimum: float, *, inclusive: bool) -> Callable[[str], float]:
+    def convert(text: str) -> float:
+        value = float(text)
+        if math.isnan(value) or math.isinf(value):
+            raise InvalidArgument(f"{text!r} is not a finite number")
+        if value < minimum or (not inclusive and value == minimum):
+            bound = ">=" if inclusive else ">"
+            raise InvalidArgument(f"{text!r} must be {bound} {minimum:g}")
+        return value
+
+    convert.__name__ = "number"
+    return convert
+
+
+def _backend(text: str) -> BackendKind:
+    try:
+        return BackendKind(text.strip().lower())
+    except ValueError:
+        choices = ", ".join(k.value for k in BackendKind)
+        raise InvalidArgument(f"backend {text!r} is not one of {choices}") from None
+
+
+def _env_name(option: str) -> str:
+    return ENV_PREFIX + option.lstrip("-").replace("-", "_").upper()
+
+
+def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
+    """The argparse parser; defaults come from ``environ`` where set."""
+    parser = argparse.ArgumentParser(
+        prog="python -m timeslice_agent",
+        description="timeslice snapshot agent (one per node). Every option may also be set "
+        f"with the environment variable {ENV_PREFIX}<OPTION_NAME>.",
+    )
+
+    def add(option: str, default: str | None, help_text: str, **kwargs: object) -> None:
+        env = _env_name(option)
+        parser.add_argument(
+            option,
+            default=environ.get(env, default),
+            help=f"{help_text} [env {env}]",
+            **kwargs,  # type: ignore[arg-type]
+        )
+
+    add(
+        "--orchestrator",
+        None,
+        "orchestrator targets HOST:PORT[,HOST:PORT...]; tried in turn on failure",
+        type=_argtype(_targets),
+        metavar="TARGETS",
+    )
+    add("--node", None, "node name (default: the hostname)", metavar="NAME")
+    add("--backend", "sim", "sim | freeze (default sim)", type=_argtype(_backend))
+    add(
+        "--worker-socket",
+        str(DEFAULT_WORKER_SOCKET),
+        "unix socket for the WorkerLink service",
+        metavar="PATH",
+    )
+    add(
+        "--state-file",
+        None,
+        "durable JSON state (default: agent-<node>.json next to the socket)",
+        metavar="PATH",
+    )
+    add(
+        "--http",
+        None,
+        "HOST:PORT for /healthz, /readyz and /metrics (port 0 picks one; default: off)",
+        type=_argtype(_http_endpoint),
+    )
+    add(
+        "--sim-capacity-gb",
+        "80",
+        "sim: device memory per node in GB",
+        type=_argtype(_number(0, inclusive=False)),
+    )
+    add(
+        "--sim-bandwidth-gbps",
+        "50",
+        "sim: host<->device bandwidth per direction in GB/s",
+        type=_argtype(_number(0, inclusive=False)),
+    )
+    add(
+        "--sim-state-gb",
+        "40",
+        "sim: device state of a job whose workers registered state_bytes=0, in GB",
+        type=_argtype(_number(0, inclusive=True)),
+    )
+    add(
+        "--sim-time-scale",
+        "1.0",
+        "sim: factor on modelled transfer time (0 = instantaneous)",
+        type=_argtype(_number(0, inclusive=True)),
+    )
+    add(
+        "--hook-timeout",
+        "60",
+        "seconds to wait for a worker's app callback",
+        type=_argtype(_number(0, inclusive=False)),
+    )
+    add("--log-level", "INFO", "logging level", metavar="LEVEL")
+    return parser
+
+
+def parse_config(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> AgentConfig:
+    """Parse and validate the options; exits with status 2 and a message on bad input."""
+    env = os.environ if environ is None else environ
+    parser = build_parser(env)
+    ns = parser.parse_args(argv)
+    if ns.orchestrator is None:
+        parser.error(f"--orchestrator (or {_env_name('--orchestrator')}) is required")
+    node_text = ns.node if ns.node else socket.gethostname()
+    try:
+        node = validate_node(node_text)
+    except InvalidArgument as exc:
+        parser.error(str(exc))
+    level = str(ns.log_level).upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        parser.error(f"--log-level {ns.log_level!r} is not a logging level")
+    worker_socket = Path(ns.worker_socket)
+    state_file = (
+        Path(ns.state_file) if ns.state_file else worker_socket.parent / f"agent-{node}.json"
+    )
+    sim = SimSettings(
+        capacity_bytes=int(ns.sim_capacity_gb * GB),
+        bandwidth_bytes_per_s=ns.sim_bandwidth_gbps * GB,
+        default_state_bytes=int(ns.sim_state_gb * GB),
+        time_scale=ns.sim_time_scale,
+    )
+    return AgentConfig(
+        orchestrators=ns.orchestrator,
+        node=node,
+        backend=ns.backend,
+        worker_socket=worker_socket,
+        state_file=state_file,
+        http=ns.http,
+        sim=sim,
+        hook_timeout=ns.hook_timeout,
+        log_level=level,
+    )

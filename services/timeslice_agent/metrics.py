@@ -1,0 +1,113 @@
+"""Prometheus metrics of one agent process, in a registry of its own.
+
+Names start with ``timeslice_agent_``. Series whose numbers may be modelled rather than measured
+(bytes moved, directive time) carry ``backend`` and ``emulated`` labels so a dashboard can never
+mix sim results with real ones; ``timeslice_agent_info`` says the same for the whole process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from timeslice_agent import __version__
+from timeslice_agent.jobs import JobState
+
+_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class AgentMetrics:
+    """Every metric the agent exports."""
+
+    def __init__(self, *, node: str, backend: str, emulated: bool) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._backend = backend
+        self._emulated = "true" if emulated else "false"
+        r = self.registry
+        self.info = Gauge(
+            "timeslice_agent_info",
+            "Constant 1; labels describe this agent.",
+            ["node", "backend", "emulated", "version"],
+            registry=r,
+        )
+        self.info.labels(node, backend, self._emulated, __version__).set(1)
+        self.directives = Counter(
+            "timeslice_agent_directives",
+            "Directives answered, by kind and ack status.",
+            ["kind", "status"],
+            registry=r,
+        )
+        self.directive_seconds = Histogram(
+            "timeslice_agent_directive_seconds",
+            "Time from receiving a directive to its ack.",
+            ["kind", "backend", "emulated"],
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.bytes_moved = Counter(
+            "timeslice_agent_bytes_moved",
+            "Bytes moved by directives (modelled when emulated=true).",
+            ["kind", "backend", "emulated"],
+            registry=r,
+        )
+        self.refused = Counter(
+            "timeslice_agent_directives_refused",
+            "Directives refused without acting, by reason (stale_epoch, backend, invalid).",
+            ["reason"],
+            registry=r,
+        )
+        self.registered_workers = Gauge(
+            "timeslice_agent_registered_workers",
+            "Worker registrations currently live on this node.",
+            registry=r,
+        )
+        self.stream_connected = Gauge(
+            "timeslice_agent_stream_connected",
+            "1 while the stream to an orchestrator is up and welcomed.",
+            registry=r,
+        )
+        self.jobs = Gauge(
+            "timeslice_agent_jobs",
+            "Jobs known on this node, by state.",
+            ["state"],
+            registry=r,
+        )
+        self.state_write_failures = Counter(
+            "timeslice_agent_state_write_failures",
+            "State-file writes that failed since start.",
+            registry=r,
+        )
+        self.task_failures = Counter(
+            "timeslice_agent_task_failures",
+            "Background tasks that ended with an unexpected error, by task name.",
+            ["task"],
+            registry=r,
+        )
+        self.reconnects = Counter(
+            "timeslice_agent_stream_reconnects",
+            "Stream attempts that failed or ended and were retried.",
+            registry=r,
+        )
+        for state in JobState:
+            self.jobs.labels(state.value).set(0)
+        self.refused.labels("stale_epoch")
+
+    def observe_directive(self, kind: str, status: str, seconds: float, nbytes: int) -> None:
+        """Record one answered directive."""
+        self.directives.labels(kind, status).inc()
+        self.directive_seconds.labels(kind, self._backend, self._emulated).observe(seconds)
+        if nbytes:
+            self.bytes_moved.labels(kind, self._backend, self._emulated).inc(nbytes)
+
+    def set_jobs(self, states: Iterable[JobState]) -> None:
+        """Refresh the per-state job gauge from the current job table."""
+        counts = dict.fromkeys(JobState, 0)
+        for state in states:
+            counts[state] += 1
+        for state, count in counts.items():
+            self.jobs.labels(state.value).set(count)
+
+    def render(self) -> bytes:
+        """The registry in the Prometheus text format."""
+        return generate_latest(self.registry)

@@ -1,0 +1,207 @@
+"""The agent's durable state: a small JSON file written atomically after every change.
+
+It keeps what a restarted agent must not forget:
+
+- the highest epoch accepted per group (fencing must survive restarts);
+- every known job: group, state, where its device state lives, bytes and pids of its last
+  checkpoint, fault reason (jobs parked on the host stay SAVED across a restart);
+- the acks of recent directives, so a directive re-sent after a restart is answered from
+  memory instead of being executed twice.
+
+Writes go to a temporary file in the same directory, are fsynced, then ``os.replace``-d over
+the old file and the directory is fsynced: a crash leaves either the old or the new file, never
+a torn one. A file that cannot be parsed is moved aside to ``<file>.corrupt`` and the agent
+starts empty; a file written for another node is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from timeslice_proto.timeslice.v1 import DirectiveAck
+
+from timeslice_agent.jobs import Job, JobState, Residency
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+
+
+class StateFileError(Exception):
+    """The state file exists but must not be used (for example it belongs to another node)."""
+
+
+class CorruptStateFile(ValueError):
+    """The state file's content is not a valid agent state."""
+
+
+class StateWriteError(OSError):
+    """The state could not be made durable."""
+
+
+@dataclass
+class AgentState:
+    """What the state file holds."""
+
+    node: str
+    epochs: dict[str, int] = field(default_factory=dict)
+    jobs: dict[str, Job] = field(default_factory=dict)
+    acks: list[DirectiveAck] = field(default_factory=list)
+
+
+def _job_to_json(job: Job) -> dict[str, Any]:
+    return {
+        "group": job.group_id,
+        "state": job.state.value,
+        "residency": job.residency.value,
+        "saved_bytes": job.saved_bytes,
+        "saved_pids": list(job.saved_pids),
+        "reason": job.reason,
+    }
+
+
+def _expect(value: object, kind: type, what: str) -> Any:
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise CorruptStateFile(f"{what} must be {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _job_from_json(job_id: str, raw: object) -> Job:
+    data = _expect(raw, dict, f"job {job_id}")
+    try:
+        state = JobState(_expect(data["state"], str, "state"))
+        residency = Residency(_expect(data.get("residency", "device"), str, "residency"))
+    except (KeyError, ValueError) as exc:
+        raise CorruptStateFile(f"job {job_id}: {exc}") from None
+    pids = [_expect(p, int, "pid") for p in _expect(data.get("saved_pids", []), list, "saved_pids")]
+    return Job(
+        job_id=job_id,
+        group_id=_expect(data.get("group"), str, "group"),
+        state=state,
+        residency=residency,
+        reason=_expect(data.get("reason", ""), str, "reason"),
+        saved_bytes=_expect(data.get("saved_bytes", 0), int, "saved_bytes"),
+        saved_pids=tuple(pids),
+    )
+
+
+def encode_state(state: AgentState) -> bytes:
+    """Serialise ``state`` to the file format."""
+    doc = {
+        "version": SCHEMA_VERSION,
+        "node": state.node,
+        "epochs": dict(sorted(state.epochs.items())),
+        "jobs": {job_id: _job_to_json(job) for job_id, job in sorted(state.jobs.items())},
+        "acks": [ack.to_dict() for ack in state.acks],
+    }
+    return (json.dumps(doc, indent=1) + "\n").encode()
+
+
+def decode_state(data: bytes) -> AgentState:
+    """Parse the file format; raises :class:`CorruptStateFile` on anything unexpected."""
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptStateFile(f"not JSON: {exc}") from None
+    doc = _expect(doc, dict, "document")
+    if doc.get("version") != SCHEMA_VERSION:
+        raise CorruptStateFile(f"unsupported schema version {doc.get('version')!r}")
+    node = _expect(doc.get("node"), str, "node")
+    epochs: dict[str, int] = {}
+    for group, epoch in _expect(doc.get("epochs", {}), dict, "epochs").items():
+        epochs[str(group)] = _expect(epoch, int, f"epoch of {group}")
+    jobs = {
+        str(job_id): _job_from_json(str(job_id), raw)
+        for job_id, raw in _expect(doc.get("jobs", {}), dict, "jobs").items()
+    }
+    acks: list[DirectiveAck] = []
+    for raw in _expect(doc.get("acks", []), list, "acks"):
+        try:
+            acks.append(DirectiveAck.from_dict(_expect(raw, dict, "ack")))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptStateFile(f"bad ack record: {exc}") from None
+    return AgentState(node=node, epochs=epochs, jobs=jobs, acks=acks)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` so that a crash never leaves a torn file (blocking)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise StateWriteError(f"cannot write state file {path}: {exc}") from exc
+
+
+def load_state(path: Path, node: str) -> AgentState | None:
+    """Read the state file (blocking).
+
+    Returns None when there is none, or when it was corrupt (then it is moved aside to
+    ``<file>.corrupt`` and the reason logged). Raises :class:`StateFileError` when it belongs
+    to another node: silently discarding its epochs would weaken fencing.
+    """
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        state = decode_state(data)
+    except CorruptStateFile as exc:
+        aside = path.with_name(path.name + ".corrupt")
+        os.replace(path, aside)
+        log.error("state file %s is corrupt (%s); moved aside to %s, starting empty", path, exc, aside)
+        return None
+    if state.node != node:
+        raise StateFileError(
+            f"state file {path} belongs to node {state.node!r}, not {node!r}; "
+            "pass --state-file for this node or remove the file"
+        )
+    return state
+
+
+class StateStore:
+    """Writes snapshots of the agent's state, off the event loop, newest wins.
+
+    ``save()`` returns once a snapshot taken after the call started is on disk; concurrent
+    callers share writes, so a burst of changes costs few fsyncs.
+    """
+
+    def __init__(self, path: Path, snapshot: Callable[[], AgentState]) -> None:
+        self._path = path
+        self._snapshot = snapshot
+        self._lock = asyncio.Lock()
+        self._requested = 0
+        self._written = 0
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    async def save(self) -> None:
+        """Make the current state durable; raises :class:`StateWriteError` on failure."""
+        self._requested += 1
+        wanted = self._requested
+        async with self._lock:
+            if self._written >= wanted:
+                return
+            generation = self._requested
+            data = encode_state(self._snapshot())
+            await asyncio.to_thread(write_atomic, self._path, data)
+            self._written = generation

@@ -1,0 +1,81 @@
+"""Supervision of the agent's background tasks.
+
+Every task the agent starts goes through :class:`Supervisor`: it keeps a reference (so a task
+is never garbage-collected mid-flight), logs any unexpected failure with its traceback, counts
+it in ``timeslice_agent_task_failures_total{task}``, and, for tasks the agent cannot live
+without, reports the failure so the process exits non-zero and its own supervisor (systemd,
+Kubernetes, Slurm) restarts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from timeslice_agent.metrics import AgentMetrics
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Supervisor:
+    """Owns background tasks; see the module docstring."""
+
+    def __init__(self, metrics: AgentMetrics) -> None:
+        self._metrics = metrics
+        self._tasks: dict[asyncio.Task[Any], tuple[str, bool]] = {}
+        self._fatal: asyncio.Future[BaseException] | None = None
+
+    def _fatal_future(self) -> asyncio.Future[BaseException]:
+        if self._fatal is None:
+            self._fatal = asyncio.get_running_loop().create_future()
+        return self._fatal
+
+    def spawn(
+        self, coro: Coroutine[Any, Any, T], *, name: str, kind: str, critical: bool = False
+    ) -> asyncio.Task[T]:
+        """Start ``coro`` as a supervised task.
+
+        ``kind`` is the low-cardinality label for metrics; ``critical`` tasks must run for the
+        life of the agent, so their ending at all (even without an error) is fatal.
+        """
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks[task] = (kind, critical)
+        if critical:
+            self._fatal_future()
+        task.add_done_callback(self._on_done)
+        return task
+
+    def _on_done(self, task: asyncio.Task[Any]) -> None:
+        kind, critical = self._tasks.pop(task, ("unknown", False))
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.error("task %s (%s) failed: %r", task.get_name(), kind, exc, exc_info=exc)
+            self._metrics.task_failures.labels(kind).inc()
+        if critical:
+            fatal = self._fatal_future()
+            if not fatal.done():
+                fatal.set_result(exc or RuntimeError(f"task {task.get_name()} ended"))
+
+    async def wait_fatal(self) -> BaseException:
+        """Return the failure of the first critical task that ends."""
+        return await self._fatal_future()
+
+    def running(self, kind: str | None = None) -> list[asyncio.Task[Any]]:
+        """Tasks still running, optionally only those of one kind."""
+        return [t for t, (k, _) in self._tasks.items() if kind is None or k == kind]
+
+    async def cancel_all(self, timeout: float) -> None:
+        """Cancel every task and wait (bounded) for them to finish."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=timeout)
+            for task in pending:
+                log.error("task %s did not stop within %g s of cancellation", task.get_name(), timeout)

@@ -1,0 +1,20 @@
+"""A bare gRPC client for tests that must see the wire exactly (no SDK behaviour in between)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from grpclib.client import Channel
+
+from timeslice_proto.timeslice.v1 import TimeSliceStub
+
+
+@asynccontextmanager
+async def raw_stub(target: str) -> AsyncIterator[TimeSliceStub]:
+    host, _, port = target.split(",")[0].rpartition(":")
+    channel = Channel(host, int(port))
+    try:
+        yield TimeSliceStub(channel, timeout=10)
+    finally:
+        channel.close()
