@@ -168,7 +168,8 @@ def group_status(view: GroupView, mirror: Mirror) -> GroupStatus:
     agents = mirror.agents()
     resident = view.resident_nodes
     nodes = sorted(
-        set(resident) | {n for n, a in agents.items() if any(w.group == view.group for w in a.workers)}
+        set(resident)
+        | {n for n, a in agents.items() if any(w.group == view.group for w in a.workers)}
     )
     status = GroupStatus(
         group_id=view.group,
@@ -182,7 +183,9 @@ def group_status(view: GroupView, mirror: Mirror) -> GroupStatus:
             for q in view.queue
         ],
         nodes=[NodeResidency(node=n, resident_job_id=resident.get(n, "")) for n in nodes],
-        faulted=[FaultedJob(job_id=j, reason=f.record.reason) for j, f in sorted(view.faults.items())],
+        faulted=[
+            FaultedJob(job_id=j, reason=f.record.reason) for j, f in sorted(view.faults.items())
+        ],
         last_error=view.stats.last_error,
         switches=view.stats.switches,
         driver_replica=view.driver or "",

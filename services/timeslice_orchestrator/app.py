@@ -70,7 +70,10 @@ class Orchestrator:
         hub = AgentHub(self.store, cfg.replica_id, lease, self.metrics)
         locks = LockService(self.store, self.mirror, self.metrics, cfg.session_ttl)
         self._driver = SwitchDriver(
-            self.store, self.mirror, hub, self.metrics,
+            self.store,
+            self.mirror,
+            hub,
+            self.metrics,
             DriverConfig(replica_id=cfg.replica_id, directive_timeout=cfg.directive_timeout),
             lease,
         )
@@ -82,8 +85,14 @@ class Orchestrator:
         site = web.TCPSite(self._runner, cfg.http.host, cfg.http.port)
         await site.start()
         self._ready = True
-        log.info("orchestrator %s listening on %s (http %s, etcd %s, prefix %s)",
-                 cfg.replica_id, cfg.listen, cfg.http, ",".join(cfg.etcd), cfg.prefix)
+        log.info(
+            "orchestrator %s listening on %s (http %s, etcd %s, prefix %s)",
+            cfg.replica_id,
+            cfg.listen,
+            cfg.http,
+            ",".join(cfg.etcd),
+            cfg.prefix,
+        )
 
     async def _grant_lease(self) -> int:
         deadline = asyncio.get_running_loop().time() + SYNC_TIMEOUT

@@ -46,19 +46,39 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
     p = argparse.ArgumentParser(prog="timeslice orchestrator", description=__doc__)
     p.add_argument("--listen", default=_env("LISTEN", "0.0.0.0:50051"), help="gRPC HOST:PORT")
     p.add_argument("--http", default=_env("HTTP", "0.0.0.0:8080"), help="health/metrics HOST:PORT")
-    p.add_argument("--etcd", default=_env("ETCD", "127.0.0.1:2379"),
-                   help="comma-separated etcd HOST:PORT endpoints")
-    p.add_argument("--prefix", default=_env("PREFIX", "/timeslice/default"),
-                   help="etcd key prefix of this deployment")
-    p.add_argument("--replica-id", default=_env("REPLICA_ID", ""),
-                   help="unique name of this replica (default: host-random)")
-    p.add_argument("--session-ttl", type=int, default=int(_env("SESSION_TTL", "10")),
-                   help="default client session lease TTL, seconds")
-    p.add_argument("--replica-ttl", type=int, default=int(_env("REPLICA_TTL", "5")),
-                   help="this replica's lease TTL: how fast others take over its groups")
-    p.add_argument("--directive-timeout", type=float,
-                   default=float(_env("DIRECTIVE_TIMEOUT", "30")),
-                   help="deadline of one checkpoint/restore directive on a node, seconds")
+    p.add_argument(
+        "--etcd",
+        default=_env("ETCD", "127.0.0.1:2379"),
+        help="comma-separated etcd HOST:PORT endpoints",
+    )
+    p.add_argument(
+        "--prefix",
+        default=_env("PREFIX", "/timeslice/default"),
+        help="etcd key prefix of this deployment",
+    )
+    p.add_argument(
+        "--replica-id",
+        default=_env("REPLICA_ID", ""),
+        help="unique name of this replica (default: host-random)",
+    )
+    p.add_argument(
+        "--session-ttl",
+        type=int,
+        default=int(_env("SESSION_TTL", "10")),
+        help="default client session lease TTL, seconds",
+    )
+    p.add_argument(
+        "--replica-ttl",
+        type=int,
+        default=int(_env("REPLICA_TTL", "5")),
+        help="this replica's lease TTL: how fast others take over its groups",
+    )
+    p.add_argument(
+        "--directive-timeout",
+        type=float,
+        default=float(_env("DIRECTIVE_TIMEOUT", "30")),
+        help="deadline of one checkpoint/restore directive on a node, seconds",
+    )
     a = p.parse_args(argv)
     try:
         listen, http = Address.parse(a.listen), Address.parse(a.http)

@@ -20,6 +20,7 @@ group goes on serving the others.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -136,7 +137,7 @@ class SwitchDriver:
         if group not in self._loops:
             task = asyncio.create_task(self._loop(group), name=f"driver-{group}")
             self._loops[group] = task
-            task.add_done_callback(lambda t, g=group: self._loop_done(g, t))
+            task.add_done_callback(functools.partial(self._loop_done, group))
 
     def _loop_done(self, group: str, task: asyncio.Task[None]) -> None:
         self._loops.pop(group, None)
@@ -200,8 +201,15 @@ class SwitchDriver:
         stats.grants += 1
         resident = ResidentRecord(view.resident_nodes)
         epoch = await self._store.grant(
-            view.group, self._config.replica_id, head.entry, head.job, holder, resident,
-            view.resident.mod_revision if view.resident else 0, None, stats,
+            view.group,
+            self._config.replica_id,
+            head.entry,
+            head.job,
+            holder,
+            resident,
+            view.resident.mod_revision if view.resident else 0,
+            None,
+            stats,
         )
         if epoch is not None:
             self._metrics.grants.labels(kind="in_place").inc()
@@ -224,15 +232,23 @@ class SwitchDriver:
             attempt=attempt,
         )
         resident_rev = view.resident.mod_revision if view.resident else 0
-        switch = await self._store.begin_switch(group, self._config.replica_id, record, resident_rev)
+        switch = await self._store.begin_switch(
+            group, self._config.replica_id, record, resident_rev
+        )
         if switch is None:
             return True  # the group changed underneath; look again
         started = time.monotonic()
         resident = view.resident_nodes
         stats = view.stats
-        log.info("group %s: switch %s -> %s on %d node(s), epoch %d (attempt %d)",
-                 group, ",".join(record.from_jobs) or "-", head.job, len(steps),
-                 switch.create_revision, attempt)
+        log.info(
+            "group %s: switch %s -> %s on %d node(s), epoch %d (attempt %d)",
+            group,
+            ",".join(record.from_jobs) or "-",
+            head.job,
+            len(steps),
+            switch.create_revision,
+            attempt,
+        )
 
         # Phase 1: CHECKPOINT whatever occupies the head's nodes, everywhere at once.
         evictions = [s for s in steps if s.evict]
@@ -240,13 +256,17 @@ class SwitchDriver:
         failed = [r for r in checkpointed if not r.ok]
         if failed:
             done = [s for s, r in zip(evictions, checkpointed, strict=True) if r.ok]
-            await self._roll_back(switch, done, stats, resident, SwitchFailed(Phase.CHECKPOINT, failed))
+            await self._roll_back(
+                switch, done, stats, resident, SwitchFailed(Phase.CHECKPOINT, failed)
+            )
             return await self._after_failure(view, head, key, attempt)
         for step in evictions:
             resident.pop(step.node, None)
 
         # Phase 2: RESTORE the head on all its nodes at once.
-        moved = await self._store.update_switch(group, self._config.replica_id, switch, Phase.RESTORE)
+        moved = await self._store.update_switch(
+            group, self._config.replica_id, switch, Phase.RESTORE
+        )
         if moved is None:
             return True  # lost the driver role; the new driver recovers from the record
         switch = moved
@@ -259,7 +279,11 @@ class SwitchDriver:
             error = SwitchFailed(Phase.RESTORE, failed)
             stats.last_error = f"{head.job}: {error}"
             await self._store.end_switch(
-                group, self._config.replica_id, switch, ResidentRecord(resident), stats,
+                group,
+                self._config.replica_id,
+                switch,
+                ResidentRecord(resident),
+                stats,
                 fault=(head.job, head.entry, str(error)),
             )
             self._metrics.switches.labels(outcome="restore_failed").inc()
@@ -283,8 +307,15 @@ class SwitchDriver:
         stats.grants += 1
         stats.last_switch_seconds = elapsed
         epoch = await self._store.grant(
-            group, self._config.replica_id, head.entry, head.job, holder,
-            ResidentRecord(resident), resident_rev, switch, stats,
+            group,
+            self._config.replica_id,
+            head.entry,
+            head.job,
+            holder,
+            ResidentRecord(resident),
+            resident_rev,
+            switch,
+            stats,
         )
         self._attempts.pop(key, None)
         if epoch is None:
@@ -299,7 +330,9 @@ class SwitchDriver:
         self._metrics.switch_seconds.observe(elapsed)
         self._metrics.grants.labels(kind="switch").inc()
         self._metrics.acquire_wait_seconds.observe(holder.waited_seconds)
-        log.info("group %s: granted %s epoch %d after %.3f s switch", group, head.job, epoch, elapsed)
+        log.info(
+            "group %s: granted %s epoch %d after %.3f s switch", group, head.job, epoch, elapsed
+        )
         return False
 
     async def _after_failure(
@@ -333,7 +366,9 @@ class SwitchDriver:
         log.warning("group %s: %s; rolling back %d node(s)", group, error, len(checkpointed))
         stats.last_error = str(error)
         self._metrics.switches.labels(outcome="rolled_back").inc()
-        moved = await self._store.update_switch(group, self._config.replica_id, switch, Phase.ROLLBACK)
+        moved = await self._store.update_switch(
+            group, self._config.replica_id, switch, Phase.ROLLBACK
+        )
         if moved is None:
             return
         back = [NodeStep(s.node, evict="", restore=s.evict) for s in checkpointed]
@@ -342,12 +377,19 @@ class SwitchDriver:
             if not result.ok:
                 resident.pop(step.node, None)
                 stats.last_error += f"; rollback on {step.node} failed: {result.error}"
-        await self._store.end_switch(group, self._config.replica_id, moved, ResidentRecord(resident), stats)
+        await self._store.end_switch(
+            group, self._config.replica_id, moved, ResidentRecord(resident), stats
+        )
 
     async def _recover(self, view: GroupView, switch: Stored[SwitchRecord]) -> None:
         """Abort a switch whose driver died: put back every evicted job, clear the record."""
-        log.warning("group %s: recovering switch %s left in phase %s by %s", view.group,
-                    switch.record.switch_id, switch.record.phase.value, switch.record.driver)
+        log.warning(
+            "group %s: recovering switch %s left in phase %s by %s",
+            view.group,
+            switch.record.switch_id,
+            switch.record.phase.value,
+            switch.record.driver,
+        )
         resident = view.resident_nodes
         evicted = [s for s in switch.record.steps if s.evict]
         failed = SwitchFailed(switch.record.phase, [NodeResult("-", False, "driver lost", 0, 0.0)])
@@ -358,9 +400,7 @@ class SwitchDriver:
     ) -> list[NodeResult]:
         """Send one directive per node concurrently and gather every node's outcome."""
         group = switch.record.group
-        return list(
-            await asyncio.gather(*(self._run_step(group, switch, kind, s) for s in steps))
-        )
+        return list(await asyncio.gather(*(self._run_step(group, switch, kind, s) for s in steps)))
 
     async def _run_step(
         self, group: str, switch: Stored[SwitchRecord], kind: DirectiveKind, step: NodeStep
@@ -380,7 +420,9 @@ class SwitchDriver:
         except AgentUnavailable as exc:
             self._metrics.directives.labels(kind=kind.name.lower(), status="unavailable").inc()
             return NodeResult(step.node, False, str(exc), 0, time.monotonic() - started)
-        self._metrics.directives.labels(kind=kind.name.lower(), status=ack.status.name.lower()).inc()
+        self._metrics.directives.labels(
+            kind=kind.name.lower(), status=ack.status.name.lower()
+        ).inc()
         return _result(step.node, ack)
 
 
@@ -388,4 +430,3 @@ def _result(node: str, ack: DirectiveAck) -> NodeResult:
     ok = ack.status == AckStatus.OK
     error = "" if ok else f"{ack.status.name.lower()}: {ack.error}"
     return NodeResult(node, ok, error, ack.bytes_moved, ack.elapsed_seconds)
-

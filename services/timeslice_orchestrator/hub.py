@@ -87,7 +87,9 @@ class AgentHub(AgentHubBase):
     def nodes(self) -> list[str]:
         return sorted(self._connections)
 
-    async def connect(self, messages: AsyncIterator[AgentMessage]) -> AsyncIterator[OrchestratorMessage]:
+    async def connect(
+        self, messages: AsyncIterator[AgentMessage]
+    ) -> AsyncIterator[OrchestratorMessage]:
         hello = await self._read_hello(messages)
         node = hello.node
         record = AgentRecord(
@@ -105,8 +107,12 @@ class AgentHub(AgentHubBase):
             previous.fail_pending("agent reconnected")
         self._connections[node] = conn
         self._metrics.agents_connected.set(len(self._connections))
-        log.info("agent %s connected (backend %s%s)", node, hello.backend,
-                 ", emulated" if hello.emulated else "")
+        log.info(
+            "agent %s connected (backend %s%s)",
+            node,
+            hello.backend,
+            ", emulated" if hello.emulated else "",
+        )
         reader = asyncio.create_task(self._read(conn, messages), name=f"agent-reader-{node}")
         try:
             await self._store.publish_agent(record, self._lease)

@@ -13,7 +13,7 @@ import dataclasses
 import enum
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from timeslice.errors import (
@@ -77,7 +77,7 @@ class LockService:
 
     async def acquire(
         self, session_id: str, job: str, group: str, priority: int
-    ) -> AsyncIterator[Progress]:
+    ) -> AsyncGenerator[Progress, None]:
         """Queue ``job`` for ``group`` and yield its progress; the last item is GRANTED."""
         validate_job_id(job)
         validate_group_id(group)
@@ -116,7 +116,9 @@ class LockService:
                     self._store.withdraw(group, job, session_id, enqueued.entry_revision)
                 )
 
-    def _progress(self, view: GroupView, session_id: str, job: str, entry_revision: int) -> Progress:
+    def _progress(
+        self, view: GroupView, session_id: str, job: str, entry_revision: int
+    ) -> Progress:
         holder = view.holder
         if (
             holder is not None

@@ -9,9 +9,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.grants = Counter(
-            "timeslice_grants", "Grants made", ["kind"], registry=r
-        )
+        self.grants = Counter("timeslice_grants", "Grants made", ["kind"], registry=r)
         self.switches = Counter(
             "timeslice_switches", "Context switches by outcome", ["outcome"], registry=r
         )
@@ -28,15 +26,21 @@ class Metrics:
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60, 300),
         )
         self.directives = Counter(
-            "timeslice_directives", "Directives sent, by kind and ack status", ["kind", "status"],
+            "timeslice_directives",
+            "Directives sent, by kind and ack status",
+            ["kind", "status"],
             registry=r,
         )
         self.agents_connected = Gauge(
             "timeslice_agents_connected", "Agent streams held by this replica", registry=r
         )
-        self.waiters = Gauge("timeslice_waiters", "Acquire calls waiting on this replica", registry=r)
+        self.waiters = Gauge(
+            "timeslice_waiters", "Acquire calls waiting on this replica", registry=r
+        )
         self.rpc_errors = Counter(
-            "timeslice_rpc_errors", "Client API calls that ended in a typed error", ["kind"],
+            "timeslice_rpc_errors",
+            "Client API calls that ended in a typed error",
+            ["kind"],
             registry=r,
         )
         self.driver_errors = Counter(

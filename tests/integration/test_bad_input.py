@@ -42,62 +42,118 @@ async def test_bad_input_is_refused_and_changes_nothing(cluster_factory: Cluster
     async with raw_stub(cluster.target) as stub:
         good = await stub.open_session(OpenSessionRequest(job_id="good", ttl_seconds=30))
         sid = good.session_id
-        granted = (await drain(stub.acquire(AcquireRequest(session_id=sid, job_id="good", group_id="g"))))[-1]
+        granted = (
+            await drain(stub.acquire(AcquireRequest(session_id=sid, job_id="good", group_id="g")))
+        )[-1]
         assert granted.state == AcquireState.GRANTED
         before = await snapshot(cluster.etcd_endpoint, cluster.prefix)
 
         for bad in BAD_IDS:
-            await expect(ErrorKind.INVALID_ARGUMENT, stub.open_session(OpenSessionRequest(job_id=bad)))
-            await expect(ErrorKind.INVALID_ARGUMENT, drain(stub.acquire(
-                AcquireRequest(session_id=sid, job_id=bad, group_id="g"))))
-            await expect(ErrorKind.INVALID_ARGUMENT, drain(stub.acquire(
-                AcquireRequest(session_id=sid, job_id="good", group_id=bad))))
-            await expect(ErrorKind.INVALID_ARGUMENT, stub.yield_(
-                YieldRequest(session_id=sid, job_id=bad, group_id="g", epoch=granted.epoch)))
-            await expect(ErrorKind.INVALID_ARGUMENT, stub.yield_(
-                YieldRequest(session_id=sid, job_id="good", group_id=bad, epoch=granted.epoch)))
-            await expect(ErrorKind.INVALID_ARGUMENT, stub.get_group_status(
-                GetGroupStatusRequest(group_id=bad)))
+            await expect(
+                ErrorKind.INVALID_ARGUMENT, stub.open_session(OpenSessionRequest(job_id=bad))
+            )
+            await expect(
+                ErrorKind.INVALID_ARGUMENT,
+                drain(stub.acquire(AcquireRequest(session_id=sid, job_id=bad, group_id="g"))),
+            )
+            await expect(
+                ErrorKind.INVALID_ARGUMENT,
+                drain(stub.acquire(AcquireRequest(session_id=sid, job_id="good", group_id=bad))),
+            )
+            await expect(
+                ErrorKind.INVALID_ARGUMENT,
+                stub.yield_(
+                    YieldRequest(session_id=sid, job_id=bad, group_id="g", epoch=granted.epoch)
+                ),
+            )
+            await expect(
+                ErrorKind.INVALID_ARGUMENT,
+                stub.yield_(
+                    YieldRequest(session_id=sid, job_id="good", group_id=bad, epoch=granted.epoch)
+                ),
+            )
+            await expect(
+                ErrorKind.INVALID_ARGUMENT,
+                stub.get_group_status(GetGroupStatusRequest(group_id=bad)),
+            )
 
         # Unknown group, unknown or malformed session, out-of-range TTL.
-        await expect(ErrorKind.NOT_FOUND, stub.get_group_status(GetGroupStatusRequest(group_id="nope")))
-        await expect(ErrorKind.NOT_FOUND, stub.yield_(
-            YieldRequest(session_id=sid, job_id="good", group_id="nope", epoch=1)))
-        await expect(ErrorKind.NOT_FOUND, drain(stub.acquire(
-            AcquireRequest(session_id="not-hex", job_id="good", group_id="g"))))
-        await expect(ErrorKind.SESSION_EXPIRED, drain(stub.acquire(
-            AcquireRequest(session_id="00000000deadbeef", job_id="good", group_id="g"))))
-        await expect(ErrorKind.INVALID_ARGUMENT, stub.open_session(
-            OpenSessionRequest(job_id="good", ttl_seconds=100000)))
-        await expect(ErrorKind.PERMISSION_DENIED, drain(stub.acquire(
-            AcquireRequest(session_id=sid, job_id="other", group_id="g"))))
+        await expect(
+            ErrorKind.NOT_FOUND, stub.get_group_status(GetGroupStatusRequest(group_id="nope"))
+        )
+        await expect(
+            ErrorKind.NOT_FOUND,
+            stub.yield_(YieldRequest(session_id=sid, job_id="good", group_id="nope", epoch=1)),
+        )
+        await expect(
+            ErrorKind.NOT_FOUND,
+            drain(stub.acquire(AcquireRequest(session_id="not-hex", job_id="good", group_id="g"))),
+        )
+        await expect(
+            ErrorKind.SESSION_EXPIRED,
+            drain(
+                stub.acquire(
+                    AcquireRequest(session_id="00000000deadbeef", job_id="good", group_id="g")
+                )
+            ),
+        )
+        await expect(
+            ErrorKind.INVALID_ARGUMENT,
+            stub.open_session(OpenSessionRequest(job_id="good", ttl_seconds=100000)),
+        )
+        await expect(
+            ErrorKind.PERMISSION_DENIED,
+            drain(stub.acquire(AcquireRequest(session_id=sid, job_id="other", group_id="g"))),
+        )
 
         # Acquire twice: the holder asks again.
-        await expect(ErrorKind.ALREADY_EXISTS, drain(stub.acquire(
-            AcquireRequest(session_id=sid, job_id="good", group_id="g"))))
+        await expect(
+            ErrorKind.ALREADY_EXISTS,
+            drain(stub.acquire(AcquireRequest(session_id=sid, job_id="good", group_id="g"))),
+        )
         # Yield with a stale or zero epoch, by a non-holder.
-        await expect(ErrorKind.NOT_HOLDER, stub.yield_(
-            YieldRequest(session_id=sid, job_id="good", group_id="g", epoch=granted.epoch - 1)))
-        await expect(ErrorKind.INVALID_ARGUMENT, stub.yield_(
-            YieldRequest(session_id=sid, job_id="good", group_id="g", epoch=0)))
-        await expect(ErrorKind.PERMISSION_DENIED, stub.yield_(
-            YieldRequest(session_id="", job_id="intruder", group_id="g", epoch=granted.epoch)))
+        await expect(
+            ErrorKind.NOT_HOLDER,
+            stub.yield_(
+                YieldRequest(session_id=sid, job_id="good", group_id="g", epoch=granted.epoch - 1)
+            ),
+        )
+        await expect(
+            ErrorKind.INVALID_ARGUMENT,
+            stub.yield_(YieldRequest(session_id=sid, job_id="good", group_id="g", epoch=0)),
+        )
+        await expect(
+            ErrorKind.PERMISSION_DENIED,
+            stub.yield_(
+                YieldRequest(session_id="", job_id="intruder", group_id="g", epoch=granted.epoch)
+            ),
+        )
 
         after = await snapshot(cluster.etcd_endpoint, cluster.prefix)
         assert after == before, "refused calls must not change etcd"
 
         # Yield twice: the first works, the second is a clear error.
-        await stub.yield_(YieldRequest(session_id=sid, job_id="good", group_id="g", epoch=granted.epoch))
-        await expect(ErrorKind.NOT_HOLDER, stub.yield_(
-            YieldRequest(session_id=sid, job_id="good", group_id="g", epoch=granted.epoch)))
+        await stub.yield_(
+            YieldRequest(session_id=sid, job_id="good", group_id="g", epoch=granted.epoch)
+        )
+        await expect(
+            ErrorKind.NOT_HOLDER,
+            stub.yield_(
+                YieldRequest(session_id=sid, job_id="good", group_id="g", epoch=granted.epoch)
+            ),
+        )
 
         # The service is still up and serving.
-        again = (await drain(stub.acquire(AcquireRequest(session_id=sid, job_id="good", group_id="g"))))[-1]
+        again = (
+            await drain(stub.acquire(AcquireRequest(session_id=sid, job_id="good", group_id="g")))
+        )[-1]
         assert again.state == AcquireState.GRANTED and again.epoch > granted.epoch
     assert cluster.exited() == {}
 
 
-async def test_grpc_status_codes_are_meaningful_to_plain_clients(cluster_factory: ClusterFactory) -> None:
+async def test_grpc_status_codes_are_meaningful_to_plain_clients(
+    cluster_factory: ClusterFactory,
+) -> None:
     cluster = cluster_factory(agents=0)
     async with raw_stub(cluster.target) as stub:
         with pytest.raises(GRPCError) as info:

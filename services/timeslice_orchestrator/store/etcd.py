@@ -220,9 +220,7 @@ class EtcdClient:
         self._timeout = timeout
         # grpc's own name resolution spreads calls over the endpoints and fails over.
         target = (
-            self._endpoints[0]
-            if len(self._endpoints) == 1
-            else "ipv4:" + ",".join(self._endpoints)
+            self._endpoints[0] if len(self._endpoints) == 1 else "ipv4:" + ",".join(self._endpoints)
         )
         self._channel = grpc.aio.insecure_channel(
             target,
@@ -289,6 +287,10 @@ class EtcdClient:
                 result.reads.append([_kv(kv) for kv in r.response_range.kvs])
         return result
 
+    async def compact(self, revision: int) -> None:
+        """Drop history before ``revision`` (operators and tests; etcd usually auto-compacts)."""
+        await self._call(self._kv.Compact(pb.CompactionRequest(revision=revision, physical=True)))
+
     async def grant_lease(self, ttl: int) -> int:
         resp = await self._call(self._lease.LeaseGrant(pb.LeaseGrantRequest(TTL=ttl)))
         return int(resp.ID)  # type: ignore[attr-defined]
@@ -345,9 +347,7 @@ class EtcdClient:
                     raise WatchCompacted(int(resp.compact_revision))
                 if resp.canceled:
                     raise StoreUnavailable(f"watch cancelled by etcd: {resp.cancel_reason}")
-                events = tuple(
-                    WatchEvent(EventType(ev.type), _kv(ev.kv)) for ev in resp.events
-                )
+                events = tuple(WatchEvent(EventType(ev.type), _kv(ev.kv)) for ev in resp.events)
                 yield WatchBatch(int(resp.header.revision), events)
         except grpc.aio.AioRpcError as exc:
             raise StoreUnavailable(f"watch stream failed: {exc.code().name}") from exc

@@ -18,11 +18,13 @@ from timeslice.errors import (
     SessionExpired,
 )
 from timeslice_orchestrator.store.etcd import (
+    Compare,
     Delete,
     EtcdClient,
     Get,
     KeyValue,
     LeaseExpired,
+    Op,
     Put,
     Txn,
     absent,
@@ -174,8 +176,7 @@ class GroupStore:
             raise PermissionDenied(f"group {group} is held by another job, not {job}")
         if holder.create_revision != epoch:
             raise NotHolder(
-                f"epoch {epoch} is stale: job {job} holds group {group} "
-                "under a newer grant"
+                f"epoch {epoch} is stale: job {job} holds group {group} under a newer grant"
             )
         if session_id and record.session != session_id:
             raise PermissionDenied(f"the hold on {group} belongs to another session of {job}")
@@ -202,7 +203,7 @@ class GroupStore:
         current = result.reads[0]
         return bool(current) and current[0].value == replica.encode()
 
-    def _driving(self, group: str, replica: str) -> list[object]:
+    def _driving(self, group: str, replica: str) -> list[Compare]:
         return [value_is(self.keys.driver(group), replica.encode())]
 
     async def grant(
@@ -229,7 +230,7 @@ class GroupStore:
             created_at(k.queue_entry(group, job), entry.create_revision),
             modified_at(k.resident(group), resident_revision),
         ]
-        ops = [
+        ops: list[Op] = [
             Put(k.holder(group), holder.encode(), lease=entry.lease),
             Delete(k.queue_entry(group, job)),
             Put(k.resident(group), resident.encode()),
@@ -240,7 +241,7 @@ class GroupStore:
             ops.append(Delete(k.switch(group)))
         else:
             compare.append(absent(k.switch(group)))
-        result = await self.etcd.txn(Txn(compare, ops))  # type: ignore[arg-type]
+        result = await self.etcd.txn(Txn(compare, ops))
         return result.revision if result.succeeded else None
 
     async def begin_switch(
@@ -251,7 +252,7 @@ class GroupStore:
         result = await self.etcd.txn(
             Txn(
                 [
-                    *self._driving(group, replica),  # type: ignore[list-item]
+                    *self._driving(group, replica),
                     absent(k.switch(group)),
                     absent(k.holder(group)),
                     modified_at(k.resident(group), resident_revision),
@@ -271,7 +272,7 @@ class GroupStore:
         switch.record.phase = phase
         result = await self.etcd.txn(
             Txn(
-                [*self._driving(group, replica), modified_at(k.switch(group), switch.mod_revision)],  # type: ignore[list-item]
+                [*self._driving(group, replica), modified_at(k.switch(group), switch.mod_revision)],
                 [Put(k.switch(group), switch.record.encode()), Get(k.switch(group))],
             )
         )
@@ -294,7 +295,10 @@ class GroupStore:
         good: its queue entry goes and a fault record tells its waiter why.
         """
         k = self.keys
-        compare = [*self._driving(group, replica), modified_at(k.switch(group), switch.mod_revision)]
+        compare = [
+            *self._driving(group, replica),
+            modified_at(k.switch(group), switch.mod_revision),
+        ]
         ops: list[Put | Delete] = [
             Delete(k.switch(group)),
             Put(k.resident(group), resident.encode()),
@@ -310,22 +314,33 @@ class GroupStore:
                     lease=entry.lease,
                 )
             )
-        result = await self.etcd.txn(Txn(compare, ops))  # type: ignore[arg-type]
+        result = await self.etcd.txn(Txn(compare, ops))
         return result.succeeded
 
     async def fault_waiter(
-        self, group: str, replica: str, job: str, entry: Stored[QueueRecord], reason: str,
+        self,
+        group: str,
+        replica: str,
+        job: str,
+        entry: Stored[QueueRecord],
+        reason: str,
         stats: GroupStats,
     ) -> bool:
         """Give up on a waiter: its queue entry goes and a fault record tells it why."""
         k = self.keys
         result = await self.etcd.txn(
             Txn(
-                [*self._driving(group, replica), created_at(k.queue_entry(group, job), entry.create_revision)],  # type: ignore[list-item]
+                [
+                    *self._driving(group, replica),
+                    created_at(k.queue_entry(group, job), entry.create_revision),
+                ],
                 [
                     Delete(k.queue_entry(group, job)),
-                    Put(k.fault(group, job), FaultRecord(reason=reason, at=time.time()).encode(),
-                        lease=entry.lease),
+                    Put(
+                        k.fault(group, job),
+                        FaultRecord(reason=reason, at=time.time()).encode(),
+                        lease=entry.lease,
+                    ),
                     Put(k.stats(group), stats.encode()),
                 ],
             )
@@ -342,7 +357,9 @@ class GroupStore:
         current = await self.etcd.get(k.agent(node))
         if current is None or AgentRecord.decode(current.value).replica != replica:
             return
-        await self.etcd.txn(Txn([modified_at(k.agent(node), current.mod_revision)], [Delete(k.agent(node))]))
+        await self.etcd.txn(
+            Txn([modified_at(k.agent(node), current.mod_revision)], [Delete(k.agent(node))])
+        )
 
 
 def new_switch_id() -> str:

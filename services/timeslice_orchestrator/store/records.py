@@ -172,5 +172,5 @@ class Stored(Generic[T]):
     lease: int
 
     @classmethod
-    def of(cls, kv: KeyValue, record: T) -> "Stored[T]":
+    def of(cls, kv: KeyValue, record: T) -> Stored[T]:
         return cls(record, kv.create_revision, kv.mod_revision, kv.lease)
