@@ -23,9 +23,10 @@ from timeslice_orchestrator.http import make_app
 from timeslice_orchestrator.hub import AgentHub
 from timeslice_orchestrator.locks import LockService
 from timeslice_orchestrator.metrics import Metrics
+from timeslice_orchestrator.relay import DirectiveRouter
 from timeslice_orchestrator.store.cache import Mirror
 from timeslice_orchestrator.store.etcd import EtcdClient, LeaseKeeper
-from timeslice_orchestrator.store.groups import GroupStore
+from timeslice_orchestrator.store.groups import GroupStore, RelayStore
 from timeslice_orchestrator.store.keys import Keyspace
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class Orchestrator:
         self._runner: web.AppRunner | None = None
         self._keeper: LeaseKeeper | None = None
         self._driver: SwitchDriver | None = None
+        self._router: DirectiveRouter | None = None
         self._ready = False
 
     def ready(self) -> bool:
@@ -69,10 +71,14 @@ class Orchestrator:
             await self.mirror.synced.wait()
         hub = AgentHub(self.store, cfg.replica_id, lease, self.metrics)
         locks = LockService(self.store, self.mirror, self.metrics, cfg.session_ttl)
+        self._router = DirectiveRouter(
+            hub, self.mirror, RelayStore(self.etcd, self.keys), cfg.replica_id, lease
+        )
+        self._router.start()
         self._driver = SwitchDriver(
             self.store,
             self.mirror,
-            hub,
+            self._router,
             self.metrics,
             DriverConfig(replica_id=cfg.replica_id, directive_timeout=cfg.directive_timeout),
             lease,
@@ -132,6 +138,8 @@ class Orchestrator:
         self._ready = False
         if self._driver is not None:
             await self._driver.stop()
+        if self._router is not None:
+            await self._router.stop()
         if self._server is not None:
             self._server.close()
             with contextlib.suppress(Exception):

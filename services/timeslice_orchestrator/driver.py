@@ -26,8 +26,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from timeslice_orchestrator.hub import AgentHub, AgentUnavailable
+from timeslice_orchestrator.hub import AgentUnavailable
 from timeslice_orchestrator.metrics import Metrics
+from timeslice_orchestrator.relay import DirectiveRouter
 from timeslice_orchestrator.store.cache import AGENTS_TOPIC, GroupView, Mirror, QueuedJob
 from timeslice_orchestrator.store.etcd import StoreUnavailable
 from timeslice_orchestrator.store.groups import GroupStore, new_switch_id
@@ -92,14 +93,14 @@ class SwitchDriver:
         self,
         store: GroupStore,
         mirror: Mirror,
-        hub: AgentHub,
+        router: DirectiveRouter,
         metrics: Metrics,
         config: DriverConfig,
         lease: int,
     ) -> None:
         self._store = store
         self._mirror = mirror
-        self._hub = hub
+        self._router = router
         self._metrics = metrics
         self._config = config
         self._lease = lease
@@ -416,7 +417,9 @@ class SwitchDriver:
         )
         started = time.monotonic()
         try:
-            ack = await self._hub.execute(step.node, directive, self._config.directive_timeout + 1)
+            ack = await self._router.execute(
+                step.node, directive, self._config.directive_timeout + 1
+            )
         except AgentUnavailable as exc:
             self._metrics.directives.labels(kind=kind.name.lower(), status="unavailable").inc()
             return NodeResult(step.node, False, str(exc), 0, time.monotonic() - started)

@@ -87,6 +87,10 @@ class AgentHub(AgentHubBase):
     def nodes(self) -> list[str]:
         return sorted(self._connections)
 
+    def holds(self, node: str) -> bool:
+        """Whether this replica holds ``node``'s agent stream."""
+        return node in self._connections
+
     async def connect(
         self, messages: AsyncIterator[AgentMessage]
     ) -> AsyncIterator[OrchestratorMessage]:

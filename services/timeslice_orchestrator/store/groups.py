@@ -41,6 +41,7 @@ from timeslice_orchestrator.store.records import (
     HolderRecord,
     Phase,
     QueueRecord,
+    RelayRecord,
     ResidentRecord,
     SessionRecord,
     Stored,
@@ -368,3 +369,32 @@ def new_switch_id() -> str:
 
 def raw(kv: KeyValue | None) -> bytes:
     return kv.value if kv else b""
+
+
+class RelayStore:
+    """Directives relayed through etcd between the driving replica and the stream holder."""
+
+    def __init__(self, etcd: EtcdClient, keys: Keyspace) -> None:
+        self.etcd = etcd
+        self.keys = keys
+
+    async def post(self, node: str, directive_id: str, record: RelayRecord, lease: int) -> bool:
+        key = self.keys.relay(node, directive_id)
+        result = await self.etcd.txn(Txn([absent(key)], [Put(key, record.encode(), lease=lease)]))
+        return result.succeeded
+
+    async def answer(self, node: str, directive_id: str, posted: KeyValue, ack: str) -> bool:
+        """Attach the ack, unless the driver gave up (deleted the key) meanwhile."""
+        key = self.keys.relay(node, directive_id)
+        record = RelayRecord.decode(posted.value)
+        record.ack = ack
+        result = await self.etcd.txn(
+            Txn(
+                [modified_at(key, posted.mod_revision)],
+                [Put(key, record.encode(), lease=posted.lease)],
+            )
+        )
+        return result.succeeded
+
+    async def remove(self, node: str, directive_id: str) -> None:
+        await self.etcd.delete(self.keys.relay(node, directive_id))

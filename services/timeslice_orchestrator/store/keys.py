@@ -63,6 +63,9 @@ class Keyspace:
     def agent(self, node: str) -> bytes:
         return self._k(f"agents/{node}")
 
+    def relay(self, node: str, directive_id: str) -> bytes:
+        return self._k(f"relay/{node}/{directive_id}")
+
     def agents(self) -> bytes:
         return self._k("agents/")
 

@@ -174,3 +174,15 @@ class Stored(Generic[T]):
     @classmethod
     def of(cls, kv: KeyValue, record: T) -> Stored[T]:
         return cls(record, kv.create_revision, kv.mod_revision, kv.lease)
+
+
+@dataclass(slots=True)
+class RelayRecord(_Record):
+    """A directive posted for an agent whose stream another replica holds, and its ack.
+
+    Payloads are the protobuf bytes, base64-encoded: the store stays ignorant of gRPC types.
+    """
+
+    driver: str
+    directive: str
+    ack: str = ""

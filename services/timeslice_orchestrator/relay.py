@@ -1,0 +1,114 @@
+"""Directive routing across replicas.
+
+The replica that drives a group is not always the one holding a node agent's stream (agents
+dial any replica). Directives then travel through etcd: the driver posts
+``relay/<node>/<id>`` (attached to its own lease, so it vanishes if the driver dies), the stream
+holder sees it in its mirror, executes it over the stream and writes the ack into the same key,
+and the driver, watching its mirror too, picks the ack up and deletes the key. Cost: about two
+etcd writes and two watch deliveries (a few milliseconds on loopback) only for cross-replica
+directives; local ones go straight down the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import functools
+import logging
+
+from timeslice_orchestrator.hub import AgentHub, AgentUnavailable
+from timeslice_orchestrator.store.cache import Mirror
+from timeslice_orchestrator.store.groups import RelayStore
+from timeslice_orchestrator.store.records import CorruptRecord, RelayRecord
+from timeslice_proto.timeslice.v1 import Directive, DirectiveAck
+
+log = logging.getLogger(__name__)
+
+RELAY_TOPIC = "relay"
+
+
+def _encode(message: Directive | DirectiveAck) -> str:
+    return base64.b64encode(bytes(message)).decode()
+
+
+class DirectiveRouter:
+    def __init__(
+        self, hub: AgentHub, mirror: Mirror, relay: RelayStore, replica_id: str, lease: int
+    ) -> None:
+        self._hub = hub
+        self._mirror = mirror
+        self._relay = relay
+        self._replica_id = replica_id
+        self._lease = lease
+        self._forwarding: dict[str, asyncio.Task[None]] = {}
+
+    def start(self) -> None:
+        self._mirror.add_listener(self._on_change)
+
+    async def stop(self) -> None:
+        for task in self._forwarding.values():
+            task.cancel()
+        await asyncio.gather(*self._forwarding.values(), return_exceptions=True)
+
+    async def execute(self, node: str, directive: Directive, timeout: float) -> DirectiveAck:
+        """Run ``directive`` on ``node``'s agent, wherever its stream is held."""
+        if self._hub.holds(node):
+            return await self._hub.execute(node, directive, timeout)
+        agent = self._mirror.agents().get(node)
+        if agent is None:
+            raise AgentUnavailable(f"agent {node} is not connected to any replica")
+        record = RelayRecord(driver=self._replica_id, directive=_encode(directive))
+        if not await self._relay.post(node, directive.directive_id, record, self._lease):
+            raise AgentUnavailable(f"directive {directive.directive_id} is already in flight")
+        rel = f"relay/{node}/{directive.directive_id}"
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    seen = self._mirror.version(RELAY_TOPIC)
+                    kv = self._mirror.get(rel)
+                    if kv is not None:
+                        answered = RelayRecord.decode(kv.value)
+                        if answered.ack:
+                            return DirectiveAck.parse(base64.b64decode(answered.ack))
+                    await self._mirror.wait_for_change(RELAY_TOPIC, seen)
+        except TimeoutError as exc:
+            raise AgentUnavailable(
+                f"agent {node} (via replica {agent.replica}) did not ack within {timeout:.1f} s"
+            ) from exc
+        finally:
+            await asyncio.shield(self._relay.remove(node, directive.directive_id))
+
+    def _on_change(self, topics: set[str]) -> None:
+        if RELAY_TOPIC not in topics:
+            return
+        for rel, kv in self._mirror.under("relay/"):
+            _, node, directive_id = rel.split("/", 2)
+            if directive_id in self._forwarding or not self._hub.holds(node):
+                continue
+            try:
+                record = RelayRecord.decode(kv.value)
+            except CorruptRecord:
+                log.exception("ignoring corrupt relay record %s", rel)
+                continue
+            if record.ack or record.driver == self._replica_id:
+                continue
+            task = asyncio.create_task(self._forward(node, directive_id, record), name=rel)
+            self._forwarding[directive_id] = task
+            task.add_done_callback(functools.partial(self._forward_done, directive_id))
+
+    def _forward_done(self, directive_id: str, task: asyncio.Task[None]) -> None:
+        self._forwarding.pop(directive_id, None)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("relaying %s failed", directive_id, exc_info=task.exception())
+
+    async def _forward(self, node: str, directive_id: str, record: RelayRecord) -> None:
+        directive = Directive.parse(base64.b64decode(record.directive))
+        timeout = max(directive.deadline_ms / 1000, 1.0) + 1.0
+        try:
+            ack = await self._hub.execute(node, directive, timeout)
+        except AgentUnavailable as exc:
+            log.warning("relayed directive %s to %s not acked: %s", directive_id, node, exc)
+            return  # the driver's own deadline reports the failure
+        posted = self._mirror.get(f"relay/{node}/{directive_id}")
+        if posted is not None:
+            await self._relay.answer(node, directive_id, posted, _encode(ack))
