@@ -22,7 +22,9 @@ def validate_id(value: object, what: str) -> str:
     if not value:
         raise InvalidArgument(f"{what} must not be empty")
     if len(value) > MAX_ID_LENGTH:
-        raise InvalidArgument(f"{what} is {len(value)} characters long; the limit is {MAX_ID_LENGTH}")
+        raise InvalidArgument(
+            f"{what} is {len(value)} characters long; the limit is {MAX_ID_LENGTH}"
+        )
     if ".." in value or not _ID_PATTERN.fullmatch(value):
         raise InvalidArgument(
             f"{what} {value!r} is not valid: use letters, digits, '.', '_', ':' or '-', "

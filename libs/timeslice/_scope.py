@@ -1,0 +1,132 @@
+"""``on_accelerators``: hold a group for the duration of a function or a ``with`` block."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, Protocol, TypeVar, cast
+
+from timeslice._types import Grant
+from timeslice.errors import InvalidArgument
+
+log = logging.getLogger("timeslice")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class ScopeRunner(Protocol):
+    """What a client provides so a scope can acquire and yield from sync and async code."""
+
+    @property
+    def job_id(self) -> str: ...
+
+    def _acquire_blocking(self, group_id: str, timeout: float | None, priority: int) -> Grant: ...
+
+    def _yield_blocking(self, group_id: str) -> None: ...
+
+    async def _acquire_awaitable(
+        self, group_id: str, timeout: float | None, priority: int
+    ) -> Grant: ...
+
+    async def _yield_awaitable(self, group_id: str) -> None: ...
+
+
+class AcceleratorScope:
+    """Runs code between ``acquire`` and ``yield_`` of one group.
+
+    Returned by ``client.on_accelerators(group_id)``. Use it as a decorator on a plain or an
+    ``async`` function (the wrapper keeps the function's name, docstring and kind), or as a
+    ``with`` / ``async with`` block, which binds the :class:`~timeslice.Grant`::
+
+        @client.on_accelerators(group_id="trainer-group")
+        def train_phase(model, batch): ...
+
+        async with client.on_accelerators("trainer-group") as grant: ...
+
+    The yield always runs, in a ``finally``. If the body raised, a failing yield is logged and
+    the body's exception is the one that propagates. The scope holds no per-entry state, so
+    one decorated function may be called many times; two overlapping holds of the same group
+    by the same client are refused with :class:`~timeslice.errors.AlreadyExists`.
+    """
+
+    def __init__(
+        self, runner: ScopeRunner, group_id: str, timeout: float | None, priority: int
+    ) -> None:
+        self._runner = runner
+        self.group_id = group_id
+        self.timeout = timeout
+        self.priority = priority
+
+    def __repr__(self) -> str:
+        return (
+            f"AcceleratorScope(job_id={self._runner.job_id!r}, group_id={self.group_id!r}, "
+            f"timeout={self.timeout!r}, priority={self.priority})"
+        )
+
+    def __call__(self, fn: F) -> F:
+        if inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
+            # A generator would hold the group across arbitrary suspensions by its consumer.
+            raise InvalidArgument(
+                f"on_accelerators cannot wrap generator function {fn.__qualname__}; "
+                "use `with client.on_accelerators(...)` inside it instead"
+            )
+        if inspect.iscoroutinefunction(fn):
+
+            @functools.wraps(fn)
+            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                async with self:
+                    return await fn(*args, **kwargs)
+
+            return cast(F, async_wrapper)
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with self:
+                return fn(*args, **kwargs)
+
+        return cast(F, wrapper)
+
+    def __enter__(self) -> Grant:
+        return self._runner._acquire_blocking(self.group_id, self.timeout, self.priority)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            self._runner._yield_blocking(self.group_id)
+        except Exception as yield_error:
+            if exc is None:
+                raise
+            self._log_masked(yield_error, exc)
+
+    async def __aenter__(self) -> Grant:
+        return await self._runner._acquire_awaitable(self.group_id, self.timeout, self.priority)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            await self._runner._yield_awaitable(self.group_id)
+        except Exception as yield_error:
+            if exc is None:
+                raise
+            self._log_masked(yield_error, exc)
+
+    def _log_masked(self, yield_error: Exception, body_error: BaseException) -> None:
+        log.error(
+            "yield of group %s by job %s failed after the body raised %s; "
+            "re-raising the body's exception",
+            self.group_id,
+            self._runner.job_id,
+            type(body_error).__name__,
+            exc_info=yield_error,
+        )

@@ -1,0 +1,63 @@
+"""Plain value types the SDK hands to its callers (kept free of wire types)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from timeslice_proto.timeslice.v1 import AcquireEvent
+
+
+class AcquireStage(enum.Enum):
+    """Where an :meth:`~timeslice.AsyncTimeSliceClient.acquire` call stands."""
+
+    QUEUED = "queued"
+    """Waiting in the group's queue; ``queue_position`` 0 means next to run."""
+    SWITCHING = "switching"
+    """A context switch towards this job is in progress."""
+    GRANTED = "granted"
+    """The job holds the group."""
+
+
+@dataclass(frozen=True, slots=True)
+class AcquireProgress:
+    """One progress report of a pending acquire, passed to ``on_progress``."""
+
+    state: AcquireStage
+    queue_position: int
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """Proof that a job holds a group, returned by ``acquire``.
+
+    ``epoch`` is the group's fencing token for this hold (the etcd revision of the grant);
+    ``restored`` says whether the job's device state had to be brought back for it, and
+    ``previous_job_id`` / ``switch_seconds`` describe the context switch when one happened.
+    ``ticket`` is the job's place in line (the create revision of its queue entry): under
+    FIFO, grants serve tickets in increasing order.
+    """
+
+    group_id: str
+    job_id: str
+    epoch: int
+    waited_seconds: float
+    restored: bool
+    previous_job_id: str | None
+    switch_seconds: float
+    ticket: int = 0
+
+    @classmethod
+    def from_event(cls, group_id: str, job_id: str, event: AcquireEvent) -> Grant:
+        """Build a grant from the GRANTED event of an Acquire stream."""
+        return cls(
+            group_id=group_id,
+            job_id=job_id,
+            epoch=int(event.epoch),
+            waited_seconds=float(event.waited_seconds),
+            restored=bool(event.restored),
+            # proto3 strings have no null: an empty previous job means no switch happened.
+            previous_job_id=event.previous_job_id or None,
+            switch_seconds=float(event.switch_seconds),
+            ticket=int(event.ticket),
+        )

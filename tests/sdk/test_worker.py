@@ -1,0 +1,213 @@
+"""timeslice.register() against a fake agent on a unix socket."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpclib
+import pytest
+from grpclib.const import Status
+from grpclib.server import Server
+
+from tests.sdk.fakes import FakeAgent, LoopThread
+from timeslice import InvalidArgument, Unavailable, register
+from timeslice_proto.timeslice.v1 import HookKind, WorkerCommand
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class AgentServer:
+    """Serves a FakeAgent on a unix socket from the background loop thread."""
+
+    def __init__(self, thread: LoopThread, path: Path) -> None:
+        self.thread = thread
+        self.path = path
+        self.server: Server | None = None
+        self.agent: FakeAgent | None = None
+
+    def start(self, agent: FakeAgent) -> FakeAgent:
+        async def start() -> Server:
+            server = Server([agent])
+            await server.start(path=str(self.path))
+            return server
+
+        self.agent = agent
+        self.server = self.thread.run(start())
+        return agent
+
+    def stop(self) -> None:
+        server = self.server
+        if server is None:
+            return
+        self.server = None
+
+        async def stop() -> None:
+            server.close()
+            await server.wait_closed()
+
+        self.thread.run(stop())
+        self.path.unlink(missing_ok=True)
+
+    def wait_for(self, predicate: Callable[[FakeAgent], bool], timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        agent = self.agent
+        assert agent is not None
+        while True:
+            if self.thread.call(lambda: predicate(agent)):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError("condition not reached in time")
+            time.sleep(0.01)
+
+
+@pytest.fixture
+def agent_server(loop_thread: LoopThread, short_dir: Path) -> Iterator[AgentServer]:
+    server = AgentServer(loop_thread, short_dir / "agent.sock")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_register_runs_hooks_and_reports_results(agent_server: AgentServer) -> None:
+    agent = agent_server.start(FakeAgent(commands=[
+        WorkerCommand(command_id="c1", kind=HookKind.BEFORE_CHECKPOINT, job_id="j", group_id="g"),
+        WorkerCommand(command_id="c2", kind=HookKind.AFTER_RESTORE, job_id="j", group_id="g"),
+    ]))
+    calls: list[str] = []
+
+    def checkpoint() -> int:
+        calls.append("checkpoint")
+        return 1234
+
+    def restore() -> None:
+        calls.append("restore")
+        raise RuntimeError("CUDA context lost")
+
+    with register(
+        "g", job_id="j", state_bytes=4096, socket=str(agent_server.path),
+        on_checkpoint=checkpoint, on_restore=restore, timeout=5,
+    ) as registration:
+        assert registration.connected
+        agent_server.wait_for(lambda a: len(a.results) == 2)
+        assert calls == ["checkpoint", "restore"]
+        info = agent.registered[0]
+        assert (info.job_id, info.group_id, info.pid) == ("j", "g", os.getpid())
+        assert info.state_bytes == 4096 and info.app_callbacks and not info.acquirer
+        first, second = agent.results
+        assert (first.command_id, first.ok, first.bytes_moved) == ("c1", True, 1234)
+        assert first.error == ""
+        assert (second.command_id, second.ok) == ("c2", False)
+        assert "CUDA context lost" in second.error
+        assert registration.commands_handled == 2
+    agent_server.wait_for(lambda a: a.streams_ended == 1)
+    assert registration.closed and not registration.connected
+
+
+def test_register_without_hooks(agent_server: AgentServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIMESLICE_JOB_ID", "env-job")
+    monkeypatch.setenv("TIMESLICE_AGENT_SOCKET", str(agent_server.path))
+    agent = agent_server.start(FakeAgent(commands=[
+        WorkerCommand(command_id="c1", kind=HookKind.BEFORE_CHECKPOINT),
+    ]))
+    registration = register("g", pid=4242, acquirer=True)
+    try:
+        agent_server.wait_for(lambda a: len(a.results) == 1)
+        info = agent.registered[0]
+        assert (info.job_id, info.pid, info.acquirer, info.app_callbacks) == (
+            "env-job", 4242, True, False)
+        assert agent.results[0].ok, "no hook of that kind: nothing to do"
+    finally:
+        registration.close()
+        registration.close()
+
+
+def start_agent_process(path: Path) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.sdk.agent_proc", str(path)],
+        cwd=REPO, stdout=subprocess.PIPE, text=True,
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "ready\n"
+    return proc
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.01)
+
+
+def test_register_again_after_the_agent_restarts(short_dir: Path) -> None:
+    path = short_dir / "agent.sock"
+    first = start_agent_process(path)
+    second: subprocess.Popen[str] | None = None
+    try:
+        with register("g", job_id="j", socket=str(path), timeout=5) as registration:
+            assert first.stdout is not None
+            assert first.stdout.readline() == "registered j\n"
+            first.send_signal(signal.SIGKILL)  # the agent crashes
+            first.wait(5)
+            wait_until(lambda: not registration.connected)
+            assert registration.last_error is not None
+            second = start_agent_process(path)
+            assert second.stdout is not None
+            assert second.stdout.readline() == "registered j\n"
+            wait_until(lambda: registration.connected)
+    finally:
+        for proc in (first, second):
+            if proc is not None:
+                proc.kill()
+                proc.wait(5)
+
+
+def test_unreachable_agent_is_unavailable(short_dir: Path) -> None:
+    started = time.monotonic()
+    with pytest.raises(Unavailable, match="could not register"):
+        register("g", job_id="j", socket=str(short_dir / "nobody.sock"), timeout=0.5)
+    assert time.monotonic() - started < 3
+
+
+def test_agent_refusal_is_a_typed_error(agent_server: AgentServer) -> None:
+    agent_server.start(FakeAgent(refuse=grpclib.GRPCError(
+        Status.INVALID_ARGUMENT, "[invalid_argument] group g is not on this node")))
+    with pytest.raises(InvalidArgument, match="not on this node"):
+        register("g", job_id="j", socket=str(agent_server.path), timeout=5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"group_id": "a/b", "job_id": "j"}, "group_id"),
+        ({"group_id": "g", "job_id": "j", "pid": 0}, "pid"),
+        ({"group_id": "g", "job_id": "j", "state_bytes": -1}, "state_bytes"),
+        ({"group_id": "g", "job_id": "j", "on_checkpoint": 3}, "on_checkpoint"),
+        ({"group_id": "g", "job_id": "j", "timeout": -1}, "timeout"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(InvalidArgument, match=match):
+        register(socket="/nonexistent/agent.sock", **kwargs)  # type: ignore[arg-type]
+
+
+def test_missing_job_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TIMESLICE_JOB_ID", raising=False)
+    with pytest.raises(InvalidArgument, match="TIMESLICE_JOB_ID"):
+        register("g", socket="/nonexistent/agent.sock")
+
+
+async def test_async_hooks_are_refused() -> None:
+    async def hook() -> int:
+        return 0
+
+    with pytest.raises(InvalidArgument, match="non-async"):
+        register("g", job_id="j", socket="/nonexistent/agent.sock",
+                 on_restore=hook)  # type: ignore[arg-type]
