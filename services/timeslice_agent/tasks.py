@@ -78,4 +78,6 @@ class Supervisor:
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=timeout)
             for task in pending:
-                log.error("task %s did not stop within %g s of cancellation", task.get_name(), timeout)
+                log.error(
+                    "task %s did not stop within %g s of cancellation", task.get_name(), timeout
+                )

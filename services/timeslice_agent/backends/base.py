@@ -84,6 +84,18 @@ class Backend(abc.ABC):
     name: str
     emulated: bool
 
+    def admit_checkpoint(self, job: JobContext) -> None:
+        """Raise :class:`BackendRefused` if a checkpoint of ``job`` must not even start.
+
+        Called before the app's before-checkpoint hooks run, so a refusal changes nothing.
+        The default admits everything.
+        """
+        return None
+
+    def admit_restore(self, job: JobContext) -> None:
+        """Raise :class:`BackendRefused` if a restore of ``job`` must not even start."""
+        return None
+
     @abc.abstractmethod
     async def checkpoint(self, job: JobContext) -> Transfer:
         """Move the job's device state to host memory."""

@@ -20,9 +20,6 @@ import logging
 import os
 import signal
 import time
-from pathlib import Path
-
-from timeslice_proto.timeslice.v1 import Device
 
 from timeslice_agent.backends.base import (
     Backend,
@@ -32,43 +29,13 @@ from timeslice_agent.backends.base import (
     SavedJob,
     Transfer,
 )
+from timeslice_agent.procs import HAVE_PROC, pid_exists, process_state
+from timeslice_proto.timeslice.v1 import Device
 
 log = logging.getLogger(__name__)
 
 STOP_WAIT_SECONDS = 10.0
 _POLL_SECONDS = 0.002
-
-
-def process_state(pid: int) -> str | None:
-    """The one-letter state of ``pid`` from /proc (R, S, T, Z, ...), or None if it is gone."""
-    try:
-        # procfs is memory-backed: this read does not block the event loop in any real sense.
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    except OSError:
-        return None
-    # The command name is in parentheses and may contain spaces; the state follows it.
-    _, _, rest = text.rpartition(")")
-    fields = rest.split()
-    return fields[0] if fields else None
-
-
-def pid_exists(pid: int) -> bool:
-    """True if ``pid`` names a live (non-zombie) process."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    state = process_state(pid)
-    if state is None:
-        # No procfs (non-Linux): the signal-0 probe is all we have.
-        return not Path("/proc/self").exists()
-    return state not in ("Z", "X", "x")
 
 
 class FreezeBackend(Backend):
@@ -101,11 +68,20 @@ class FreezeBackend(Backend):
                 raise BackendRefused(f"job {job.job_id}: {reason}")
         return pids
 
+    def admit_checkpoint(self, job: JobContext) -> None:
+        self._check_freezable(job)
+
+    def admit_restore(self, job: JobContext) -> None:
+        for pid in job.pids:
+            reason = self._never_signal(pid)
+            if reason is not None:
+                raise BackendRefused(f"job {job.job_id}: {reason}")
+
     async def _wait_stopped(self, pid: int, deadline: float) -> None:
         while True:
             state = process_state(pid)
             if state is None:
-                if not Path("/proc/self").exists():
+                if not HAVE_PROC:
                     return
                 raise BackendError(f"process {pid} vanished while being frozen")
             if state in ("T", "t"):
@@ -135,9 +111,7 @@ class FreezeBackend(Backend):
                 try:
                     os.kill(pid, signal.SIGSTOP)
                 except ProcessLookupError:
-                    raise BackendError(
-                        f"process {pid} vanished between check and signal"
-                    ) from None
+                    raise BackendError(f"process {pid} vanished between check and signal") from None
                 except PermissionError:
                     raise BackendError(f"no permission to signal process {pid}") from None
                 stopped.append(pid)
@@ -153,12 +127,10 @@ class FreezeBackend(Backend):
         return Transfer(bytes_moved=0, elapsed_seconds=elapsed)
 
     async def restore(self, job: JobContext) -> Transfer:
+        self.admit_restore(job)
         acquirers = {w.pid for w in job.workers if w.acquirer}
+        # The acquirer was never frozen; leave it alone.
         pids = [p for p in job.pids if p not in acquirers]
-        for pid in pids:
-            reason = self._never_signal(pid)
-            if reason is not None:
-                raise BackendRefused(f"job {job.job_id}: {reason}")
         started = time.monotonic()
         vanished: list[int] = []
         for pid in pids:

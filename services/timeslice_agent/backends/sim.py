@@ -17,8 +17,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from timeslice_proto.timeslice.v1 import Device
-
 from timeslice_agent.backends.base import (
     Backend,
     BackendRefused,
@@ -27,6 +25,7 @@ from timeslice_agent.backends.base import (
     Transfer,
 )
 from timeslice_agent.config import GB, SimSettings
+from timeslice_proto.timeslice.v1 import Device
 
 log = logging.getLogger(__name__)
 
@@ -89,21 +88,32 @@ class SimBackend(Backend):
         )
         return Transfer(bytes_moved=nbytes, elapsed_seconds=elapsed)
 
-    async def restore(self, job: JobContext) -> Transfer:
+    def _restore_bytes(self, job: JobContext) -> int:
         if job.job_id in self._host:
-            nbytes = self._host[job.job_id]
-        elif job.saved_bytes > 0:
-            nbytes = job.saved_bytes
-        else:
-            nbytes = self.job_bytes(job.state_bytes)
+            return self._host[job.job_id]
+        if job.saved_bytes > 0:
+            return job.saved_bytes
+        return self.job_bytes(job.state_bytes)
+
+    def free_bytes(self, job: JobContext) -> int:
+        """Modelled free device memory as seen by a restore of ``job``."""
         in_use = sum(
             self.job_bytes(r.state_bytes) for r in job.resident if r.job_id != job.job_id
         ) + sum(b for j, b in self._incoming.items() if j != job.job_id)
-        free = max(self._settings.capacity_bytes - in_use, 0)
+        return max(self._settings.capacity_bytes - in_use, 0)
+
+    def admit_restore(self, job: JobContext) -> None:
+        nbytes = self._restore_bytes(job)
+        free = self.free_bytes(job)
         if nbytes > free:
             reason = f"insufficient device memory: need {_gb(nbytes)}, free {_gb(free)} (emulated)"
             log.warning("%s restore job %s refused: %s", _TAG, job.job_id, reason)
             raise BackendRefused(reason)
+
+    async def restore(self, job: JobContext) -> Transfer:
+        # Checked again here: admission and transfer are one step for callers that skip admit.
+        self.admit_restore(job)
+        nbytes = self._restore_bytes(job)
         self._incoming[job.job_id] = nbytes
         started = time.monotonic()
         try:

@@ -1,0 +1,592 @@
+"""Directive execution: fencing, idempotency, per-job serialisation, hooks, deadlines.
+
+Every directive received gets exactly one ack:
+
+1. A directive id seen before is answered with its stored ack, never executed twice (the last
+   :data:`MAX_REMEMBERED_ACKS` ids are remembered, across restarts through the state file).
+   A duplicate of a directive still running gets the same ack when it finishes.
+2. A malformed directive is REFUSED and changes nothing.
+3. Fencing: the highest epoch accepted per group is remembered (and persisted before anything
+   is acted on). A directive older than that is acked STALE_EPOCH. Equal epochs are accepted:
+   the checkpoint and restore of one switch share one. The check runs when the directive
+   arrives and again when it gets its job's lock, so a directive that waited behind another
+   can never act after a newer authority was accepted for its group.
+4. Directives for different jobs run concurrently, each in its own supervised task; directives
+   for one job are serialised by a per-job FIFO lock.
+5. ``deadline_ms`` bounds the whole directive (lock wait, hooks, backend); on overrun the work
+   is cancelled and the ack is FAILED "deadline exceeded after X s".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from timeslice.errors import InvalidArgument
+from timeslice.ids import validate_group_id, validate_job_id
+from timeslice_agent.backends.base import (
+    Backend,
+    BackendError,
+    BackendRefused,
+    JobContext,
+    ResidentJob,
+    SavedJob,
+)
+from timeslice_agent.jobs import Job, JobState, Residency
+from timeslice_agent.metrics import AgentMetrics
+from timeslice_agent.statefile import AgentState, StateStore, StateWriteError
+from timeslice_agent.tasks import Supervisor
+from timeslice_agent.workers import HookFailed, WorkerRegistry
+from timeslice_proto.timeslice.v1 import (
+    AckStatus,
+    Directive,
+    DirectiveAck,
+    DirectiveKind,
+    GroupEpoch,
+    HookKind,
+    JobReport,
+    WorkerInfo,
+)
+from timeslice_proto.timeslice.v1 import JobState as ProtoJobState
+
+log = logging.getLogger(__name__)
+
+MAX_REMEMBERED_ACKS = 1024
+MAX_DIRECTIVE_ID_LENGTH = 256
+
+
+@dataclass(frozen=True)
+class _Clock:
+    """Timing of one directive: loop time at receipt, wall time at receipt, loop deadline."""
+
+    t0: float
+    started_at: float
+    deadline: float | None
+
+    def elapsed(self) -> float:
+        return asyncio.get_running_loop().time() - self.t0
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    status: AckStatus
+    error: str = ""
+    bytes_moved: int = 0
+
+
+_OK_NOTHING = _Outcome(AckStatus.OK)
+
+
+class _JobLock:
+    """A FIFO lock per job, dropped when nobody uses it."""
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.users = 0
+
+
+class DirectiveExecutor:
+    """Executes directives against a backend and keeps the node's job table.
+
+    ``send_ack`` hands an ack to the orchestrator link; it must not block.
+    """
+
+    def __init__(
+        self,
+        *,
+        node: str,
+        backend: Backend,
+        registry: WorkerRegistry,
+        metrics: AgentMetrics,
+        supervisor: Supervisor,
+        state_file: Path,
+        hook_timeout: float,
+        send_ack: Callable[[DirectiveAck], None],
+    ) -> None:
+        self._node = node
+        self._backend = backend
+        self._registry = registry
+        self._metrics = metrics
+        self._supervisor = supervisor
+        self._hook_timeout = hook_timeout
+        self._send_ack = send_ack
+        self._jobs: dict[str, Job] = {}
+        self._epochs: dict[str, int] = {}
+        self._acks: OrderedDict[str, DirectiveAck] = OrderedDict()
+        self._inflight: dict[str, asyncio.Future[DirectiveAck]] = {}
+        self._locks: dict[str, _JobLock] = {}
+        self._closing = False
+        self.store = StateStore(state_file, self.snapshot)
+
+    # ----- state, reports, persistence -------------------------------------------------------
+
+    @property
+    def jobs(self) -> dict[str, Job]:
+        """The job table (read-only by convention; the executor owns it)."""
+        return self._jobs
+
+    @property
+    def epochs(self) -> dict[str, int]:
+        """Highest accepted epoch per group."""
+        return dict(self._epochs)
+
+    def snapshot(self) -> AgentState:
+        """The durable part of the executor's state."""
+        return AgentState(
+            node=self._node,
+            epochs=dict(self._epochs),
+            jobs={
+                k: Job(
+                    job_id=j.job_id,
+                    group_id=j.group_id,
+                    state=j.state,
+                    residency=j.residency,
+                    reason=j.reason,
+                    saved_bytes=j.saved_bytes,
+                    saved_pids=j.saved_pids,
+                )
+                for k, j in self._jobs.items()
+            },
+            acks=list(self._acks.values()),
+        )
+
+    def reports(self) -> list[JobReport]:
+        return [job.report() for _, job in sorted(self._jobs.items())]
+
+    def epoch_list(self) -> list[GroupEpoch]:
+        return [GroupEpoch(group_id=g, epoch=e) for g, e in sorted(self._epochs.items())]
+
+    async def adopt(self, state: AgentState | None) -> None:
+        """Take over the state a previous run left (before any stream or worker is served)."""
+        if state is not None:
+            self._epochs = dict(state.epochs)
+            self._jobs = dict(state.jobs)
+            for ack in state.acks[-MAX_REMEMBERED_ACKS:]:
+                self._acks[ack.directive_id] = ack
+        for job in self._jobs.values():
+            if job.state is JobState.TRANSITIONING:
+                job.fault("the agent restarted during a checkpoint or restore")
+            if job.residency is Residency.HOST:
+                reason = await self._backend.reconcile(
+                    SavedJob(job.job_id, job.group_id, job.saved_bytes, job.saved_pids)
+                )
+                if reason is not None:
+                    job.fault(reason)
+            log.info(
+                "adopted job %s (group %s): %s%s",
+                job.job_id,
+                job.group_id,
+                job.state.value,
+                f" ({job.reason})" if job.reason else "",
+            )
+        self._metrics.set_jobs(j.state for j in self._jobs.values())
+
+    async def persist(self) -> bool:
+        """Write the state file; a failure is logged and counted, never raised."""
+        try:
+            await self.store.save()
+        except StateWriteError as exc:
+            self._metrics.state_write_failures.inc()
+            log.error("%s", exc)
+            return False
+        return True
+
+    def _count_jobs(self) -> None:
+        self._metrics.set_jobs(j.state for j in self._jobs.values())
+
+    def _changed(self) -> None:
+        self._count_jobs()
+        self._supervisor.spawn(self.persist(), name="persist", kind="persist")
+
+    # ----- worker registrations ----------------------------------------------------------------
+
+    def check_registration(self, info: WorkerInfo) -> None:
+        """Refuse a worker whose job this node knows in another group."""
+        job = self._jobs.get(info.job_id)
+        if job is not None and job.group_id != info.group_id:
+            raise InvalidArgument(
+                f"job {info.job_id} is in group {job.group_id} on this node, not {info.group_id}"
+            )
+
+    def on_workers_changed(self, job_id: str) -> None:
+        """Keep the job table in step with registrations of ``job_id``."""
+        workers = self._registry.workers_of(job_id)
+        if workers and job_id not in self._jobs:
+            self._jobs[job_id] = Job(job_id=job_id, group_id=workers[0].group_id)
+        self._forget_if_gone(job_id)
+        self._changed()
+
+    def _forget_if_gone(self, job_id: str) -> None:
+        """Drop a job whose processes are gone and of which nothing is parked on this node."""
+        job = self._jobs.get(job_id)
+        if (
+            job is not None
+            and job.on_device
+            and job.state is not JobState.TRANSITIONING
+            and job_id not in self._locks
+            and not self._registry.workers_of(job_id)
+        ):
+            del self._jobs[job_id]
+
+    # ----- directives --------------------------------------------------------------------------
+
+    def handle(self, directive: Directive) -> None:
+        """Accept one directive from the stream (never blocks; work runs in its own task)."""
+        loop = asyncio.get_running_loop()
+        did = directive.directive_id
+        # In flight first: its ack may be remembered already but not yet durable.
+        running = self._inflight.get(did)
+        if running is not None:
+            log.info("directive %s is already running: its ack will be sent again", did)
+            self._supervisor.spawn(
+                self._ack_when_done(running), name=f"duplicate:{did}", kind="duplicate"
+            )
+            return
+        stored = self._acks.get(did)
+        if stored is not None:
+            self._acks.move_to_end(did)
+            log.info("directive %s seen before: re-sending its ack without executing", did)
+            self._send_ack(stored)
+            return
+        t0 = loop.time()
+        deadline = t0 + directive.deadline_ms / 1000 if directive.deadline_ms else None
+        clock = _Clock(t0=t0, started_at=time.time(), deadline=deadline)
+        if self._closing:
+            # Not remembered: after a restart the same directive may well be executed.
+            self._send_ack(
+                self._ack(directive, clock, _Outcome(AckStatus.REFUSED, "agent is shutting down"))
+            )
+            return
+        problem = self._invalid(directive)
+        if problem is not None:
+            log.warning("directive %r refused: %s", did, problem)
+            self._metrics.refused.labels("invalid").inc()
+            ack = self._ack(
+                directive, clock, _Outcome(AckStatus.REFUSED, f"invalid directive: {problem}")
+            )
+            if did:
+                self._remember(directive, ack)
+                self._supervisor.spawn(self.persist(), name="persist", kind="persist")
+            self._send_ack(ack)
+            return
+        stale = self._fence(directive)
+        if stale is not None:
+            ack = self._ack(directive, clock, stale)
+            # Remembered at once: a re-send arriving before the write must not be fenced twice.
+            self._remember(directive, ack)
+            self._supervisor.spawn(
+                self._publish(directive, ack), name=f"stale:{did}", kind="directive"
+            )
+            return
+        self._epochs[directive.group_id] = directive.epoch
+        self._inflight[did] = loop.create_future()
+        self._supervisor.spawn(
+            self._run(directive, clock), name=f"directive:{did}", kind="directive"
+        )
+
+    async def _ack_when_done(self, running: asyncio.Future[DirectiveAck]) -> None:
+        self._send_ack(await asyncio.shield(running))
+
+    def _invalid(self, d: Directive) -> str | None:
+        if not d.directive_id:
+            return "directive_id is empty"
+        if len(d.directive_id) > MAX_DIRECTIVE_ID_LENGTH:
+            return f"directive_id is longer than {MAX_DIRECTIVE_ID_LENGTH} characters"
+        try:
+            validate_job_id(d.job_id)
+            validate_group_id(d.group_id)
+        except InvalidArgument as exc:
+            return exc.message
+        if d.kind not in (DirectiveKind.CHECKPOINT, DirectiveKind.RESTORE):
+            return f"unknown directive kind {int(d.kind)}"
+        job = self._jobs.get(d.job_id)
+        if job is not None and job.group_id != d.group_id:
+            return f"job {d.job_id} is in group {job.group_id} on this node, not {d.group_id}"
+        return None
+
+    def _fence(self, d: Directive) -> _Outcome | None:
+        highest = self._epochs.get(d.group_id, 0)
+        if d.epoch >= highest:
+            return None
+        self._metrics.refused.labels("stale_epoch").inc()
+        reason = (
+            f"stale epoch {d.epoch}: epoch {highest} was already accepted for group {d.group_id}"
+        )
+        log.warning("directive %s refused: %s", d.directive_id, reason)
+        return _Outcome(AckStatus.STALE_EPOCH, reason)
+
+    def _ack(self, d: Directive, clock: _Clock, outcome: _Outcome) -> DirectiveAck:
+        job = self._jobs.get(d.job_id)
+        return DirectiveAck(
+            directive_id=d.directive_id,
+            group_id=d.group_id,
+            epoch=d.epoch,
+            status=outcome.status,
+            error=outcome.error,
+            bytes_moved=outcome.bytes_moved,
+            elapsed_seconds=clock.elapsed(),
+            job_state=job.state.to_proto() if job is not None else ProtoJobState.UNSPECIFIED,
+            emulated=self._backend.emulated,
+            started_at=clock.started_at,
+            finished_at=time.time(),
+        )
+
+    def _remember(self, d: Directive, ack: DirectiveAck) -> None:
+        self._acks[d.directive_id] = ack
+        self._acks.move_to_end(d.directive_id)
+        while len(self._acks) > MAX_REMEMBERED_ACKS:
+            self._acks.popitem(last=False)
+        kind = d.kind.name.lower() if isinstance(d.kind, DirectiveKind) else "unspecified"
+        self._metrics.observe_directive(
+            kind, ack.status.name.lower(), ack.elapsed_seconds, ack.bytes_moved
+        )
+
+    async def _finish(self, d: Directive, ack: DirectiveAck) -> None:
+        self._remember(d, ack)
+        await self._publish(d, ack)
+
+    def _release_duplicates(self, d: Directive, ack: DirectiveAck) -> None:
+        running = self._inflight.pop(d.directive_id, None)
+        if running is not None and not running.done():
+            running.set_result(ack)
+
+    async def _publish(self, d: Directive, ack: DirectiveAck) -> None:
+        # The job's state and the ack are durable before the orchestrator hears of them.
+        await self.persist()
+        self._release_duplicates(d, ack)
+        self._send_ack(ack)
+        level = logging.INFO if ack.status is AckStatus.OK else logging.WARNING
+        log.log(
+            level,
+            "directive %s %s job %s epoch %d: %s%s bytes=%d in %.3f s%s",
+            d.directive_id,
+            d.kind.name.lower(),
+            d.job_id,
+            d.epoch,
+            ack.status.name,
+            f" ({ack.error})" if ack.error else "",
+            ack.bytes_moved,
+            ack.elapsed_seconds,
+            " [emulated]" if ack.emulated else "",
+        )
+
+    async def _run(self, d: Directive, clock: _Clock) -> None:
+        try:
+            outcome = await self._execute(d, clock)
+        except asyncio.CancelledError:
+            reason = "interrupted: the agent stopped during the directive"
+            job = self._jobs.get(d.job_id)
+            if job is not None and job.state is JobState.TRANSITIONING:
+                job.fault(reason)
+            ack = self._ack(d, clock, _Outcome(AckStatus.FAILED, reason))
+            self._remember(d, ack)
+            self._release_duplicates(d, ack)
+            raise
+        except Exception as exc:
+            # A bug, not a backend failure: keep the agent alive and make it visible.
+            log.exception("directive %s: internal error", d.directive_id)
+            reason = f"internal error: {exc!r}"
+            job = self._jobs.get(d.job_id)
+            if job is not None and job.state is JobState.TRANSITIONING:
+                job.fault(reason)
+            outcome = _Outcome(AckStatus.FAILED, reason)
+        await self._finish(d, self._ack(d, clock, outcome))
+
+    async def _execute(self, d: Directive, clock: _Clock) -> _Outcome:
+        entry = self._locks.setdefault(d.job_id, _JobLock())
+        entry.users += 1
+        try:
+            try:
+                async with asyncio.timeout_at(clock.deadline):
+                    await entry.lock.acquire()
+            except TimeoutError:
+                return _Outcome(
+                    AckStatus.FAILED,
+                    f"deadline exceeded after {clock.elapsed():.3f} s waiting for an earlier "
+                    f"directive of job {d.job_id}",
+                )
+            try:
+                return await self._execute_locked(d, clock)
+            finally:
+                entry.lock.release()
+        finally:
+            entry.users -= 1
+            if entry.users == 0:
+                del self._locks[d.job_id]
+                # Its workers may have left while directives were queued for it.
+                self._forget_if_gone(d.job_id)
+
+    async def _execute_locked(self, d: Directive, clock: _Clock) -> _Outcome:
+        stale = self._fence(d)
+        if stale is not None:
+            return stale
+        if d.kind is DirectiveKind.CHECKPOINT:
+            return await self._checkpoint(d, clock)
+        return await self._restore(d, clock)
+
+    def _context(self, job: Job, workers: list[WorkerInfo]) -> JobContext:
+        resident: list[ResidentJob] = []
+        for other in self._jobs.values():
+            if other.job_id == job.job_id or not other.on_device:
+                continue
+            theirs = self._registry.workers_of(other.job_id)
+            # A job with no live worker has no process holding device memory.
+            if theirs:
+                resident.append(ResidentJob(other.job_id, sum(w.state_bytes for w in theirs)))
+        return JobContext(
+            job_id=job.job_id,
+            group_id=job.group_id,
+            workers=tuple(workers),
+            state_bytes=sum(w.state_bytes for w in workers),
+            saved_bytes=job.saved_bytes,
+            saved_pids=job.saved_pids,
+            resident=tuple(resident),
+        )
+
+    async def _guarded(
+        self,
+        job: Job,
+        clock: _Clock,
+        action: Callable[[], Awaitable[int]],
+        *,
+        hooks_acted: Callable[[], bool],
+    ) -> _Outcome:
+        """Run ``action`` (which settles the job on success) under the directive deadline.
+
+        Maps every failure to an outcome and a job state: a refusal before anything acted puts
+        the job back where it was; anything else faults it with the reason.
+        """
+        prev_state, prev_reason = job.state, job.reason
+        job.transition(JobState.TRANSITIONING)
+        self._count_jobs()
+        try:
+            # One write before acting: the accepted epoch must survive a crash, and a restart
+            # must see that this job was mid-move (it then comes back FAULTED, not "fine").
+            await self.store.save()
+        except StateWriteError as exc:
+            self._metrics.state_write_failures.inc()
+            job.transition(prev_state, prev_reason)
+            self._count_jobs()
+            return _Outcome(AckStatus.FAILED, f"cannot persist state before acting: {exc}")
+        scope = asyncio.timeout_at(clock.deadline)
+        try:
+            async with scope:
+                nbytes = await action()
+        except BackendRefused as exc:
+            if hooks_acted():
+                reason = f"backend refused after the app hooks ran: {exc.reason}"
+                job.fault(reason)
+                return _Outcome(AckStatus.FAILED, reason)
+            self._metrics.refused.labels("backend").inc()
+            job.transition(prev_state, prev_reason)
+            return _Outcome(AckStatus.REFUSED, exc.reason)
+        except (BackendError, HookFailed) as exc:
+            job.fault(exc.reason)
+            return _Outcome(AckStatus.FAILED, exc.reason)
+        except TimeoutError as exc:
+            if scope.expired():
+                reason = f"deadline exceeded after {clock.elapsed():.3f} s"
+            else:
+                reason = f"timed out: {exc or 'no detail'}"
+            job.fault(reason)
+            return _Outcome(AckStatus.FAILED, reason)
+        finally:
+            # No write here: the ack path persists the outcome before the ack is sent.
+            self._count_jobs()
+        return _Outcome(AckStatus.OK, bytes_moved=nbytes)
+
+    async def _checkpoint(self, d: Directive, clock: _Clock) -> _Outcome:
+        workers = self._registry.workers_of(d.job_id)
+        job = self._jobs.get(d.job_id)
+        if job is None:
+            if not workers:
+                return _OK_NOTHING
+            job = self._jobs[d.job_id] = Job(job_id=d.job_id, group_id=d.group_id)
+        if not job.on_device:
+            if job.state is not JobState.SAVED:
+                # A fault after the state reached the host: it is saved, say so.
+                job.transition(JobState.TRANSITIONING)
+                job.transition(JobState.SAVED)
+                self._count_jobs()
+            return _OK_NOTHING
+        if not workers:
+            return _OK_NOTHING
+        ctx = self._context(job, workers)
+        try:
+            self._backend.admit_checkpoint(ctx)
+        except BackendRefused as exc:
+            self._metrics.refused.labels("backend").inc()
+            return _Outcome(AckStatus.REFUSED, exc.reason)
+        hooks_sent = any(w.app_callbacks for w in workers)
+        hooks_done = False
+
+        async def action() -> int:
+            nonlocal hooks_done
+            hook_bytes = await self._registry.run_hooks(
+                d.job_id, d.group_id, HookKind.BEFORE_CHECKPOINT, self._hook_timeout
+            )
+            hooks_done = True
+            transfer = await self._backend.checkpoint(ctx)
+            total = transfer.bytes_moved + hook_bytes
+            job.settle_saved(total, ctx.pids)
+            return total
+
+        return await self._guarded(
+            job, clock, action, hooks_acted=lambda: hooks_sent and hooks_done
+        )
+
+    async def _restore(self, d: Directive, clock: _Clock) -> _Outcome:
+        job = self._jobs.get(d.job_id)
+        if job is None:
+            return _OK_NOTHING
+        workers = self._registry.workers_of(d.job_id)
+        if job.on_device and job.state in (JobState.IDLE, JobState.RUNNING):
+            return _OK_NOTHING
+
+        async def after_restore_hooks() -> int:
+            return await self._registry.run_hooks(
+                d.job_id, d.group_id, HookKind.AFTER_RESTORE, self._hook_timeout
+            )
+
+        if job.on_device:
+            # A fault left the state on the device: only the app's side may need redoing.
+            async def rerun_hooks() -> int:
+                nbytes = await after_restore_hooks()
+                job.settle_on_device(JobState.RUNNING)
+                return nbytes
+
+            return await self._guarded(job, clock, rerun_hooks, hooks_acted=lambda: False)
+
+        ctx = self._context(job, workers)
+        try:
+            self._backend.admit_restore(ctx)
+        except BackendRefused as exc:
+            self._metrics.refused.labels("backend").inc()
+            return _Outcome(AckStatus.REFUSED, exc.reason)
+
+        async def action() -> int:
+            transfer = await self._backend.restore(ctx)
+            # The state is back on the device even if a hook fails below.
+            job.residency = Residency.DEVICE
+            job.saved_bytes = 0
+            job.saved_pids = ()
+            hook_bytes = await after_restore_hooks()
+            job.transition(JobState.RUNNING)
+            return transfer.bytes_moved + hook_bytes
+
+        return await self._guarded(job, clock, action, hooks_acted=lambda: False)
+
+    # ----- shutdown ----------------------------------------------------------------------------
+
+    async def drain(self, timeout: float) -> None:
+        """Refuse new directives and give running ones up to ``timeout`` seconds to finish."""
+        self._closing = True
+        running = self._supervisor.running("directive")
+        if running:
+            log.info("waiting up to %g s for %d running directive(s)", timeout, len(running))
+            await asyncio.wait(running, timeout=timeout)

@@ -1,0 +1,247 @@
+"""Wiring of the agent: state file, backend, worker socket, HTTP, orchestrator link.
+
+Start order: load the state file (refusing a file of another node), re-adopt saved jobs, write
+the state back (a state file that cannot be written fails the start, not a later directive),
+serve the worker socket, serve HTTP, then dial the orchestrator. Stop order (SIGTERM/SIGINT):
+refuse new directives and let running ones finish briefly, close the stream, close the
+servers, save the state, remove the socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import stat
+from pathlib import Path
+
+from grpclib.server import Server
+
+from timeslice_agent import __version__
+from timeslice_agent.backends import Backend, create_backend
+from timeslice_agent.config import AgentConfig, Endpoint
+from timeslice_agent.executor import DirectiveExecutor
+from timeslice_agent.http import HttpServer
+from timeslice_agent.metrics import AgentMetrics
+from timeslice_agent.nvml import discover_devices
+from timeslice_agent.statefile import StateFileError, load_state
+from timeslice_agent.stream import OrchestratorLink
+from timeslice_agent.tasks import Supervisor
+from timeslice_agent.workers import WorkerLinkService, WorkerRegistry
+from timeslice_proto.timeslice.v1 import AgentHello, Device, DirectiveAck, WorkerInfo
+
+log = logging.getLogger(__name__)
+
+DRAIN_SECONDS = 5.0
+CLOSE_SECONDS = 5.0
+_MAX_UNIX_PATH = 107
+
+
+class AgentStartError(Exception):
+    """The agent cannot start (bad state file, socket in use, ...); the message says why."""
+
+
+def _inspect_socket_path(path: Path) -> bool:
+    """Create the parent directory; True if something exists at ``path`` (blocking)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISSOCK(mode):
+        raise AgentStartError(f"{path} exists and is not a socket; not removing it")
+    return True
+
+
+async def prepare_socket_path(path: Path) -> None:
+    """Create the socket's directory and remove a stale socket file.
+
+    Refuses to touch a path that is not a socket, or a socket another process still serves.
+    """
+    if len(os.fsencode(path)) > _MAX_UNIX_PATH:
+        raise AgentStartError(f"worker socket path {path} is longer than {_MAX_UNIX_PATH} bytes")
+    if not await asyncio.to_thread(_inspect_socket_path, path):
+        return
+    try:
+        async with asyncio.timeout(1.0):
+            _, writer = await asyncio.open_unix_connection(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        log.info("removing stale worker socket %s", path)
+        await asyncio.to_thread(path.unlink, missing_ok=True)
+        return
+    except (TimeoutError, OSError) as exc:
+        raise AgentStartError(f"cannot tell whether {path} is in use: {exc!r}") from None
+    writer.close()
+    raise AgentStartError(f"another process is serving the worker socket {path}")
+
+
+class Agent:
+    """One agent process; :meth:`run` until ``stop`` is set."""
+
+    def __init__(self, config: AgentConfig, *, backend: Backend | None = None) -> None:
+        self.config = config
+        self.backend = backend or create_backend(config)
+        self.metrics = AgentMetrics(
+            node=config.node, backend=self.backend.name, emulated=self.backend.emulated
+        )
+        self.supervisor = Supervisor(self.metrics)
+        self.registry = WorkerRegistry(
+            on_change=self._on_workers_changed, check=self._check_registration
+        )
+        self.executor = DirectiveExecutor(
+            node=config.node,
+            backend=self.backend,
+            registry=self.registry,
+            metrics=self.metrics,
+            supervisor=self.supervisor,
+            state_file=config.state_file,
+            hook_timeout=config.hook_timeout,
+            send_ack=self._send_ack,
+        )
+        self.link = OrchestratorLink(
+            node=config.node,
+            targets=config.orchestrators,
+            hello=self._hello,
+            workers=self.registry.workers,
+            on_directive=self.executor.handle,
+            metrics=self.metrics,
+        )
+        self.devices: list[Device] = []
+        self.http_address: Endpoint | None = None
+        self._grpc: Server | None = None
+        self._http: HttpServer | None = None
+        self._socket_inode: int | None = None
+        self._link_task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._state_owned = False
+
+    # ----- callbacks -------------------------------------------------------------------------
+
+    def _check_registration(self, info: WorkerInfo) -> None:
+        self.executor.check_registration(info)
+
+    def _on_workers_changed(self, job_id: str) -> None:
+        self.metrics.registered_workers.set(len(self.registry))
+        if self._stopping:
+            # Registrations end because the agent stops, not because workers died: keep jobs.
+            return
+        self.executor.on_workers_changed(job_id)
+        self.link.workers_changed()
+
+    def _send_ack(self, ack: DirectiveAck) -> None:
+        self.link.send_ack(ack)
+
+    def _hello(self) -> AgentHello:
+        return AgentHello(
+            node=self.config.node,
+            backend=self.backend.name,
+            emulated=self.backend.emulated,
+            devices=list(self.devices),
+            workers=self.registry.workers(),
+            jobs=self.executor.reports(),
+            epochs=self.executor.epoch_list(),
+            agent_version=__version__,
+        )
+
+    # ----- life cycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Bring everything up; raises :class:`AgentStartError` with a reason on failure."""
+        cfg = self.config
+        # First make sure no live agent serves this socket: a second agent of the node must
+        # not even read, let alone rewrite, the state file the first one owns.
+        await prepare_socket_path(cfg.worker_socket)
+        try:
+            state = await asyncio.to_thread(load_state, cfg.state_file, cfg.node)
+        except StateFileError as exc:
+            raise AgentStartError(str(exc)) from None
+        await self.executor.adopt(state)
+        self._state_owned = True
+        if not await self.executor.persist():
+            raise AgentStartError(f"cannot write the state file {cfg.state_file}")
+        self.devices = self.backend.devices(await discover_devices())
+        log.info(
+            "node %s backend %s%s, %d device(s), state file %s",
+            cfg.node,
+            self.backend.name,
+            " (EMULATED: modelled data movement, nothing is really moved)"
+            if self.backend.emulated
+            else "",
+            len(self.devices),
+            cfg.state_file,
+        )
+        self._grpc = Server([WorkerLinkService(self.registry)])
+        await self._grpc.start(path=str(cfg.worker_socket))
+        self._socket_inode = os.stat(cfg.worker_socket).st_ino
+        log.info("worker socket listening on %s", cfg.worker_socket)
+        if cfg.http is not None:
+            self._http = HttpServer(cfg.http, self.metrics, lambda: self.link.ready)
+            self.http_address = await self._http.start()
+        self.supervisor.spawn(
+            self.registry.sweep_forever(), name="worker-sweep", kind="sweep", critical=True
+        )
+        self._link_task = self.supervisor.spawn(
+            self.link.run_forever(), name="orchestrator-link", kind="link", critical=True
+        )
+
+    async def run(self, stop: asyncio.Event) -> int:
+        """Serve until ``stop`` is set (exit 0) or a critical task fails (exit 1)."""
+        try:
+            await self.start()
+        except AgentStartError as exc:
+            log.error("agent cannot start: %s", exc)
+            await self.shutdown()
+            return 2
+        stop_wait = asyncio.create_task(stop.wait(), name="stop-wait")
+        fatal_wait = asyncio.create_task(self.supervisor.wait_fatal(), name="fatal-wait")
+        try:
+            done, _ = await asyncio.wait(
+                {stop_wait, fatal_wait}, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            stop_wait.cancel()
+            fatal_wait.cancel()
+        code = 0
+        if fatal_wait in done and not fatal_wait.cancelled():
+            log.error("a critical task ended (%r); stopping the agent", fatal_wait.result())
+            code = 1
+        else:
+            log.info("stop requested; shutting down")
+        await self.shutdown()
+        return code
+
+    async def shutdown(self) -> None:
+        """Stop in order; every step is bounded so a stuck part cannot hang the exit."""
+        await self.executor.drain(DRAIN_SECONDS)
+        self._stopping = True
+        if self._link_task is not None:
+            self._link_task.cancel()
+            await asyncio.wait({self._link_task}, timeout=CLOSE_SECONDS)
+        if self._grpc is not None:
+            self._grpc.close()
+            try:
+                async with asyncio.timeout(CLOSE_SECONDS):
+                    await self._grpc.wait_closed()
+            except TimeoutError:
+                log.error("worker socket server did not close within %g s", CLOSE_SECONDS)
+        self.registry.close("agent stopping")
+        if self._http is not None:
+            await self._http.close()
+        await self.supervisor.cancel_all(CLOSE_SECONDS)
+        if self._state_owned:
+            await self.executor.persist()
+        self._remove_socket()
+        log.info("agent %s stopped", self.config.node)
+
+    def _remove_socket(self) -> None:
+        path = self.config.worker_socket
+        if self._socket_inode is None:
+            return
+        try:
+            # Only our own socket: a newer agent may already have replaced it.
+            if os.stat(path).st_ino == self._socket_inode:
+                path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("could not remove worker socket %s: %s", path, exc)

@@ -1,0 +1,259 @@
+"""The agent's link to the orchestrator: one ``AgentHub.Connect`` bidi stream at a time.
+
+The agent dials out (so it works behind NAT, on bare metal and under Slurm). On every
+connection it first sends ``AgentHello`` (node, backend, devices, workers, jobs, epochs), then
+waits for ``Welcome`` (bounded by :data:`WELCOME_TIMEOUT_SECONDS`); only then is it ready. After
+that a sender and a receiver run side by side: the receiver hands each directive to the
+executor, the sender drains one outbox (acks, plus a full ``WorkersChanged`` whenever the set of
+workers changed). Acks wait in the outbox across reconnects; a pending ``WorkersChanged`` does
+not, because the next hello carries the full list.
+
+When a stream fails or ends, the link reconnects with exponential backoff and jitter (0.05 s
+doubling to 2 s), cycling through the configured targets; HTTP/2 keepalive pings detect a peer
+that vanished without closing the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import grpclib.const
+from grpclib.client import Channel, Stream
+from grpclib.config import Configuration
+
+from timeslice_agent.config import Endpoint
+from timeslice_agent.metrics import AgentMetrics
+from timeslice_proto.timeslice.v1 import (
+    AgentHello,
+    AgentMessage,
+    Directive,
+    DirectiveAck,
+    OrchestratorMessage,
+    WorkerInfo,
+    WorkersChanged,
+)
+
+log = logging.getLogger(__name__)
+
+CONNECT_ROUTE = "/timeslice.v1.AgentHub/Connect"
+CONNECT_TIMEOUT_SECONDS = 5.0
+WELCOME_TIMEOUT_SECONDS = 10.0
+BACKOFF_INITIAL_SECONDS = 0.05
+BACKOFF_MAX_SECONDS = 2.0
+MAX_PENDING_ACKS = 8192
+
+_CHANNEL_CONFIG = Configuration(
+    _keepalive_time=10.0,
+    _keepalive_timeout=10.0,
+    _keepalive_permit_without_calls=True,
+    _http2_max_pings_without_data=0,
+    _http2_min_sent_ping_interval_without_data=5.0,
+)
+
+_AgentStream = Stream[AgentMessage, OrchestratorMessage]
+
+
+class StreamProtocolError(Exception):
+    """The orchestrator broke the stream contract (for example no Welcome first)."""
+
+
+class StreamClosed(Exception):
+    """The orchestrator ended the stream."""
+
+
+class Backoff:
+    """Exponential backoff with jitter: each delay is drawn from [d/2, d], d doubling to a cap."""
+
+    def __init__(
+        self,
+        initial: float = BACKOFF_INITIAL_SECONDS,
+        maximum: float = BACKOFF_MAX_SECONDS,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._initial = initial
+        self._maximum = maximum
+        self._rng = rng or random.Random()
+        self._current = initial
+
+    def reset(self) -> None:
+        self._current = self._initial
+
+    def next_delay(self) -> float:
+        base = self._current
+        self._current = min(self._current * 2, self._maximum)
+        return base * (0.5 + 0.5 * self._rng.random())
+
+
+class OrchestratorLink:
+    """Keeps one stream to an orchestrator replica up; see the module docstring.
+
+    ``hello`` builds the current AgentHello, ``workers`` the current worker list,
+    ``on_directive`` takes each directive (it must not block).
+    """
+
+    def __init__(
+        self,
+        *,
+        node: str,
+        targets: Sequence[Endpoint],
+        hello: Callable[[], AgentHello],
+        workers: Callable[[], list[WorkerInfo]],
+        on_directive: Callable[[Directive], None],
+        metrics: AgentMetrics,
+        welcome_timeout: float = WELCOME_TIMEOUT_SECONDS,
+        backoff: Backoff | None = None,
+    ) -> None:
+        if not targets:
+            raise ValueError("at least one orchestrator target is needed")
+        self._node = node
+        self._targets = list(targets)
+        self._hello = hello
+        self._workers = workers
+        self._on_directive = on_directive
+        self._metrics = metrics
+        self._welcome_timeout = welcome_timeout
+        self._backoff = backoff or Backoff()
+        self._acks: deque[DirectiveAck] = deque()
+        self._workers_dirty = False
+        self._wake = asyncio.Event()
+        self._ready = False
+        self.replica_id = ""
+
+    @property
+    def ready(self) -> bool:
+        """True while a stream is up and its Welcome was received."""
+        return self._ready
+
+    def _set_ready(self, ready: bool) -> None:
+        self._ready = ready
+        self._metrics.stream_connected.set(1 if ready else 0)
+
+    def send_ack(self, ack: DirectiveAck) -> None:
+        """Queue an ack; it is sent on the current stream or the next one."""
+        if len(self._acks) >= MAX_PENDING_ACKS:
+            dropped = self._acks.popleft()
+            log.error(
+                "ack outbox full (%d): dropped the ack of directive %s; the orchestrator gets "
+                "it again by re-sending the directive",
+                MAX_PENDING_ACKS,
+                dropped.directive_id,
+            )
+        self._acks.append(ack)
+        self._wake.set()
+
+    def workers_changed(self) -> None:
+        """Note that the worker set changed; a full WorkersChanged goes out on the stream."""
+        self._workers_dirty = True
+        self._wake.set()
+
+    async def run_forever(self) -> None:
+        """Connect, serve, reconnect; returns only by cancellation."""
+        attempt = 0
+        while True:
+            target = self._targets[attempt % len(self._targets)]
+            attempt += 1
+            try:
+                await self._session(target)
+                raise StreamClosed("the orchestrator ended the stream")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._metrics.reconnects.inc()
+                delay = self._backoff.next_delay()
+                log.warning(
+                    "orchestrator stream to %s failed (%s: %s); retrying in %.2f s",
+                    target,
+                    type(exc).__name__,
+                    exc,
+                    delay,
+                )
+            finally:
+                self._set_ready(False)
+            await asyncio.sleep(delay)
+
+    async def _session(self, target: Endpoint) -> None:
+        channel = Channel(target.host, target.port, config=_CHANNEL_CONFIG)
+        try:
+            async with channel.request(
+                CONNECT_ROUTE,
+                grpclib.const.Cardinality.STREAM_STREAM,
+                AgentMessage,
+                OrchestratorMessage,
+            ) as stream:
+                async with asyncio.timeout(CONNECT_TIMEOUT_SECONDS):
+                    await stream.send_request()
+                # The hello carries the full worker list, so a pending change is covered by it.
+                self._workers_dirty = False
+                await stream.send_message(AgentMessage(hello=self._hello()))
+                await self._await_welcome(stream, target)
+                self._backoff.reset()
+                await self._serve(stream)
+        finally:
+            channel.close()
+
+    async def _await_welcome(self, stream: _AgentStream, target: Endpoint) -> None:
+        try:
+            async with asyncio.timeout(self._welcome_timeout):
+                first = await stream.recv_message()
+        except TimeoutError:
+            raise StreamProtocolError(
+                f"no Welcome within {self._welcome_timeout:g} s of the hello"
+            ) from None
+        if first is None:
+            raise StreamClosed("the orchestrator ended the stream before its Welcome")
+        if first.welcome is None:
+            raise StreamProtocolError("the orchestrator's first message was not a Welcome")
+        self.replica_id = first.welcome.replica_id
+        self._set_ready(True)
+        log.info(
+            "agent %s ready (orchestrator %s, replica %s)",
+            self._node,
+            target,
+            self.replica_id or "?",
+        )
+
+    async def _serve(self, stream: _AgentStream) -> None:
+        # Acks queued while no stream was up go out first.
+        self._wake.set()
+        sender = asyncio.create_task(self._send_loop(stream), name="stream-send")
+        receiver = asyncio.create_task(self._recv_loop(stream), name="stream-recv")
+        try:
+            done, _ = await asyncio.wait({sender, receiver}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (sender, receiver):
+                task.cancel()
+            await asyncio.gather(sender, receiver, return_exceptions=True)
+        for task in done:
+            exc = task.exception()
+            if exc is not None:
+                raise exc
+
+    async def _send_loop(self, stream: _AgentStream) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self._workers_dirty:
+                self._workers_dirty = False
+                message = AgentMessage(workers=WorkersChanged(workers=self._workers()))
+                await stream.send_message(message)
+            while self._acks:
+                await stream.send_message(AgentMessage(ack=self._acks[0]))
+                # Dropped from the outbox only once handed to the transport.
+                self._acks.popleft()
+
+    async def _recv_loop(self, stream: _AgentStream) -> None:
+        while True:
+            message = await stream.recv_message()
+            if message is None:
+                raise StreamClosed("the orchestrator ended the stream")
+            if message.directive is not None:
+                self._on_directive(message.directive)
+            elif message.welcome is not None:
+                self.replica_id = message.welcome.replica_id
+                log.info("orchestrator replica is now %s", self.replica_id)
+            else:
+                log.warning("ignoring an orchestrator message with no known body")

@@ -1,0 +1,318 @@
+"""Worker registrations and the local ``WorkerLink`` gRPC service.
+
+A GPU worker process registers with ``WorkerLink.Register(WorkerInfo)`` over the agent's unix
+socket and keeps the response stream open: the registration lives exactly as long as that
+stream. The first message down the stream is ``HOOK_KIND_REGISTERED``; workers that asked for
+app callbacks later receive ``BEFORE_CHECKPOINT`` / ``AFTER_RESTORE`` commands and answer each
+with ``CompleteCommand``. When the stream ends (the process exited, the worker cancelled) the
+registration is removed; a sweep every two seconds also drops registrations whose pid is gone,
+in case a stream outlives its process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpclib.const
+import grpclib.server
+from grpclib.exceptions import GRPCError
+
+from timeslice.errors import InvalidArgument, NotFound, TimeSliceError
+from timeslice.ids import validate_group_id, validate_job_id
+from timeslice_agent.procs import pid_exists
+from timeslice_proto.timeslice.v1 import (
+    CommandResult,
+    CommandResultAck,
+    HookKind,
+    WorkerCommand,
+    WorkerInfo,
+)
+
+log = logging.getLogger(__name__)
+
+SWEEP_INTERVAL_SECONDS = 2.0
+
+
+class HookFailed(Exception):
+    """An app callback failed, timed out, or its worker went away; ``reason`` says which."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class HookOutcome:
+    """A worker's answer to one hook command."""
+
+    pid: int
+    ok: bool
+    error: str
+    bytes_moved: int
+
+
+@dataclass
+class Registration:
+    """One live ``Register`` stream."""
+
+    reg_id: int
+    info: WorkerInfo
+    registered_at: float
+    commands: asyncio.Queue[WorkerCommand | None] = field(default_factory=asyncio.Queue)
+    pending: set[str] = field(default_factory=set)
+    closed_reason: str | None = None
+
+
+@dataclass
+class _Waiter:
+    registration: Registration
+    future: asyncio.Future[HookOutcome]
+
+
+def _hook_name(kind: HookKind) -> str:
+    return kind.name.lower()
+
+
+class WorkerRegistry:
+    """The workers registered on this node, and the hook round trips to them.
+
+    ``check`` is called before a registration is accepted and may raise
+    :class:`~timeslice.errors.InvalidArgument` (the executor uses it to keep a job in one group);
+    ``on_change(job_id)`` is called after the set of workers of ``job_id`` changed.
+    """
+
+    def __init__(
+        self,
+        *,
+        on_change: Callable[[str], None],
+        check: Callable[[WorkerInfo], None] | None = None,
+    ) -> None:
+        self._on_change = on_change
+        self._check = check
+        self._ids = itertools.count(1)
+        self._registrations: dict[int, Registration] = {}
+        self._waiters: dict[str, _Waiter] = {}
+
+    def __len__(self) -> int:
+        return len(self._registrations)
+
+    def register(self, info: WorkerInfo) -> Registration:
+        """Validate and add a registration; raises InvalidArgument and changes nothing if bad."""
+        validate_job_id(info.job_id)
+        validate_group_id(info.group_id)
+        if info.pid <= 0:
+            raise InvalidArgument(f"pid must be > 0, got {info.pid}")
+        for other in self._registrations.values():
+            if other.info.job_id == info.job_id and other.info.group_id != info.group_id:
+                raise InvalidArgument(
+                    f"job {info.job_id} is registered in group {other.info.group_id} on this "
+                    f"node, not {info.group_id}"
+                )
+        if self._check is not None:
+            self._check(info)
+        reg = Registration(reg_id=next(self._ids), info=info, registered_at=time.time())
+        self._registrations[reg.reg_id] = reg
+        log.info(
+            "worker registered: job %s group %s pid %d state_bytes %d app_callbacks %s acquirer %s",
+            info.job_id,
+            info.group_id,
+            info.pid,
+            info.state_bytes,
+            info.app_callbacks,
+            info.acquirer,
+        )
+        self._on_change(info.job_id)
+        return reg
+
+    def unregister(self, reg: Registration, reason: str) -> None:
+        """Remove a registration (idempotent); fails its pending hooks."""
+        if self._registrations.pop(reg.reg_id, None) is None:
+            return
+        if reg.closed_reason is None:
+            reg.closed_reason = reason
+        for command_id in list(reg.pending):
+            waiter = self._waiters.pop(command_id, None)
+            if waiter is not None and not waiter.future.done():
+                waiter.future.set_exception(
+                    HookFailed(f"worker pid {reg.info.pid} went away during the hook ({reason})")
+                )
+        reg.pending.clear()
+        # Wake the stream handler so it ends the stream if it is still open.
+        reg.commands.put_nowait(None)
+        log.info("worker unregistered: job %s pid %d (%s)", reg.info.job_id, reg.info.pid, reason)
+        self._on_change(reg.info.job_id)
+
+    def workers(self) -> list[WorkerInfo]:
+        """Current workers, one per (job, pid): a re-registration replaces the older entry."""
+        latest: dict[tuple[str, int], Registration] = {}
+        for reg in self._registrations.values():
+            key = (reg.info.job_id, reg.info.pid)
+            if key not in latest or latest[key].reg_id < reg.reg_id:
+                latest[key] = reg
+        return [r.info for r in sorted(latest.values(), key=lambda r: r.reg_id)]
+
+    def workers_of(self, job_id: str) -> list[WorkerInfo]:
+        return [w for w in self.workers() if w.job_id == job_id]
+
+    def _hook_targets(self, job_id: str) -> list[Registration]:
+        latest: dict[int, Registration] = {}
+        for reg in self._registrations.values():
+            if reg.info.job_id == job_id and reg.info.app_callbacks:
+                if reg.info.pid not in latest or latest[reg.info.pid].reg_id < reg.reg_id:
+                    latest[reg.info.pid] = reg
+        return list(latest.values())
+
+    async def run_hooks(self, job_id: str, group_id: str, kind: HookKind, timeout: float) -> int:
+        """Send ``kind`` to every app-callback worker of the job and wait for all answers.
+
+        Returns the bytes the workers reported moving. Raises :class:`HookFailed` if any worker
+        answers not-ok, goes away, or does not answer within ``timeout`` seconds.
+        """
+        targets = self._hook_targets(job_id)
+        if not targets:
+            return 0
+        loop = asyncio.get_running_loop()
+        issued: list[tuple[str, Registration, asyncio.Future[HookOutcome]]] = []
+        for reg in targets:
+            command_id = uuid.uuid4().hex
+            future: asyncio.Future[HookOutcome] = loop.create_future()
+            self._waiters[command_id] = _Waiter(reg, future)
+            reg.pending.add(command_id)
+            reg.commands.put_nowait(
+                WorkerCommand(command_id=command_id, kind=kind, job_id=job_id, group_id=group_id)
+            )
+            issued.append((command_id, reg, future))
+        name = _hook_name(kind)
+        try:
+            async with asyncio.timeout(timeout):
+                outcomes = await asyncio.gather(*(f for _, _, f in issued))
+        except TimeoutError:
+            late = [reg.info.pid for _, reg, f in issued if not f.done()]
+            raise HookFailed(
+                f"hook {name} timed out after {timeout:g} s waiting for worker pid(s) {late}"
+            ) from None
+        finally:
+            for command_id, reg, future in issued:
+                self._waiters.pop(command_id, None)
+                reg.pending.discard(command_id)
+                if not future.done():
+                    future.cancel()
+                elif not future.cancelled():
+                    # gather stops at the first failure; retrieve the rest so none is unobserved.
+                    future.exception()
+        failed = [o for o in outcomes if not o.ok]
+        if failed:
+            detail = "; ".join(f"pid {o.pid}: {o.error or 'no reason given'}" for o in failed)
+            raise HookFailed(f"hook {name} failed: {detail}")
+        return sum(o.bytes_moved for o in outcomes)
+
+    def complete(self, result: CommandResult) -> None:
+        """Resolve a pending hook; raises :class:`NotFound` for an unknown command id."""
+        waiter = self._waiters.pop(result.command_id, None)
+        if waiter is None or waiter.future.done():
+            raise NotFound(f"no pending command {result.command_id!r}")
+        waiter.registration.pending.discard(result.command_id)
+        waiter.future.set_result(
+            HookOutcome(
+                pid=waiter.registration.info.pid,
+                ok=result.ok,
+                error=result.error,
+                bytes_moved=result.bytes_moved,
+            )
+        )
+
+    def sweep(self) -> int:
+        """Drop registrations whose process no longer exists; returns how many."""
+        gone = [r for r in self._registrations.values() if not pid_exists(r.info.pid)]
+        for reg in gone:
+            self.unregister(reg, f"process {reg.info.pid} no longer exists")
+        return len(gone)
+
+    async def sweep_forever(self, interval: float = SWEEP_INTERVAL_SECONDS) -> None:
+        """Run :meth:`sweep` every ``interval`` seconds until cancelled."""
+        while True:
+            await asyncio.sleep(interval)
+            self.sweep()
+
+    def close(self, reason: str) -> None:
+        """Unregister everyone (agent shutdown)."""
+        for reg in list(self._registrations.values()):
+            self.unregister(reg, reason)
+
+
+def _grpc_error(exc: TimeSliceError) -> GRPCError:
+    return GRPCError(exc.status, exc.wire_message())
+
+
+class WorkerLinkService:
+    """The ``timeslice.v1.WorkerLink`` service over a :class:`WorkerRegistry` (grpclib)."""
+
+    def __init__(self, registry: WorkerRegistry) -> None:
+        self._registry = registry
+
+    async def register(self, stream: grpclib.server.Stream[WorkerInfo, WorkerCommand]) -> None:
+        info = await stream.recv_message()
+        if info is None:
+            raise _grpc_error(InvalidArgument("Register needs a WorkerInfo message"))
+        try:
+            reg = self._registry.register(info)
+        except TimeSliceError as exc:
+            log.warning("worker registration refused: %s", exc.message)
+            raise _grpc_error(exc) from None
+        reason = "stream ended"
+        try:
+            await stream.send_message(
+                WorkerCommand(
+                    command_id=f"registered-{reg.reg_id}",
+                    kind=HookKind.REGISTERED,
+                    job_id=info.job_id,
+                    group_id=info.group_id,
+                )
+            )
+            while True:
+                command = await reg.commands.get()
+                if command is None:
+                    break
+                await stream.send_message(command)
+        except asyncio.CancelledError:
+            # grpclib cancels the handler when the peer resets the stream or disconnects.
+            reason = "worker disconnected"
+            raise
+        finally:
+            self._registry.unregister(reg, reason)
+        if reg.closed_reason is not None and reg.closed_reason != reason:
+            raise _grpc_error(NotFound(f"registration closed by the agent: {reg.closed_reason}"))
+
+    async def complete_command(
+        self, stream: grpclib.server.Stream[CommandResult, CommandResultAck]
+    ) -> None:
+        result = await stream.recv_message()
+        if result is None:
+            raise _grpc_error(InvalidArgument("CompleteCommand needs a CommandResult message"))
+        try:
+            self._registry.complete(result)
+        except TimeSliceError as exc:
+            raise _grpc_error(exc) from None
+        await stream.send_message(CommandResultAck())
+
+    def __mapping__(self) -> dict[str, grpclib.const.Handler]:
+        return {
+            "/timeslice.v1.WorkerLink/Register": grpclib.const.Handler(
+                self.register,
+                grpclib.const.Cardinality.UNARY_STREAM,
+                WorkerInfo,
+                WorkerCommand,
+            ),
+            "/timeslice.v1.WorkerLink/CompleteCommand": grpclib.const.Handler(
+                self.complete_command,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                CommandResult,
+                CommandResultAck,
+            ),
+        }

@@ -1,0 +1,74 @@
+"""Options: command line, TIMESLICE_AGENT_* environment variables, validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from timeslice_agent.config import GB, BackendKind, Endpoint, parse_config, parse_endpoint
+
+
+def test_defaults_and_derived_paths() -> None:
+    cfg = parse_config(["--orchestrator", "a:1,[::1]:2", "--node", "n1"], environ={})
+    assert cfg.orchestrators == (Endpoint("a", 1), Endpoint("::1", 2))
+    assert cfg.backend is BackendKind.SIM
+    assert cfg.worker_socket == Path("/run/timeslice/agent.sock")
+    assert cfg.state_file == Path("/run/timeslice/agent-n1.json")
+    assert cfg.http is None
+    assert cfg.sim.capacity_bytes == 80 * GB
+    assert cfg.sim.bandwidth_bytes_per_s == 50 * GB
+    assert cfg.sim.default_state_bytes == 40 * GB
+    assert cfg.sim.time_scale == 1.0
+    assert cfg.hook_timeout == 60
+
+
+def test_environment_variables_and_command_line_precedence() -> None:
+    env = {
+        "TIMESLICE_AGENT_ORCHESTRATOR": "o:50051",
+        "TIMESLICE_AGENT_NODE": "env-node",
+        "TIMESLICE_AGENT_BACKEND": "freeze",
+        "TIMESLICE_AGENT_WORKER_SOCKET": "/tmp/x/a.sock",
+        "TIMESLICE_AGENT_HTTP": "127.0.0.1:0",
+        "TIMESLICE_AGENT_SIM_TIME_SCALE": "0",
+        "TIMESLICE_AGENT_HOOK_TIMEOUT": "5",
+    }
+    cfg = parse_config(["--node", "cli-node"], environ=env)
+    assert cfg.node == "cli-node"
+    assert cfg.orchestrators == (Endpoint("o", 50051),)
+    assert cfg.backend is BackendKind.FREEZE
+    assert cfg.state_file == Path("/tmp/x/agent-cli-node.json")
+    assert cfg.http == Endpoint("127.0.0.1", 0)
+    assert cfg.sim.time_scale == 0.0
+    assert cfg.hook_timeout == 5.0
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["--orchestrator", "nohostport"],
+        ["--orchestrator", "h:0"],
+        ["--orchestrator", "h:1", "--node", "../etc"],
+        ["--orchestrator", "h:1", "--backend", "cuda-magic"],
+        ["--orchestrator", "h:1", "--sim-capacity-gb", "0"],
+        ["--orchestrator", "h:1", "--sim-time-scale", "-1"],
+        ["--orchestrator", "h:1", "--hook-timeout", "nan"],
+        ["--orchestrator", "h:1", "--http", "h:99999"],
+    ],
+)
+def test_bad_options_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse_config(argv, environ={})
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip()
+
+
+def test_bad_environment_value_is_reported() -> None:
+    with pytest.raises(SystemExit):
+        parse_config(["--orchestrator", "h:1"], environ={"TIMESLICE_AGENT_SIM_BANDWIDTH_GBPS": "x"})
+
+
+def test_parse_endpoint_port_zero_only_when_allowed() -> None:
+    assert parse_endpoint("0.0.0.0:0", allow_port_zero=True) == Endpoint("0.0.0.0", 0)
+    assert str(Endpoint("::1", 5)) == "[::1]:5"

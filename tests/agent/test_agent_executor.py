@@ -1,0 +1,415 @@
+"""Directive execution in-process: fencing, idempotency, serialisation, deadlines, hooks.
+
+The executor runs against the real sim backend, a real worker registry and a real state file;
+only the stream is replaced by a queue of acks (the orchestrator side is the boundary).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from timeslice.errors import InvalidArgument
+from timeslice_agent.backends import Backend, SimBackend
+from timeslice_agent.config import GB, SimSettings
+from timeslice_agent.executor import DirectiveExecutor
+from timeslice_agent.jobs import Job, JobState, Residency
+from timeslice_agent.metrics import AgentMetrics
+from timeslice_agent.statefile import AgentState, load_state
+from timeslice_agent.tasks import Supervisor
+from timeslice_agent.workers import Registration, WorkerRegistry
+from timeslice_proto.timeslice.v1 import (
+    AckStatus,
+    CommandResult,
+    Directive,
+    DirectiveAck,
+    DirectiveKind,
+    HookKind,
+    WorkerInfo,
+)
+from timeslice_proto.timeslice.v1 import JobState as ProtoJobState
+
+CKPT = DirectiveKind.CHECKPOINT
+REST = DirectiveKind.RESTORE
+
+
+def sim(bandwidth_gbps: float = 10.0, capacity_gb: float = 80.0) -> SimBackend:
+    return SimBackend(
+        SimSettings(
+            capacity_bytes=int(capacity_gb * GB),
+            bandwidth_bytes_per_s=bandwidth_gbps * GB,
+            default_state_bytes=int(40 * GB),
+            time_scale=1.0,
+        )
+    )
+
+
+class Rig:
+    """An executor with its registry, metrics and state file; acks land in a queue."""
+
+    def __init__(self, tmp_path: Path, backend: Backend | None = None) -> None:
+        self.backend = backend or sim()
+        self.metrics = AgentMetrics(node="n1", backend="sim", emulated=True)
+        self.supervisor = Supervisor(self.metrics)
+        self.acks: asyncio.Queue[DirectiveAck] = asyncio.Queue()
+        self.state_file = tmp_path / "state.json"
+        self.registry = WorkerRegistry(
+            on_change=lambda job: self.executor.on_workers_changed(job),
+            check=lambda info: self.executor.check_registration(info),
+        )
+        self.executor = DirectiveExecutor(
+            node="n1",
+            backend=self.backend,
+            registry=self.registry,
+            metrics=self.metrics,
+            supervisor=self.supervisor,
+            state_file=self.state_file,
+            hook_timeout=0.5,
+            send_ack=self.acks.put_nowait,
+        )
+
+    def worker(self, job: str, group: str = "g1", gb: float = 1.0, **kw: bool) -> Registration:
+        info = WorkerInfo(
+            job_id=job, group_id=group, pid=os.getpid(), state_bytes=int(gb * GB), **kw
+        )
+        return self.registry.register(info)
+
+    def send(self, did: str, kind: DirectiveKind, job: str, epoch: int, **kw: object) -> None:
+        group = str(kw.pop("group", "g1"))
+        deadline_ms = int(kw.pop("deadline_ms", 0))  # type: ignore[call-overload]
+        self.executor.handle(
+            Directive(
+                directive_id=did,
+                group_id=group,
+                epoch=epoch,
+                kind=kind,
+                job_id=job,
+                deadline_ms=deadline_ms,
+            )
+        )
+
+    async def ack(self, timeout: float = 5.0) -> DirectiveAck:
+        async with asyncio.timeout(timeout):
+            return await self.acks.get()
+
+    async def run(
+        self, did: str, kind: DirectiveKind, job: str, epoch: int, **kw: object
+    ) -> DirectiveAck:
+        self.send(did, kind, job, epoch, **kw)
+        ack = await self.ack()
+        assert ack.directive_id == did
+        return ack
+
+    def count(self, name: str, **labels: str) -> float:
+        value = self.metrics.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+    async def close(self) -> None:
+        await self.executor.drain(2.0)
+        await self.supervisor.cancel_all(2.0)
+
+
+@pytest.fixture
+async def rig(tmp_path: Path):  # type: ignore[no-untyped-def]
+    r = Rig(tmp_path)
+    yield r
+    await r.close()
+
+
+async def test_checkpoint_restore_and_ack_fields(rig: Rig) -> None:
+    rig.worker("j1", gb=1.0)
+    assert rig.executor.jobs["j1"].state is JobState.IDLE
+    ack = await rig.run("d1", CKPT, "j1", 5)
+    assert (ack.status, ack.bytes_moved, ack.job_state) == (AckStatus.OK, GB, ProtoJobState.SAVED)
+    assert ack.emulated and ack.group_id == "g1" and ack.epoch == 5
+    assert 0.09 <= ack.elapsed_seconds < 1.0  # 1 GB at 10 GB/s
+    assert ack.started_at <= ack.finished_at
+    ack = await rig.run("d2", REST, "j1", 5)
+    assert (ack.status, ack.bytes_moved, ack.job_state) == (AckStatus.OK, GB, ProtoJobState.RUNNING)
+    # Restoring a job already on the device moves nothing.
+    ack = await rig.run("d3", REST, "j1", 5)
+    assert (ack.status, ack.bytes_moved) == (AckStatus.OK, 0)
+    # The state file followed every change.
+    saved = load_state(rig.state_file, "n1")
+    assert saved is not None and saved.epochs == {"g1": 5}
+    assert saved.jobs["j1"].state is JobState.RUNNING
+    assert [a.directive_id for a in saved.acks] == ["d1", "d2", "d3"]
+
+
+async def test_checkpoint_without_workers_or_twice_moves_nothing(rig: Rig) -> None:
+    ack = await rig.run("d1", CKPT, "ghost", 1)
+    assert (ack.status, ack.bytes_moved, ack.job_state) == (
+        AckStatus.OK,
+        0,
+        ProtoJobState.UNSPECIFIED,
+    )
+    assert (await rig.run("d2", REST, "ghost", 1)).bytes_moved == 0
+    rig.worker("j1", gb=0.1)
+    assert (await rig.run("d3", CKPT, "j1", 1)).bytes_moved == GB // 10
+    again = await rig.run("d4", CKPT, "j1", 1)
+    assert (again.status, again.bytes_moved, again.job_state) == (
+        AckStatus.OK,
+        0,
+        ProtoJobState.SAVED,
+    )
+
+
+async def test_fencing_refuses_older_epochs_and_accepts_equal(rig: Rig) -> None:
+    rig.worker("j1", gb=0.01)
+    assert (await rig.run("d1", CKPT, "j1", 5)).status == AckStatus.OK
+    stale = await rig.run("d2", REST, "j1", 4)
+    assert stale.status == AckStatus.STALE_EPOCH
+    assert "stale epoch 4" in stale.error and "epoch 5" in stale.error
+    assert stale.job_state == ProtoJobState.SAVED  # nothing happened
+    assert rig.count("timeslice_agent_directives_refused_total", reason="stale_epoch") == 1
+    assert (await rig.run("d3", REST, "j1", 5)).status == AckStatus.OK
+    # Epochs are per group: another group starts from scratch.
+    rig.worker("k1", group="g2", gb=0.01)
+    assert (await rig.run("d4", CKPT, "k1", 1, group="g2")).status == AckStatus.OK
+    assert rig.executor.epochs == {"g1": 5, "g2": 1}
+
+
+async def test_fencing_rechecked_when_a_queued_directive_gets_its_lock(rig: Rig) -> None:
+    rig.worker("j1", gb=3.0)  # 0.3 s per move
+    rig.worker("j2", gb=3.0)
+    rig.send("a1", CKPT, "j1", 5)
+    rig.send("a2", REST, "j1", 5)  # queued behind a1 (same job)
+    await asyncio.sleep(0.05)  # a1 is executing now
+    rig.send("b1", CKPT, "j2", 6)  # newer authority for the group, other job: runs at once
+    acks = {a.directive_id: a for a in [await rig.ack(), await rig.ack(), await rig.ack()]}
+    assert acks["a1"].status == AckStatus.OK
+    assert acks["b1"].status == AckStatus.OK
+    assert acks["a2"].status == AckStatus.STALE_EPOCH
+    assert rig.executor.jobs["j1"].state is JobState.SAVED
+
+
+async def test_same_job_serialised_other_jobs_concurrent(rig: Rig) -> None:
+    rig.worker("j1", gb=3.0)
+    rig.worker("j2", gb=3.0)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    rig.send("a", CKPT, "j1", 1)
+    rig.send("b", CKPT, "j2", 1)
+    await rig.ack()
+    await rig.ack()
+    assert loop.time() - started < 0.55  # two 0.3 s moves side by side
+    started = loop.time()
+    rig.send("c", REST, "j1", 1)
+    rig.send("d", CKPT, "j1", 1)
+    first, second = await rig.ack(), await rig.ack()
+    assert [first.directive_id, second.directive_id] == ["c", "d"]
+    assert second.finished_at - first.finished_at >= 0.25  # d waited for c
+    assert loop.time() - started >= 0.55
+    assert second.job_state == ProtoJobState.SAVED
+
+
+async def test_duplicate_ids_get_the_stored_ack_without_execution(rig: Rig) -> None:
+    rig.worker("j1", gb=2.0)
+    rig.send("d1", CKPT, "j1", 1)
+    rig.send("d1", CKPT, "j1", 1)  # while the first copy is running
+    one, two = await rig.ack(), await rig.ack()
+    assert bytes(one) == bytes(two)
+    again = await rig.run("d1", CKPT, "j1", 1)
+    assert bytes(again) == bytes(one)
+    assert rig.count("timeslice_agent_directives_total", kind="checkpoint", status="ok") == 1
+    assert (
+        rig.count(
+            "timeslice_agent_bytes_moved_total", kind="checkpoint", backend="sim", emulated="true"
+        )
+        == 2 * GB
+    )
+
+
+async def test_acks_remembered_across_restart(tmp_path: Path) -> None:
+    first = Rig(tmp_path)
+    first.worker("j1", gb=0.01)
+    original = await first.run("d1", CKPT, "j1", 3)
+    await first.close()
+    loaded = load_state(first.state_file, "n1")
+    second = Rig(tmp_path)
+    await second.executor.adopt(loaded)
+    assert second.executor.epochs == {"g1": 3}
+    assert second.executor.jobs["j1"].state is JobState.SAVED
+    assert bytes(await second.run("d1", CKPT, "j1", 3)) == bytes(original)
+    assert (await second.run("d2", CKPT, "j1", 2)).status == AckStatus.STALE_EPOCH
+    # The sim re-adopted its host books: the restore moves the saved bytes back.
+    restored = await second.run("d3", REST, "j1", 3)
+    assert (restored.status, restored.bytes_moved) == (AckStatus.OK, GB // 100)
+    await second.close()
+
+
+async def test_deadline_cancels_the_backend_and_faults_the_job(rig: Rig) -> None:
+    rig.worker("j1", gb=2.0)  # 0.2 s at 10 GB/s
+    ack = await rig.run("d1", CKPT, "j1", 1, deadline_ms=50)
+    assert ack.status == AckStatus.FAILED
+    assert ack.error.startswith("deadline exceeded after 0.0")
+    assert ack.elapsed_seconds < 0.15
+    assert ack.job_state == ProtoJobState.FAULTED
+    job = rig.executor.jobs["j1"]
+    assert job.residency is Residency.DEVICE and "deadline" in job.reason
+    assert isinstance(rig.backend, SimBackend) and rig.backend.host_bytes == 0
+    # A faulted job whose state never left the device can be checkpointed again.
+    ack = await rig.run("d2", CKPT, "j1", 1)
+    assert (ack.status, ack.job_state, ack.bytes_moved) == (
+        AckStatus.OK,
+        ProtoJobState.SAVED,
+        2 * GB,
+    )
+    assert job.reason == ""
+
+
+async def test_deadline_while_waiting_for_the_job_lock(rig: Rig) -> None:
+    rig.worker("j1", gb=5.0)  # 0.5 s
+    rig.send("slow", CKPT, "j1", 1)
+    rig.send("late", REST, "j1", 1, deadline_ms=100)
+    late = await rig.ack()
+    assert late.directive_id == "late" and late.status == AckStatus.FAILED
+    assert "waiting for an earlier directive" in late.error
+    assert (await rig.ack()).status == AckStatus.OK
+
+
+async def test_invalid_directives_refused_and_change_nothing(rig: Rig) -> None:
+    rig.worker("j1")
+    bad = await rig.run("b1", CKPT, "../etc", 9)
+    assert bad.status == AckStatus.REFUSED and "invalid directive" in bad.error
+    bad = await rig.run("b2", DirectiveKind.UNSPECIFIED, "j1", 9)
+    assert bad.status == AckStatus.REFUSED and "kind" in bad.error
+    bad = await rig.run("b3", CKPT, "j1", 9, group="other")
+    assert bad.status == AckStatus.REFUSED and "group g1" in bad.error
+    assert rig.executor.epochs == {}
+    assert rig.executor.jobs["j1"].state is JobState.IDLE
+    assert rig.count("timeslice_agent_directives_refused_total", reason="invalid") == 3
+
+
+async def test_restore_refused_when_the_device_is_full(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, backend=sim(bandwidth_gbps=1000, capacity_gb=80))
+    rig.worker("j1", gb=50)
+    rig.worker("j2", gb=50)
+    assert (await rig.run("d1", CKPT, "j1", 1)).status == AckStatus.OK
+    refused = await rig.run("d2", REST, "j1", 1)  # j2 still holds 50 of 80 GB
+    assert refused.status == AckStatus.REFUSED
+    assert refused.error.startswith("insufficient device memory: need 50000000000 bytes")
+    assert refused.job_state == ProtoJobState.SAVED
+    assert rig.count("timeslice_agent_directives_refused_total", reason="backend") == 1
+    assert (await rig.run("d3", CKPT, "j2", 1)).status == AckStatus.OK
+    assert (await rig.run("d4", REST, "j1", 1)).status == AckStatus.OK
+    await rig.close()
+
+
+async def _answer(reg: Registration, rig: Rig, kind: HookKind, ok: bool, nbytes: int) -> None:
+    command = await asyncio.wait_for(reg.commands.get(), 5)
+    assert command is not None and command.kind == kind and command.job_id == "j1"
+    rig.registry.complete(
+        CommandResult(
+            command_id=command.command_id, ok=ok, error="" if ok else "boom", bytes_moved=nbytes
+        )
+    )
+
+
+async def test_app_hooks_round_trip_and_add_bytes(rig: Rig) -> None:
+    reg = rig.worker("j1", gb=0.1, app_callbacks=True)
+    answer = asyncio.create_task(_answer(reg, rig, HookKind.BEFORE_CHECKPOINT, True, 1000))
+    ack = await rig.run("d1", CKPT, "j1", 1)
+    await answer
+    assert (ack.status, ack.bytes_moved) == (AckStatus.OK, GB // 10 + 1000)
+    answer = asyncio.create_task(_answer(reg, rig, HookKind.AFTER_RESTORE, True, 7))
+    ack = await rig.run("d2", REST, "j1", 1)
+    await answer
+    assert (ack.status, ack.bytes_moved, ack.job_state) == (
+        AckStatus.OK,
+        GB // 10 + 7,
+        ProtoJobState.RUNNING,
+    )
+
+
+async def test_failing_or_silent_hook_faults_the_job(rig: Rig) -> None:
+    reg = rig.worker("j1", gb=0.1, app_callbacks=True)
+    answer = asyncio.create_task(_answer(reg, rig, HookKind.BEFORE_CHECKPOINT, False, 0))
+    ack = await rig.run("d1", CKPT, "j1", 1)
+    await answer
+    assert ack.status == AckStatus.FAILED and "boom" in ack.error
+    assert ack.job_state == ProtoJobState.FAULTED and ack.bytes_moved == 0
+    assert isinstance(rig.backend, SimBackend) and rig.backend.host_bytes == 0
+    # Nobody answers: the hook timeout (0.5 s here) fails the directive.
+    ack = await rig.run("d2", CKPT, "j1", 1)
+    assert ack.status == AckStatus.FAILED and "timed out after 0.5 s" in ack.error
+    # An answer after the timeout is refused as unknown.
+    command = reg.commands.get_nowait()
+    assert command is not None
+    with pytest.raises(Exception, match="no pending command"):
+        rig.registry.complete(CommandResult(command_id=command.command_id, ok=True))
+
+
+async def test_worker_leaving_mid_hook_fails_the_directive(rig: Rig) -> None:
+    reg = rig.worker("j1", gb=0.1, app_callbacks=True)
+    rig.send("d1", CKPT, "j1", 1)
+    command = await asyncio.wait_for(reg.commands.get(), 5)
+    assert command is not None
+    rig.registry.unregister(reg, "test says goodbye")
+    ack = await rig.ack()
+    assert ack.status == AckStatus.FAILED and "went away" in ack.error
+
+
+async def test_registry_keeps_the_job_table_in_step(rig: Rig) -> None:
+    reg = rig.worker("j1")
+    with pytest.raises(InvalidArgument, match="group g1"):
+        rig.worker("j1", group="g2")
+    with pytest.raises(InvalidArgument):
+        rig.registry.register(WorkerInfo(job_id="j1", group_id="g1", pid=0))
+    rig.registry.unregister(reg, "exit")
+    assert "j1" not in rig.executor.jobs  # nothing of it left on this node
+    reg = rig.worker("j2", gb=0.01)
+    await rig.run("d1", CKPT, "j2", 1)
+    rig.registry.unregister(reg, "exit")
+    assert rig.executor.jobs["j2"].state is JobState.SAVED  # parked state is kept
+
+
+async def test_sweep_drops_registrations_of_dead_processes(rig: Rig) -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    alive = rig.worker("j1")
+    ghost = rig.registry.register(WorkerInfo(job_id="j2", group_id="g1", pid=dead.pid))
+    assert rig.registry.sweep() == 1
+    assert [w.pid for w in rig.registry.workers()] == [alive.info.pid]
+    assert ghost.closed_reason is not None and "no longer exists" in ghost.closed_reason
+    assert ghost.commands.get_nowait() is None  # its stream handler is told to end
+    assert "j2" not in rig.executor.jobs
+
+
+async def test_shutdown_interrupts_running_directives_and_refuses_new_ones(rig: Rig) -> None:
+    rig.worker("j1", gb=30.0)  # 3 s
+    rig.send("long", CKPT, "j1", 1)
+    await asyncio.sleep(0.05)
+    await rig.executor.drain(0.1)
+    refused = await rig.run("new", CKPT, "j1", 1)
+    assert refused.status == AckStatus.REFUSED and "shutting down" in refused.error
+    await rig.supervisor.cancel_all(2.0)
+    job = rig.executor.jobs["j1"]
+    assert job.state is JobState.FAULTED and "interrupted" in job.reason
+    assert job.residency is Residency.DEVICE
+    # The interrupted directive's ack is remembered for a re-send after the restart.
+    stored = rig.executor.snapshot().acks
+    assert [(a.directive_id, a.status) for a in stored] == [("long", AckStatus.FAILED)]
+
+
+async def test_adopt_faults_interrupted_transitions(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    state = AgentState(
+        node="n1",
+        epochs={"g1": 4},
+        jobs={
+            "j1": Job("j1", "g1", state=JobState.TRANSITIONING),
+            "j2": Job("j2", "g1", state=JobState.SAVED, residency=Residency.HOST, saved_bytes=9),
+        },
+    )
+    await rig.executor.adopt(state)
+    assert rig.executor.jobs["j1"].state is JobState.FAULTED
+    assert "restarted" in rig.executor.jobs["j1"].reason
+    assert rig.executor.jobs["j2"].state is JobState.SAVED
+    assert [r.job_id for r in rig.executor.reports()] == ["j1", "j2"]
+    assert [(e.group_id, e.epoch) for e in rig.executor.epoch_list()] == [("g1", 4)]
+    await rig.close()
