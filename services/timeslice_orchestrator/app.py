@@ -48,6 +48,7 @@ class Orchestrator:
         self._keeper: LeaseKeeper | None = None
         self._driver: SwitchDriver | None = None
         self._router: DirectiveRouter | None = None
+        self._hub: AgentHub | None = None
         self._ready = False
 
     def ready(self) -> bool:
@@ -69,7 +70,7 @@ class Orchestrator:
         self._spawn(self.mirror.run(), "etcd-mirror")
         async with asyncio.timeout(SYNC_TIMEOUT):
             await self.mirror.synced.wait()
-        hub = AgentHub(self.store, cfg.replica_id, lease, self.metrics)
+        self._hub = hub = AgentHub(self.store, cfg.replica_id, lease, self.metrics)
         locks = LockService(self.store, self.mirror, self.metrics, cfg.session_ttl)
         self._router = DirectiveRouter(
             hub, self.mirror, RelayStore(self.etcd, self.keys), cfg.replica_id, lease
@@ -140,6 +141,9 @@ class Orchestrator:
             await self._driver.stop()
         if self._router is not None:
             await self._router.stop()
+        if self._hub is not None:
+            self._hub.close()
+            await asyncio.sleep(0.05)  # let the streams send their end before the server closes
         if self._server is not None:
             self._server.close()
             with contextlib.suppress(Exception):

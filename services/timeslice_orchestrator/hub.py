@@ -48,6 +48,8 @@ class AgentConnection:
     record: AgentRecord
     outgoing: asyncio.Queue[OrchestratorMessage] = field(default_factory=asyncio.Queue)
     pending: dict[str, asyncio.Future[DirectiveAck]] = field(default_factory=dict)
+    # Set to end the stream from our side: replaced by a newer stream, or shutting down.
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def fail_pending(self, reason: str) -> None:
         for fut in self.pending.values():
@@ -87,6 +89,11 @@ class AgentHub(AgentHubBase):
     def nodes(self) -> list[str]:
         return sorted(self._connections)
 
+    def close(self) -> None:
+        """End every agent stream from our side, so agents reconnect elsewhere at once."""
+        for conn in self._connections.values():
+            conn.closed.set()
+
     def holds(self, node: str) -> bool:
         """Whether this replica holds ``node``'s agent stream."""
         return node in self._connections
@@ -109,6 +116,7 @@ class AgentHub(AgentHubBase):
         previous = self._connections.get(node)
         if previous is not None:
             previous.fail_pending("agent reconnected")
+            previous.closed.set()
         self._connections[node] = conn
         self._metrics.agents_connected.set(len(self._connections))
         log.info(
@@ -121,16 +129,22 @@ class AgentHub(AgentHubBase):
         try:
             await self._store.publish_agent(record, self._lease)
             yield OrchestratorMessage(welcome=Welcome(replica_id=self._replica_id))
-            while True:
-                get = asyncio.ensure_future(conn.outgoing.get())
-                done, _ = await asyncio.wait({get, reader}, return_when=asyncio.FIRST_COMPLETED)
-                if get in done:
-                    yield get.result()
-                    continue
-                get.cancel()
-                if reader.exception() is not None:
-                    log.warning("agent %s stream failed: %r", node, reader.exception())
-                return
+            closed = asyncio.ensure_future(conn.closed.wait())
+            try:
+                while True:
+                    get = asyncio.ensure_future(conn.outgoing.get())
+                    done, _ = await asyncio.wait(
+                        {get, reader, closed}, return_when=asyncio.FIRST_COMPLETED
+                    )
+                    if get in done:
+                        yield get.result()
+                        continue
+                    get.cancel()
+                    if reader.done() and reader.exception() is not None:
+                        log.warning("agent %s stream failed: %r", node, reader.exception())
+                    return
+            finally:
+                closed.cancel()
         finally:
             reader.cancel()
             with contextlib.suppress(BaseException):
