@@ -31,7 +31,7 @@ from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.relay import DirectiveRouter
 from timeslice_orchestrator.store.cache import AGENTS_TOPIC, GroupView, Mirror, QueuedJob
 from timeslice_orchestrator.store.etcd import StoreUnavailable
-from timeslice_orchestrator.store.groups import GroupStore, new_switch_id
+from timeslice_orchestrator.store.groups import Authority, GroupStore, new_switch_id
 from timeslice_orchestrator.store.records import (
     AgentRecord,
     GroupStats,
@@ -103,7 +103,7 @@ class SwitchDriver:
         self._router = router
         self._metrics = metrics
         self._config = config
-        self._lease = lease
+        self._auth = Authority(config.replica_id, lease)
         self._kicks: dict[str, asyncio.Event] = {}
         self._loops: dict[str, asyncio.Task[None]] = {}
         self._attempts: dict[tuple[str, str, int], int] = {}
@@ -177,9 +177,9 @@ class SwitchDriver:
         view = self._mirror.group(group)
         if view.holder is not None or (not view.queue and view.switch is None):
             return False
-        if view.driver not in (None, self._config.replica_id):
+        if view.driver is not None and view.driver_lease != self._auth.lease:
             return False  # another live replica drives this group
-        if not await self._store.claim_driver(group, self._config.replica_id, self._lease):
+        if view.driver is None and not await self._store.claim_driver(group, self._auth):
             return False
         if view.switch is not None:
             await self._recover(view, view.switch)
@@ -203,7 +203,7 @@ class SwitchDriver:
         resident = ResidentRecord(view.resident_nodes)
         epoch = await self._store.grant(
             view.group,
-            self._config.replica_id,
+            self._auth,
             head.entry,
             head.job,
             holder,
@@ -233,9 +233,7 @@ class SwitchDriver:
             attempt=attempt,
         )
         resident_rev = view.resident.mod_revision if view.resident else 0
-        switch = await self._store.begin_switch(
-            group, self._config.replica_id, record, resident_rev
-        )
+        switch = await self._store.begin_switch(group, self._auth, record, resident_rev)
         if switch is None:
             return True  # the group changed underneath; look again
         started = time.monotonic()
@@ -265,9 +263,7 @@ class SwitchDriver:
             resident.pop(step.node, None)
 
         # Phase 2: RESTORE the head on all its nodes at once.
-        moved = await self._store.update_switch(
-            group, self._config.replica_id, switch, Phase.RESTORE
-        )
+        moved = await self._store.update_switch(group, self._auth, switch, Phase.RESTORE)
         if moved is None:
             return True  # lost the driver role; the new driver recovers from the record
         switch = moved
@@ -281,7 +277,7 @@ class SwitchDriver:
             stats.last_error = f"{head.job}: {error}"
             await self._store.end_switch(
                 group,
-                self._config.replica_id,
+                self._auth,
                 switch,
                 ResidentRecord(resident),
                 stats,
@@ -309,7 +305,7 @@ class SwitchDriver:
         stats.last_switch_seconds = elapsed
         epoch = await self._store.grant(
             group,
-            self._config.replica_id,
+            self._auth,
             head.entry,
             head.job,
             holder,
@@ -322,9 +318,7 @@ class SwitchDriver:
         if epoch is None:
             # The waiter left mid-switch: keep what the devices now hold, drop the record.
             stats.grants -= 1
-            await self._store.end_switch(
-                group, self._config.replica_id, switch, ResidentRecord(resident), stats
-            )
+            await self._store.end_switch(group, self._auth, switch, ResidentRecord(resident), stats)
             self._metrics.switches.labels(outcome="waiter_left").inc()
             return True
         self._metrics.switches.labels(outcome="committed").inc()
@@ -349,9 +343,7 @@ class SwitchDriver:
         # Isolate the head: its Acquire fails with the reason, the others keep their places.
         stats = fresh.stats
         stats.last_error = reason
-        await self._store.fault_waiter(
-            view.group, self._config.replica_id, head.job, head.entry, reason, stats
-        )
+        await self._store.fault_waiter(view.group, self._auth, head.job, head.entry, reason, stats)
         self._metrics.switches.labels(outcome="gave_up").inc()
         return True
 
@@ -367,9 +359,7 @@ class SwitchDriver:
         log.warning("group %s: %s; rolling back %d node(s)", group, error, len(checkpointed))
         stats.last_error = str(error)
         self._metrics.switches.labels(outcome="rolled_back").inc()
-        moved = await self._store.update_switch(
-            group, self._config.replica_id, switch, Phase.ROLLBACK
-        )
+        moved = await self._store.update_switch(group, self._auth, switch, Phase.ROLLBACK)
         if moved is None:
             return
         back = [NodeStep(s.node, evict="", restore=s.evict) for s in checkpointed]
@@ -378,9 +368,7 @@ class SwitchDriver:
             if not result.ok:
                 resident.pop(step.node, None)
                 stats.last_error += f"; rollback on {step.node} failed: {result.error}"
-        await self._store.end_switch(
-            group, self._config.replica_id, moved, ResidentRecord(resident), stats
-        )
+        await self._store.end_switch(group, self._auth, moved, ResidentRecord(resident), stats)
 
     async def _recover(self, view: GroupView, switch: Stored[SwitchRecord]) -> None:
         """Abort a switch whose driver died: put back every evicted job, clear the record."""

@@ -163,7 +163,8 @@ class LockService:
             lease_of(session_id)
         if epoch <= 0:
             raise InvalidArgument("epoch must be the positive fencing token of the grant")
-        await self._store.release(group, job, epoch, session_id)
+        hint = self._mirror.get(f"groups/{group}/holder")
+        await self._store.release(group, job, epoch, session_id, hint)
 
     def view(self, group: str) -> GroupView:
         validate_group_id(group)

@@ -69,6 +69,7 @@ class GroupView:
     resident: Stored[ResidentRecord] | None
     switch: Stored[SwitchRecord] | None
     driver: str | None
+    driver_lease: int
     faults: dict[str, Stored[FaultRecord]] = field(default_factory=dict)
     stats: GroupStats = field(default_factory=GroupStats)
 
@@ -125,6 +126,7 @@ class Mirror:
         base = f"groups/{group}/"
         holder = resident = switch = None
         driver: str | None = None
+        driver_lease = 0
         queue: list[QueuedJob] = []
         faults: dict[str, Stored[FaultRecord]] = {}
         stats = GroupStats()
@@ -139,7 +141,7 @@ class Mirror:
             elif name == "switch":
                 switch = Stored.of(kv, SwitchRecord.decode(kv.value))
             elif name == "driver":
-                driver = kv.value.decode()
+                driver, driver_lease = kv.value.decode(), kv.lease
             elif name == "stats":
                 stats = GroupStats.decode(kv.value)
             elif name.startswith("queue/"):
@@ -148,7 +150,17 @@ class Mirror:
                 faults[name[8:]] = Stored.of(kv, FaultRecord.decode(kv.value))
         queue.sort(key=lambda q: q.revision)
         return GroupView(
-            group, self.revision, exists, holder, queue, resident, switch, driver, faults, stats
+            group,
+            self.revision,
+            exists,
+            holder,
+            queue,
+            resident,
+            switch,
+            driver,
+            driver_lease,
+            faults,
+            stats,
         )
 
     # -- waiting ------------------------------------------------------------------------

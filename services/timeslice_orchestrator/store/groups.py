@@ -19,6 +19,8 @@ from timeslice.errors import (
 )
 from timeslice_orchestrator.store.etcd import (
     Compare,
+    CompareOp,
+    CompareTarget,
     Delete,
     EtcdClient,
     Get,
@@ -31,7 +33,6 @@ from timeslice_orchestrator.store.etcd import (
     created_at,
     modified_at,
     present,
-    value_is,
 )
 from timeslice_orchestrator.store.keys import Keyspace
 from timeslice_orchestrator.store.records import (
@@ -61,6 +62,14 @@ def lease_of(session_id: str) -> int:
     if len(session_id) != 16 or value <= 0:
         raise NotFound(f"session {session_id!r} does not exist")
     return value
+
+
+@dataclass(frozen=True, slots=True)
+class Authority:
+    """Who may drive a group: a replica incarnation, identified by its etcd lease."""
+
+    replica_id: str
+    lease: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,10 +173,18 @@ class GroupStore:
         )
         return released.succeeded
 
-    async def release(self, group: str, job: str, epoch: int, session_id: str) -> None:
-        """Yield: compare-and-delete the holder key. Moves no data (lazy switching)."""
+    async def release(
+        self, group: str, job: str, epoch: int, session_id: str, hint: KeyValue | None = None
+    ) -> None:
+        """Yield: compare-and-delete the holder key. Moves no data (lazy switching).
+
+        ``hint`` is the holder key as a mirror last saw it; when it matches the epoch it saves
+        the read, and the compare on its mod revision keeps the delete exact either way.
+        """
         k = self.keys
-        holder = await self.etcd.get(k.holder(group))
+        holder = hint if hint is not None and hint.create_revision == epoch else None
+        if holder is None:
+            holder = await self.etcd.get(k.holder(group))
         if holder is None:
             if await self.etcd.get(k.meta(group)) is None:
                 raise NotFound(f"group {group} does not exist")
@@ -189,28 +206,30 @@ class GroupStore:
 
     # -- the switch driver --------------------------------------------------------------
 
-    async def claim_driver(self, group: str, replica: str, lease: int) -> bool:
+    async def claim_driver(self, group: str, auth: Authority) -> bool:
         """Become (or stay) the replica that drives this group's switches."""
         k = self.keys
         result = await self.etcd.txn(
             Txn(
                 compare=[absent(k.driver(group))],
-                success=[Put(k.driver(group), replica.encode(), lease=lease)],
+                success=[Put(k.driver(group), auth.replica_id.encode(), lease=auth.lease)],
                 failure=[Get(k.driver(group))],
             )
         )
         if result.succeeded:
             return True
         current = result.reads[0]
-        return bool(current) and current[0].value == replica.encode()
+        return bool(current) and current[0].lease == auth.lease
 
-    def _driving(self, group: str, replica: str) -> list[Compare]:
-        return [value_is(self.keys.driver(group), replica.encode())]
+    def _driving(self, group: str, auth: Authority) -> list[Compare]:
+        # The lease, not the name: a restarted replica reusing its name must not inherit
+        # the authority of its previous incarnation (a paused zombie could still write).
+        return [Compare(self.keys.driver(group), CompareTarget.LEASE, CompareOp.EQUAL, auth.lease)]
 
     async def grant(
         self,
         group: str,
-        replica: str,
+        auth: Authority,
         entry: Stored[QueueRecord],
         job: str,
         holder: HolderRecord,
@@ -226,7 +245,7 @@ class GroupStore:
         """
         k = self.keys
         compare = [
-            *self._driving(group, replica),
+            *self._driving(group, auth),
             absent(k.holder(group)),
             created_at(k.queue_entry(group, job), entry.create_revision),
             modified_at(k.resident(group), resident_revision),
@@ -246,14 +265,14 @@ class GroupStore:
         return result.revision if result.succeeded else None
 
     async def begin_switch(
-        self, group: str, replica: str, record: SwitchRecord, resident_revision: int
+        self, group: str, auth: Authority, record: SwitchRecord, resident_revision: int
     ) -> Stored[SwitchRecord] | None:
         """Write the switch record; its create revision is the epoch of every directive."""
         k = self.keys
         result = await self.etcd.txn(
             Txn(
                 [
-                    *self._driving(group, replica),
+                    *self._driving(group, auth),
                     absent(k.switch(group)),
                     absent(k.holder(group)),
                     modified_at(k.resident(group), resident_revision),
@@ -267,13 +286,13 @@ class GroupStore:
         return Stored.of(kv, record)
 
     async def update_switch(
-        self, group: str, replica: str, switch: Stored[SwitchRecord], phase: Phase
+        self, group: str, auth: Authority, switch: Stored[SwitchRecord], phase: Phase
     ) -> Stored[SwitchRecord] | None:
         k = self.keys
         switch.record.phase = phase
         result = await self.etcd.txn(
             Txn(
-                [*self._driving(group, replica), modified_at(k.switch(group), switch.mod_revision)],
+                [*self._driving(group, auth), modified_at(k.switch(group), switch.mod_revision)],
                 [Put(k.switch(group), switch.record.encode()), Get(k.switch(group))],
             )
         )
@@ -284,7 +303,7 @@ class GroupStore:
     async def end_switch(
         self,
         group: str,
-        replica: str,
+        auth: Authority,
         switch: Stored[SwitchRecord],
         resident: ResidentRecord,
         stats: GroupStats,
@@ -297,7 +316,7 @@ class GroupStore:
         """
         k = self.keys
         compare = [
-            *self._driving(group, replica),
+            *self._driving(group, auth),
             modified_at(k.switch(group), switch.mod_revision),
         ]
         ops: list[Put | Delete] = [
@@ -321,7 +340,7 @@ class GroupStore:
     async def fault_waiter(
         self,
         group: str,
-        replica: str,
+        auth: Authority,
         job: str,
         entry: Stored[QueueRecord],
         reason: str,
@@ -332,7 +351,7 @@ class GroupStore:
         result = await self.etcd.txn(
             Txn(
                 [
-                    *self._driving(group, replica),
+                    *self._driving(group, auth),
                     created_at(k.queue_entry(group, job), entry.create_revision),
                 ],
                 [
