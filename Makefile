@@ -18,14 +18,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(BIN)/pytest -n auto -q
 
 test-fast: $(STAMP)
 	$(BIN)/pytest -n auto -q -m "not slow"
 
 lint: $(STAMP)
-	$(BIN)/ruff check libs/timeslice services tests bench
+	$(BIN)/ruff check libs/timeslice services tests scripts
 	PATH=$(abspath $(BIN)):$$PATH MYPYPATH=libs:services $(BIN)/mypy --strict $(PKGS)
 
 typecheck: lint
