@@ -35,7 +35,7 @@ protos: $(STAMP)
 	PATH=$(abspath $(BIN)):$$PATH $(PY) scripts/protogen.py libs/timeslice_proto
 
 demo: $(STAMP)
-	$(PY) -m timeslice.demo
+	$(PY) -m timeslice.dev.demo
 
 cluster: $(STAMP)
 	$(BIN)/timeslice dev cluster

@@ -194,7 +194,8 @@ class GroupStore:
             raise PermissionDenied(f"group {group} is held by another job, not {job}")
         if holder.create_revision != epoch:
             raise NotHolder(
-                f"epoch {epoch} is stale: job {job} holds group {group} under a newer grant"
+                f"epoch {epoch} does not match: job {job} holds group {group} "
+                f"under epoch {holder.create_revision}"
             )
         if session_id and record.session != session_id:
             raise PermissionDenied(f"the hold on {group} belongs to another session of {job}")

@@ -1,0 +1,171 @@
+"""Process and port helpers shared by the local etcd launcher and the local cluster.
+
+Private to :mod:`timeslice.dev`. Everything here is synchronous on purpose: these helpers run in
+test fixtures, the CLI and the demo driver, never on a service's event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+_LOG_TAIL_BYTES = 16_384
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """Return ``count`` distinct TCP ports that were free on ``host`` a moment ago.
+
+    All sockets stay bound until every port is picked, so one call never returns the same port
+    twice. Another process can still take a port before we use it; callers that can, retry.
+    """
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((host, 0))
+            sockets.append(sock)
+        return [int(sock.getsockname()[1]) for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def log_tail(path: Path, max_lines: int = 40) -> str:
+    """The last lines of a log file, or a note saying why there is nothing to show."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - _LOG_TAIL_BYTES))
+            data = f.read()
+    except OSError as exc:
+        return f"(no log at {path}: {exc.strerror})"
+    lines = data.decode("utf-8", errors="replace").splitlines()[-max_lines:]
+    if not lines:
+        return f"(log {path} is empty)"
+    return "\n".join(lines)
+
+
+def log_size(path: Path) -> int:
+    """The current size of a log file (0 when it does not exist yet)."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def log_since(path: Path, offset: int) -> str:
+    """What a log file gained after ``offset`` (what one start attempt wrote)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(offset)
+            return f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def http_status(url: str, timeout: float = 0.5) -> tuple[int, bytes] | None:
+    """GET ``url``; the status and body, or None when nothing answered."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return int(resp.status), resp.read()
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.read()
+    except (OSError, ValueError):
+        # Connection refused/reset, timeouts and half-started servers all mean "not yet".
+        return None
+
+
+def _pdeathsig_preexec() -> Callable[[], None] | None:
+    """A preexec hook asking Linux to SIGTERM the child when its parent dies.
+
+    This keeps a test run that is killed -9 from leaking etcd or service processes. The signal
+    fires when the *thread* that forked exits, so it is only used from the main thread; children
+    started from worker threads (for example ``asyncio.to_thread``) rely on explicit stops.
+    """
+    if sys.platform != "linux" or threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        # The parent may have died between fork and prctl; then nobody would ever signal us.
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return hook
+
+
+def spawn(
+    argv: list[str],
+    log_path: Path,
+    *,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start ``argv`` in its own session with stdout and stderr appended to ``log_path``.
+
+    Its own session so that a Ctrl-C in the terminal reaches only our supervisor, which then
+    stops the children in order instead of all of them dying at once.
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as log:
+        log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(argv)}\n".encode())
+        log.flush()
+        return subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+            preexec_fn=_pdeathsig_preexec(),
+        )
+
+
+def terminate_all(processes: Iterable[subprocess.Popen[bytes]], grace: float = 5.0) -> None:
+    """SIGTERM every live process, wait up to ``grace`` seconds in total, SIGKILL the rest."""
+    live = [p for p in processes if p.poll() is None]
+    for proc in live:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for proc in live:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            kill(proc)
+
+
+def kill(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL ``proc`` (if it still runs) and reap it."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+    # After SIGKILL the kernel reaps promptly; the bound only guards against a D-state process.
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10.0)
+
+
+def address_in_use(log_text: str) -> bool:
+    """Whether a failed start's log says a port was taken (worth retrying on other ports)."""
+    lowered = log_text.lower()
+    return "address already in use" in lowered or "eaddrinuse" in lowered

