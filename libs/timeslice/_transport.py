@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from grpclib.client import Channel
+from grpclib.config import Configuration
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
 from timeslice.errors import (
@@ -38,6 +39,15 @@ BACKOFF_MAX = 1.0
 T = TypeVar("T")
 
 
+# HTTP/2 pings find a replica that stopped answering (paused, partitioned) within a few seconds,
+# so a waiting Acquire moves to another replica instead of waiting on a dead connection.
+CHANNEL_CONFIG = Configuration(
+    _keepalive_time=2.0,
+    _keepalive_timeout=3.0,
+    _keepalive_permit_without_calls=True,
+)
+
+
 @dataclass(frozen=True, slots=True)
 class Target:
     """One orchestrator address: TCP host and port, or a unix socket path."""
@@ -56,8 +66,8 @@ class Target:
     def open_channel(self) -> Channel:
         """Create a channel for this target (must be called inside the loop that will use it)."""
         if self.path is not None:
-            return Channel(path=self.path)
-        return Channel(host=self.host, port=self.port)
+            return Channel(path=self.path, config=CHANNEL_CONFIG)
+        return Channel(host=self.host, port=self.port, config=CHANNEL_CONFIG)
 
 
 def _parse_one(text: str) -> Target:

@@ -23,8 +23,9 @@ import logging
 import math
 import os
 import socket
+import uuid
 from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
@@ -119,6 +120,8 @@ class _AcquireOutcome:
     session: _Session | None = None
     granted: AcquireEvent | None = None
     events: int = 0
+    # Sent with every attempt of this acquire so the server can recognise a retry.
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
 class AsyncTimeSliceClient:
@@ -684,7 +687,11 @@ class AsyncTimeSliceClient:
         outcome: _AcquireOutcome,
     ) -> None:
         request = AcquireRequest(
-            session_id=session.session_id, job_id=self._job_id, group_id=group, priority=priority
+            session_id=session.session_id,
+            job_id=self._job_id,
+            group_id=group,
+            priority=priority,
+            request_id=outcome.request_id,
         )
         try:
             # No gRPC deadline: the wait is bounded by the caller's timeout (or not at all),

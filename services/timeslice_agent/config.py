@@ -67,6 +67,7 @@ class AgentConfig:
     sim: SimSettings
     hook_timeout: float
     log_level: str
+    journal: Path | None = None
 
 
 def parse_endpoint(text: str, *, allow_port_zero: bool = False) -> Endpoint:
@@ -214,6 +215,12 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         type=_argtype(_number(0, inclusive=False)),
     )
     add("--log-level", "INFO", "logging level", metavar="LEVEL")
+    add(
+        "--journal",
+        "",
+        "append one JSON line per executed directive to this file (histories, audits)",
+        metavar="PATH",
+    )
     return parser
 
 
@@ -254,4 +261,5 @@ def parse_config(
         sim=sim,
         hook_timeout=ns.hook_timeout,
         log_level=level,
+        journal=Path(ns.journal) if ns.journal else None,
     )

@@ -38,6 +38,7 @@ from timeslice_agent.backends.base import (
     SavedJob,
 )
 from timeslice_agent.jobs import Job, JobState, Residency
+from timeslice_agent.journal import DirectiveJournal, JournalEntry
 from timeslice_agent.metrics import AgentMetrics
 from timeslice_agent.statefile import AgentState, StateStore, StateWriteError
 from timeslice_agent.tasks import Supervisor
@@ -107,6 +108,7 @@ class DirectiveExecutor:
         state_file: Path,
         hook_timeout: float,
         send_ack: Callable[[DirectiveAck], None],
+        journal: DirectiveJournal | None = None,
     ) -> None:
         self._node = node
         self._backend = backend
@@ -115,6 +117,7 @@ class DirectiveExecutor:
         self._supervisor = supervisor
         self._hook_timeout = hook_timeout
         self._send_ack = send_ack
+        self._journal = journal
         self._jobs: dict[str, Job] = {}
         self._epochs: dict[str, int] = {}
         self._acks: OrderedDict[str, DirectiveAck] = OrderedDict()
@@ -359,6 +362,8 @@ class DirectiveExecutor:
         # The job's state and the ack are durable before the orchestrator hears of them.
         await self.persist()
         self._release_duplicates(d, ack)
+        if self._journal is not None:
+            self._journal.record(JournalEntry.of(self._node, d, ack))
         self._send_ack(ack)
         level = logging.INFO if ack.status is AckStatus.OK else logging.WARNING
         log.log(

@@ -22,6 +22,7 @@ from timeslice_agent.backends import Backend, create_backend
 from timeslice_agent.config import AgentConfig, Endpoint
 from timeslice_agent.executor import DirectiveExecutor
 from timeslice_agent.http import HttpServer
+from timeslice_agent.journal import DirectiveJournal
 from timeslice_agent.metrics import AgentMetrics
 from timeslice_agent.nvml import discover_devices
 from timeslice_agent.statefile import StateFileError, load_state
@@ -97,6 +98,7 @@ class Agent:
             state_file=config.state_file,
             hook_timeout=config.hook_timeout,
             send_ack=self._send_ack,
+            journal=DirectiveJournal(config.journal) if config.journal else None,
         )
         self.link = OrchestratorLink(
             node=config.node,

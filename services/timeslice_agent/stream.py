@@ -47,8 +47,8 @@ BACKOFF_MAX_SECONDS = 2.0
 MAX_PENDING_ACKS = 8192
 
 _CHANNEL_CONFIG = Configuration(
-    _keepalive_time=10.0,
-    _keepalive_timeout=10.0,
+    _keepalive_time=1.0,
+    _keepalive_timeout=2.0,
     _keepalive_permit_without_calls=True,
     _http2_max_pings_without_data=0,
     _http2_min_sent_ping_interval_without_data=5.0,

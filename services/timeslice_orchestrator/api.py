@@ -93,7 +93,11 @@ class TimeSliceService(TimeSliceBase):
         try:
             with self._typed_errors():
                 progress = self._locks.acquire(
-                    message.session_id, message.job_id, message.group_id, message.priority
+                    message.session_id,
+                    message.job_id,
+                    message.group_id,
+                    message.priority,
+                    message.request_id,
                 )
                 async with contextlib.aclosing(progress):
                     async for step in progress:

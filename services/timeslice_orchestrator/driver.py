@@ -195,6 +195,7 @@ class SwitchDriver:
         holder = HolderRecord(
             job=head.job,
             session=head.entry.record.session,
+            request_id=head.entry.record.request_id,
             granted_at=now,
             waited_seconds=max(0.0, now - head.entry.record.enqueued_at),
         )
@@ -294,6 +295,7 @@ class SwitchDriver:
         holder = HolderRecord(
             job=head.job,
             session=head.entry.record.session,
+            request_id=head.entry.record.request_id,
             granted_at=now,
             waited_seconds=max(0.0, now - head.entry.record.enqueued_at),
             restored=True,

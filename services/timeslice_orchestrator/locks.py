@@ -76,7 +76,7 @@ class LockService:
         await self._store.close_session(session_id)
 
     async def acquire(
-        self, session_id: str, job: str, group: str, priority: int
+        self, session_id: str, job: str, group: str, priority: int, request_id: str = ""
     ) -> AsyncGenerator[Progress, None]:
         """Queue ``job`` for ``group`` and yield its progress; the last item is GRANTED."""
         validate_job_id(job)
@@ -86,7 +86,9 @@ class LockService:
         if session.record.job != job:
             raise PermissionDenied(f"session {session_id} belongs to job {session.record.job}")
         started = time.monotonic()
-        enqueued = await self._store.enqueue(session, session_id, group, priority)
+        if len(request_id) > 64:
+            raise InvalidArgument("request_id must be at most 64 characters")
+        enqueued = await self._store.enqueue(session, session_id, group, priority, request_id)
         await self._mirror.wait_for_revision(enqueued.revision, MIRROR_LAG_TIMEOUT)
         topic = f"group:{group}"
         granted = False

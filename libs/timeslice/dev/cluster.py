@@ -175,6 +175,11 @@ class LocalCluster:
         return {node: self._node_dir(node) / "state.json" for node in self._agents}
 
     @property
+    def agent_journals(self) -> dict[str, Path]:
+        """Per node: the agent's directive journal (one JSON line per finished directive)."""
+        return {node: self._node_dir(node) / "journal.jsonl" for node in self._agents}
+
+    @property
     def etcd_endpoint(self) -> str:
         if self._given_etcd is not None:
             return self._given_etcd
@@ -408,14 +413,20 @@ class LocalCluster:
             if self._replica_ttl is not None:
                 argv += ["--replica-ttl", _format_seconds(self._replica_ttl)]
             return argv + self._orchestrator_args
+        # Each agent starts on a different replica (node-i on replica i mod N), as agents
+        # spread behind a load balancer would; the rest of the list is its failover order.
+        index = list(self._agents).index(service.name)
+        shift = index % len(self.targets)
+        targets = self.targets[shift:] + self.targets[:shift]
         return [
             sys.executable, "-m", "timeslice_agent",
-            "--orchestrator", self.target,
+            "--orchestrator", ",".join(targets),
             "--node", service.name,
             "--backend", self._backend,
             "--worker-socket", str(self._socket_path(service.name)),
             "--state-file", str(self.agent_state_files[service.name]),
             "--http", service.http,
+            "--journal", str(self.agent_journals[service.name]),
             *self._agent_args,
         ]  # fmt: skip
 

@@ -112,20 +112,32 @@ class GroupStore:
     # -- the lock -----------------------------------------------------------------------
 
     async def enqueue(
-        self, session: Stored[SessionRecord], session_id: str, group: str, priority: int
+        self,
+        session: Stored[SessionRecord],
+        session_id: str,
+        group: str,
+        priority: int,
+        request_id: str = "",
     ) -> Enqueued:
         """Put the job in the group's queue; creates the group on first use.
 
         Re-acquiring with the same session re-attaches to the existing entry (its place in
-        line is kept); the job already holding the group, or waiting through another
-        session, is refused.
+        line is kept), and a retry of the same request (same ``request_id``) that finds the
+        grant already committed re-attaches to the grant; the job already holding the group,
+        or waiting through another session, is refused.
         """
         job = session.record.job
         k = self.keys
         holder = await self.etcd.get(k.holder(group))
-        if holder is not None and HolderRecord.decode(holder.value).job == job:
-            raise AlreadyExists(f"job {job} already holds group {group}")
-        entry = QueueRecord(session=session_id, priority=priority, enqueued_at=time.time())
+        if holder is not None:
+            held = HolderRecord.decode(holder.value)
+            if held.job == job:
+                if request_id and held.request_id == request_id and held.session == session_id:
+                    return Enqueued(holder.mod_revision, 0, reattached=True)
+                raise AlreadyExists(f"job {job} already holds group {group}")
+        entry = QueueRecord(
+            session=session_id, priority=priority, enqueued_at=time.time(), request_id=request_id
+        )
         result = await self.etcd.txn(
             Txn(
                 compare=[absent(k.queue_entry(group, job)), present(k.session(session_id))],

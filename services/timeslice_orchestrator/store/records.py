@@ -56,6 +56,7 @@ class QueueRecord(_Record):
     session: str
     priority: int
     enqueued_at: float
+    request_id: str = ""
 
 
 @dataclass(slots=True)
@@ -67,6 +68,7 @@ class HolderRecord(_Record):
     restored: bool = False
     previous_job: str = ""
     switch_seconds: float = 0.0
+    request_id: str = ""
 
 
 @dataclass(slots=True)

@@ -339,6 +339,13 @@ class AcquireRequest(betterproto2.Message):
     Larger runs first under the priority policy; ignored by FIFO.
     """
 
+    request_id: "str" = betterproto2.field(5, betterproto2.TYPE_STRING)
+    """
+    Idempotency key of one acquire() call, the same on every retry of it: a retry that
+    reaches another replica after the grant was committed gets that grant back instead of
+    ALREADY_EXISTS.
+    """
+
 
 default_message_pool.register_message("timeslice.v1", "AcquireRequest", AcquireRequest)
 
