@@ -232,18 +232,23 @@ class Transport:
         deadline = loop.time() + budget
         backoff = Backoff()
         tried: list[str] = []
+        # With several replicas, one attempt may use only part of the budget: a replica that
+        # hangs (paused, partitioned) must not eat all of it before we try the next one.
+        share = budget if len(self.targets) < 2 or not retry else max(budget / 2, 0.2)
         while True:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise Timeout(f"{what}: no answer within {budget:g}s")
             target, stub = self.stub()
             try:
-                return await call(stub, remaining)
+                return await call(stub, min(remaining, share))
             except Exception as exc:
                 error = map_error(exc, f"{what} via {target}")
                 if error is None:
                     raise
-                if not isinstance(error, Unavailable) or not retry:
+                # Our own per-attempt deadline passed (not a typed timeout the server sent).
+                hung = isinstance(exc, TimeoutError) and deadline - loop.time() > 0.05
+                if not (isinstance(error, Unavailable) or hung) or not retry:
                     raise error from exc
                 tried.append(str(error))
                 log.debug("%s", error)

@@ -70,7 +70,7 @@ class Orchestrator:
         self._spawn(self.mirror.run(), "etcd-mirror")
         async with asyncio.timeout(SYNC_TIMEOUT):
             await self.mirror.synced.wait()
-        self._hub = hub = AgentHub(self.store, cfg.replica_id, lease, self.metrics)
+        self._hub = hub = AgentHub(self.store, cfg.replica_id, cfg.agent_ttl, self.metrics)
         locks = LockService(self.store, self.mirror, self.metrics, cfg.session_ttl)
         self._router = DirectiveRouter(
             hub, self.mirror, RelayStore(self.etcd, self.keys), cfg.replica_id, lease

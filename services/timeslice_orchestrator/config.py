@@ -35,6 +35,7 @@ class OrchestratorConfig:
     replica_id: str
     session_ttl: int
     replica_ttl: int
+    agent_ttl: int
     directive_timeout: float
 
 
@@ -74,6 +75,12 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         help="this replica's lease TTL: how fast others take over its groups",
     )
     p.add_argument(
+        "--agent-ttl",
+        type=int,
+        default=int(_env("AGENT_TTL", "10")),
+        help="how long a node stays in its groups after its agent's stream drops, seconds",
+    )
+    p.add_argument(
         "--directive-timeout",
         type=float,
         default=float(_env("DIRECTIVE_TIMEOUT", "30")),
@@ -84,7 +91,7 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         listen, http = Address.parse(a.listen), Address.parse(a.http)
     except ValueError as exc:
         p.error(str(exc))
-    if a.session_ttl < 1 or a.replica_ttl < 1:
+    if a.session_ttl < 1 or a.replica_ttl < 1 or a.agent_ttl < 1:
         p.error("TTLs must be at least 1 second")
     replica_id = a.replica_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
     return OrchestratorConfig(
@@ -95,5 +102,6 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         replica_id=replica_id,
         session_ttl=a.session_ttl,
         replica_ttl=a.replica_ttl,
+        agent_ttl=a.agent_ttl,
         directive_timeout=a.directive_timeout,
     )

@@ -20,6 +20,7 @@ group goes on serving the others.
 from __future__ import annotations
 
 import asyncio
+import enum
 import functools
 import logging
 import time
@@ -34,7 +35,6 @@ from timeslice_orchestrator.store.etcd import StoreUnavailable
 from timeslice_orchestrator.store.groups import Authority, GroupStore, new_switch_id
 from timeslice_orchestrator.store.records import (
     AgentRecord,
-    GroupStats,
     HolderRecord,
     NodeStep,
     Phase,
@@ -42,7 +42,7 @@ from timeslice_orchestrator.store.records import (
     Stored,
     SwitchRecord,
 )
-from timeslice_proto.timeslice.v1 import AckStatus, Directive, DirectiveAck, DirectiveKind
+from timeslice_proto.timeslice.v1 import AckStatus, Directive, DirectiveKind
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,16 @@ class DriverConfig:
     directive_timeout: float = 30.0
     max_attempts: int = 3
     retry_backoff: float = 0.2
+    max_backoff: float = 2.0
     idle_recheck: float = 2.0
+
+
+class Next(enum.Enum):
+    """What a group's loop does after one reconcile pass."""
+
+    IDLE = "idle"  # nothing to do until the group changes
+    AGAIN = "again"  # progress was made: look again at once
+    LATER = "later"  # blocked (an agent away, a lost race): retry after a backoff
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +72,7 @@ class NodeResult:
     error: str
     bytes_moved: int
     elapsed: float
+    unavailable: bool = False  # the agent could not be reached: the outcome is unknown
 
 
 class SwitchFailed(Exception):
@@ -107,6 +117,7 @@ class SwitchDriver:
         self._kicks: dict[str, asyncio.Event] = {}
         self._loops: dict[str, asyncio.Task[None]] = {}
         self._attempts: dict[tuple[str, str, int], int] = {}
+        self._last_error: dict[str, str] = {}
         self._stopping = False
 
     # -- wiring -------------------------------------------------------------------------
@@ -154,74 +165,45 @@ class SwitchDriver:
         while not self._stopping:
             event.clear()
             try:
-                busy = await self.reconcile(group)
-                backoff = self._config.retry_backoff
+                step = await self.reconcile(group)
             except StoreUnavailable as exc:
                 log.warning("group %s: etcd unavailable (%s); retrying", group, exc)
-                busy = True
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
-            if busy:
+                step = Next.LATER
+            if step is Next.AGAIN:
+                backoff = self._config.retry_backoff
                 continue
+            wait = backoff if step is Next.LATER else self._config.idle_recheck
+            if step is Next.LATER:
+                backoff = min(backoff * 2, self._config.max_backoff)
+            else:
+                backoff = self._config.retry_backoff
             try:
-                async with asyncio.timeout(self._config.idle_recheck):
+                async with asyncio.timeout(wait):
                     await event.wait()
             except TimeoutError:
-                if not self._mirror.group(group).queue:
+                view = self._mirror.group(group)
+                if step is Next.IDLE and not view.queue and view.switch is None:
                     return  # idle: the next change starts a fresh loop
 
     # -- one pass -----------------------------------------------------------------------
 
-    async def reconcile(self, group: str) -> bool:
-        """Take one step for ``group``; True when another pass should follow at once."""
+    async def reconcile(self, group: str) -> Next:
+        """Take one step for ``group``."""
         view = self._mirror.group(group)
-        if view.holder is not None or (not view.queue and view.switch is None):
-            return False
+        if view.switch is None and (view.holder is not None or not view.queue):
+            return Next.IDLE
         if view.driver is not None and view.driver_lease != self._auth.lease:
-            return False  # another live replica drives this group
+            return Next.IDLE  # another live replica drives this group
         if view.driver is None and not await self._store.claim_driver(group, self._auth):
-            return False
+            return Next.IDLE
         if view.switch is not None:
-            await self._recover(view, view.switch)
-            return True
+            # Ours in flight, or left by a driver that died: carry it on from its phase.
+            return await self._advance(view.switch)
         head = view.queue[0]
         steps = plan(view, head.job, self._mirror.agents())
         if not steps:
             return await self._grant_in_place(view, head)
-        return await self._switch(view, head, steps)
-
-    async def _grant_in_place(self, view: GroupView, head: QueuedJob) -> bool:
-        now = time.time()
-        holder = HolderRecord(
-            job=head.job,
-            session=head.entry.record.session,
-            request_id=head.entry.record.request_id,
-            granted_at=now,
-            waited_seconds=max(0.0, now - head.entry.record.enqueued_at),
-        )
-        stats = view.stats
-        stats.grants += 1
-        resident = ResidentRecord(view.resident_nodes)
-        epoch = await self._store.grant(
-            view.group,
-            self._auth,
-            head.entry,
-            head.job,
-            holder,
-            resident,
-            view.resident.mod_revision if view.resident else 0,
-            None,
-            stats,
-        )
-        if epoch is not None:
-            self._metrics.grants.labels(kind="in_place").inc()
-            self._metrics.acquire_wait_seconds.observe(holder.waited_seconds)
-        return epoch is None
-
-    async def _switch(self, view: GroupView, head: QueuedJob, steps: list[NodeStep]) -> bool:
-        group = view.group
-        key = (group, head.job, head.revision)
-        attempt = self._attempts.get(key, 0) + 1
+        attempt = self._attempts.get((group, head.job, head.revision), 0) + 1
         record = SwitchRecord(
             switch_id=new_switch_id(),
             group=group,
@@ -236,10 +218,7 @@ class SwitchDriver:
         resident_rev = view.resident.mod_revision if view.resident else 0
         switch = await self._store.begin_switch(group, self._auth, record, resident_rev)
         if switch is None:
-            return True  # the group changed underneath; look again
-        started = time.monotonic()
-        resident = view.resident_nodes
-        stats = view.stats
+            return Next.AGAIN  # the group changed underneath; look again
         log.info(
             "group %s: switch %s -> %s on %d node(s), epoch %d (attempt %d)",
             group,
@@ -249,62 +228,106 @@ class SwitchDriver:
             switch.create_revision,
             attempt,
         )
+        return await self._advance(switch)
 
-        # Phase 1: CHECKPOINT whatever occupies the head's nodes, everywhere at once.
-        evictions = [s for s in steps if s.evict]
-        checkpointed = await self._fan_out(switch, DirectiveKind.CHECKPOINT, evictions)
-        failed = [r for r in checkpointed if not r.ok]
-        if failed:
-            done = [s for s, r in zip(evictions, checkpointed, strict=True) if r.ok]
-            await self._roll_back(
-                switch, done, stats, resident, SwitchFailed(Phase.CHECKPOINT, failed)
-            )
-            return await self._after_failure(view, head, key, attempt)
-        for step in evictions:
-            resident.pop(step.node, None)
+    async def _grant_in_place(self, view: GroupView, head: QueuedJob) -> Next:
+        holder = self._holder(head, restored=False, previous="", switch_seconds=0.0)
+        stats = view.stats
+        stats.grants += 1
+        epoch = await self._store.grant(
+            view.group,
+            self._auth,
+            head.entry,
+            head.job,
+            holder,
+            ResidentRecord(view.resident_nodes),
+            view.resident.mod_revision if view.resident else 0,
+            None,
+            stats,
+        )
+        if epoch is None:
+            return Next.AGAIN
+        self._metrics.grants.labels(kind="in_place").inc()
+        self._metrics.acquire_wait_seconds.observe(holder.waited_seconds)
+        return Next.IDLE
 
-        # Phase 2: RESTORE the head on all its nodes at once.
-        moved = await self._store.update_switch(group, self._auth, switch, Phase.RESTORE)
-        if moved is None:
-            return True  # lost the driver role; the new driver recovers from the record
-        switch = moved
-        restored = await self._fan_out(switch, DirectiveKind.RESTORE, steps)
-        failed = [r for r in restored if not r.ok]
-        for step, result in zip(steps, restored, strict=True):
+    # -- the switch, phase by phase --------------------------------------------------------
+
+    async def _advance(self, switch: Stored[SwitchRecord]) -> Next:
+        """Drive a switch record from its current phase to its end.
+
+        CHECKPOINT -> RESTORE -> commit on success; CHECKPOINT -> ROLLBACK -> end on a
+        failure. Every directive id is fixed by (switch, phase, node), so carrying on after a
+        driver crash re-sends the same ids and agents answer what they already did instead
+        of doing it twice. An unreachable agent leaves the record in place (outcome unknown)
+        and the pass is retried; a backend failure is final.
+        """
+        record = switch.record
+        started = time.monotonic()
+        if record.phase is Phase.CHECKPOINT:
+            evictions = [s for s in record.steps if s.evict]
+            results = await self._fan_out(switch, DirectiveKind.CHECKPOINT, evictions, "evict")
+            failed = [r for r in results if not r.ok]
+            next_phase = Phase.ROLLBACK if failed else Phase.RESTORE
+            if failed:
+                error = SwitchFailed(Phase.CHECKPOINT, failed)
+                log.warning("group %s: %s; rolling back", record.group, error)
+                self._metrics.switches.labels(outcome="rolled_back").inc()
+                self._last_error[record.group] = str(error)
+            moved = await self._store.update_switch(record.group, self._auth, switch, next_phase)
+            if moved is None:
+                return Next.AGAIN  # lost the driver role or raced: look again
+            switch, record = moved, moved.record
+        if record.phase is Phase.RESTORE:
+            return await self._restore_and_commit(switch, started)
+        return await self._roll_back(switch)
+
+    async def _restore_and_commit(self, switch: Stored[SwitchRecord], started: float) -> Next:
+        record = switch.record
+        group = record.group
+        results = await self._fan_out(switch, DirectiveKind.RESTORE, record.steps, "restore")
+        if any(r.unavailable for r in results):
+            return Next.LATER  # keep the record; the same directives go again
+        view = self._mirror.group(group)
+        resident = view.resident_nodes
+        for step in record.steps:
+            resident.pop(step.node, None)  # the evicted job was checkpointed there
+        for step, result in zip(record.steps, results, strict=True):
             if result.ok:
-                resident[step.node] = head.job
+                resident[step.node] = record.to_job
+        stats = view.stats
+        head = view.queued(record.to_job)
+        if head is not None and head.revision != record.to_revision:
+            head = None
+        failed = [r for r in results if not r.ok]
         if failed:
             error = SwitchFailed(Phase.RESTORE, failed)
-            stats.last_error = f"{head.job}: {error}"
-            await self._store.end_switch(
-                group,
-                self._auth,
-                switch,
-                ResidentRecord(resident),
-                stats,
-                fault=(head.job, head.entry, str(error)),
+            stats.last_error = f"{record.to_job}: {error}"
+            fault = (record.to_job, head.entry, str(error)) if head is not None else None
+            ended = await self._store.end_switch(
+                group, self._auth, switch, ResidentRecord(resident), stats, fault=fault
             )
-            self._metrics.switches.labels(outcome="restore_failed").inc()
-            log.error("group %s: %s isolated: %s", group, head.job, error)
-            self._attempts.pop(key, None)
-            return True
-
-        # Commit: resident, holder with a new epoch, queue entry and switch record, one txn.
-        elapsed = time.monotonic() - started
-        now = time.time()
-        holder = HolderRecord(
-            job=head.job,
-            session=head.entry.record.session,
-            request_id=head.entry.record.request_id,
-            granted_at=now,
-            waited_seconds=max(0.0, now - head.entry.record.enqueued_at),
-            restored=True,
-            previous_job=",".join(record.from_jobs),
-            switch_seconds=elapsed,
+            if ended:
+                self._metrics.switches.labels(outcome="restore_failed").inc()
+                log.error("group %s: %s isolated: %s", group, record.to_job, error)
+            return Next.AGAIN
+        if head is None:
+            # The waiter left mid-switch: keep what the devices now hold, drop the record.
+            ended = await self._store.end_switch(
+                group, self._auth, switch, ResidentRecord(resident), stats
+            )
+            if ended:
+                self._metrics.switches.labels(outcome="waiter_left").inc()
+            return Next.AGAIN
+        elapsed = max(time.monotonic() - started, time.time() - record.started_at)
+        holder = self._holder(
+            head, restored=True, previous=",".join(record.from_jobs), switch_seconds=elapsed
         )
         stats.switches += 1
         stats.grants += 1
         stats.last_switch_seconds = elapsed
+        if group in self._last_error:
+            stats.last_error = self._last_error.pop(group)
         epoch = await self._store.grant(
             group,
             self._auth,
@@ -312,17 +335,13 @@ class SwitchDriver:
             head.job,
             holder,
             ResidentRecord(resident),
-            resident_rev,
+            view.resident.mod_revision if view.resident else 0,
             switch,
             stats,
         )
-        self._attempts.pop(key, None)
         if epoch is None:
-            # The waiter left mid-switch: keep what the devices now hold, drop the record.
-            stats.grants -= 1
-            await self._store.end_switch(group, self._auth, switch, ResidentRecord(resident), stats)
-            self._metrics.switches.labels(outcome="waiter_left").inc()
-            return True
+            return Next.LATER  # the mirror lagged or the waiter re-attached: retry the commit
+        self._attempts.pop((group, head.job, head.revision), None)
         self._metrics.switches.labels(outcome="committed").inc()
         self._metrics.switch_seconds.observe(elapsed)
         self._metrics.grants.labels(kind="switch").inc()
@@ -330,76 +349,89 @@ class SwitchDriver:
         log.info(
             "group %s: granted %s epoch %d after %.3f s switch", group, head.job, epoch, elapsed
         )
-        return False
+        return Next.IDLE
 
-    async def _after_failure(
-        self, view: GroupView, head: QueuedJob, key: tuple[str, str, int], attempt: int
-    ) -> bool:
-        if attempt < self._config.max_attempts:
-            self._attempts[key] = attempt
-            await asyncio.sleep(self._config.retry_backoff * 2 ** (attempt - 1))
-            return True
-        self._attempts.pop(key, None)
-        fresh = self._mirror.group(view.group)
-        reason = f"switch to {head.job} failed {attempt} times: {fresh.stats.last_error}"
-        # Isolate the head: its Acquire fails with the reason, the others keep their places.
-        stats = fresh.stats
-        stats.last_error = reason
-        await self._store.fault_waiter(view.group, self._auth, head.job, head.entry, reason, stats)
-        self._metrics.switches.labels(outcome="gave_up").inc()
-        return True
-
-    async def _roll_back(
-        self,
-        switch: Stored[SwitchRecord],
-        checkpointed: list[NodeStep],
-        stats: GroupStats,
-        resident: dict[str, str],
-        error: SwitchFailed,
-    ) -> None:
-        group = switch.record.group
-        log.warning("group %s: %s; rolling back %d node(s)", group, error, len(checkpointed))
-        stats.last_error = str(error)
-        self._metrics.switches.labels(outcome="rolled_back").inc()
-        moved = await self._store.update_switch(group, self._auth, switch, Phase.ROLLBACK)
-        if moved is None:
-            return
-        back = [NodeStep(s.node, evict="", restore=s.evict) for s in checkpointed]
-        results = await self._fan_out(moved, DirectiveKind.RESTORE, back)
-        for step, result in zip(back, results, strict=True):
+    async def _roll_back(self, switch: Stored[SwitchRecord]) -> Next:
+        """Put every evicted job back where it was, then close the record."""
+        record = switch.record
+        group = record.group
+        evictions = [s for s in record.steps if s.evict]
+        results = await self._fan_out(switch, DirectiveKind.RESTORE, evictions, "rollback")
+        if any(r.unavailable for r in results):
+            return Next.LATER
+        view = self._mirror.group(group)
+        resident = view.resident_nodes
+        stats = view.stats
+        stats.last_error = self._last_error.pop(group, "") or f"switch {record.switch_id} aborted"
+        for step, result in zip(evictions, results, strict=True):
             if not result.ok:
                 resident.pop(step.node, None)
                 stats.last_error += f"; rollback on {step.node} failed: {result.error}"
-        await self._store.end_switch(group, self._auth, moved, ResidentRecord(resident), stats)
+        if not await self._store.end_switch(
+            group, self._auth, switch, ResidentRecord(resident), stats
+        ):
+            return Next.AGAIN
+        return await self._after_abort(group, record)
 
-    async def _recover(self, view: GroupView, switch: Stored[SwitchRecord]) -> None:
-        """Abort a switch whose driver died: put back every evicted job, clear the record."""
-        log.warning(
-            "group %s: recovering switch %s left in phase %s by %s",
-            view.group,
-            switch.record.switch_id,
-            switch.record.phase.value,
-            switch.record.driver,
+    async def _after_abort(self, group: str, record: SwitchRecord) -> Next:
+        """Retry the waiter with a bounded backoff, then give up on it alone."""
+        key = (group, record.to_job, record.to_revision)
+        attempt = max(self._attempts.get(key, 0), record.attempt)
+        if attempt < self._config.max_attempts:
+            self._attempts[key] = attempt
+            await asyncio.sleep(self._config.retry_backoff * 2 ** (attempt - 1))
+            return Next.AGAIN
+        self._attempts.pop(key, None)
+        view = self._mirror.group(group)
+        head = view.queued(record.to_job)
+        if head is None or head.revision != record.to_revision:
+            return Next.AGAIN
+        reason = f"switch to {record.to_job} failed {attempt} times: {view.stats.last_error}"
+        stats = view.stats
+        stats.last_error = reason
+        # Isolate the head: its Acquire fails with the reason, the others keep their places.
+        await self._store.fault_waiter(group, self._auth, head.job, head.entry, reason, stats)
+        self._metrics.switches.labels(outcome="gave_up").inc()
+        return Next.AGAIN
+
+    def _holder(
+        self, head: QueuedJob, *, restored: bool, previous: str, switch_seconds: float
+    ) -> HolderRecord:
+        now = time.time()
+        entry = head.entry.record
+        return HolderRecord(
+            job=head.job,
+            session=entry.session,
+            request_id=entry.request_id,
+            attempt=entry.attempt,
+            granted_at=now,
+            waited_seconds=max(0.0, now - entry.enqueued_at),
+            restored=restored,
+            previous_job=previous,
+            switch_seconds=switch_seconds,
         )
-        resident = view.resident_nodes
-        evicted = [s for s in switch.record.steps if s.evict]
-        failed = SwitchFailed(switch.record.phase, [NodeResult("-", False, "driver lost", 0, 0.0)])
-        await self._roll_back(switch, evicted, view.stats, resident, failed)
+
+    # -- directives ---------------------------------------------------------------------
 
     async def _fan_out(
-        self, switch: Stored[SwitchRecord], kind: DirectiveKind, steps: list[NodeStep]
+        self,
+        switch: Stored[SwitchRecord],
+        kind: DirectiveKind,
+        steps: list[NodeStep],
+        purpose: str,
     ) -> list[NodeResult]:
         """Send one directive per node concurrently and gather every node's outcome."""
-        group = switch.record.group
-        return list(await asyncio.gather(*(self._run_step(group, switch, kind, s) for s in steps)))
+        return list(
+            await asyncio.gather(*(self._run_step(switch, kind, s, purpose) for s in steps))
+        )
 
     async def _run_step(
-        self, group: str, switch: Stored[SwitchRecord], kind: DirectiveKind, step: NodeStep
+        self, switch: Stored[SwitchRecord], kind: DirectiveKind, step: NodeStep, purpose: str
     ) -> NodeResult:
-        job = step.evict if kind is DirectiveKind.CHECKPOINT else step.restore
+        job = step.evict if purpose in ("evict", "rollback") else step.restore
         directive = Directive(
-            directive_id=f"{switch.record.switch_id}-{switch.record.phase.value}-{step.node}",
-            group_id=group,
+            directive_id=f"{switch.record.switch_id}-{purpose}-{step.node}",
+            group_id=switch.record.group,
             epoch=switch.create_revision,
             kind=kind,
             job_id=job,
@@ -412,14 +444,10 @@ class SwitchDriver:
             )
         except AgentUnavailable as exc:
             self._metrics.directives.labels(kind=kind.name.lower(), status="unavailable").inc()
-            return NodeResult(step.node, False, str(exc), 0, time.monotonic() - started)
+            return NodeResult(step.node, False, str(exc), 0, time.monotonic() - started, True)
         self._metrics.directives.labels(
             kind=kind.name.lower(), status=ack.status.name.lower()
         ).inc()
-        return _result(step.node, ack)
-
-
-def _result(node: str, ack: DirectiveAck) -> NodeResult:
-    ok = ack.status == AckStatus.OK
-    error = "" if ok else f"{ack.status.name.lower()}: {ack.error}"
-    return NodeResult(node, ok, error, ack.bytes_moved, ack.elapsed_seconds)
+        ok = ack.status == AckStatus.OK
+        error = "" if ok else f"{ack.status.name.lower()}: {ack.error}"
+        return NodeResult(step.node, ok, error, ack.bytes_moved, ack.elapsed_seconds)

@@ -20,6 +20,7 @@ from grpclib.const import Status
 from timeslice.errors import InvalidArgument
 from timeslice.ids import validate_group_id, validate_job_id, validate_node
 from timeslice_orchestrator.metrics import Metrics
+from timeslice_orchestrator.store.etcd import LeaseKeeper
 from timeslice_orchestrator.store.groups import GroupStore
 from timeslice_orchestrator.store.records import AgentRecord, WorkerRecord
 from timeslice_proto.timeslice.v1 import (
@@ -28,6 +29,8 @@ from timeslice_proto.timeslice.v1 import (
     AgentMessage,
     Directive,
     DirectiveAck,
+    JobReport,
+    JobState,
     OrchestratorMessage,
     Welcome,
     WorkerInfo,
@@ -36,6 +39,7 @@ from timeslice_proto.timeslice.v1 import (
 log = logging.getLogger(__name__)
 
 HELLO_TIMEOUT = 10.0
+_ON_DEVICE = (JobState.IDLE, JobState.RUNNING)
 
 
 class AgentUnavailable(Exception):
@@ -50,6 +54,7 @@ class AgentConnection:
     pending: dict[str, asyncio.Future[DirectiveAck]] = field(default_factory=dict)
     # Set to end the stream from our side: replaced by a newer stream, or shutting down.
     closed: asyncio.Event = field(default_factory=asyncio.Event)
+    lease: int = 0  # keeps the agent's record in etcd while the stream lives
 
     def fail_pending(self, reason: str) -> None:
         for fut in self.pending.values():
@@ -78,10 +83,12 @@ def _workers(infos: list[WorkerInfo]) -> list[WorkerRecord]:
 
 
 class AgentHub(AgentHubBase):
-    def __init__(self, store: GroupStore, replica_id: str, lease: int, metrics: Metrics) -> None:
+    def __init__(
+        self, store: GroupStore, replica_id: str, agent_ttl: int, metrics: Metrics
+    ) -> None:
         self._store = store
         self._replica_id = replica_id
-        self._lease = lease
+        self._agent_ttl = agent_ttl
         self._metrics = metrics
         self._connections: dict[str, AgentConnection] = {}
 
@@ -126,8 +133,15 @@ class AgentHub(AgentHubBase):
             ", emulated" if hello.emulated else "",
         )
         reader = asyncio.create_task(self._read(conn, messages), name=f"agent-reader-{node}")
+        keeper: asyncio.Task[None] | None = None
         try:
-            await self._store.publish_agent(record, self._lease)
+            conn.lease = await self._store.agent_lease(node, self._agent_ttl)
+            await self._store.publish_agent(record, conn.lease)
+            keeper = asyncio.create_task(
+                LeaseKeeper(self._store.etcd, conn.lease, self._agent_ttl).run(),
+                name=f"agent-lease-{node}",
+            )
+            await self._reconcile(node, hello.jobs)
             yield OrchestratorMessage(welcome=Welcome(replica_id=self._replica_id))
             closed = asyncio.ensure_future(conn.closed.wait())
             try:
@@ -147,15 +161,33 @@ class AgentHub(AgentHubBase):
                 closed.cancel()
         finally:
             reader.cancel()
+            if keeper is not None:
+                keeper.cancel()
             with contextlib.suppress(BaseException):
                 await reader
             conn.fail_pending("agent stream closed")
             if self._connections.get(node) is conn:
                 del self._connections[node]
                 self._metrics.agents_connected.set(len(self._connections))
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(self._store.remove_agent(node, self._replica_id))
+            # The record stays until the agent lease runs out: the agent may be reconnecting
+            # to another replica, and its jobs' state is still on its node meanwhile.
             log.info("agent %s disconnected", node)
+
+    async def _reconcile(self, node: str, jobs: list[JobReport]) -> None:
+        """Trust the agent about what is on its devices: after a crash or a lost stream, a job
+        the group still lists as resident there may in truth be parked, half-moved or faulted.
+        """
+        for report in jobs:
+            if report.state in _ON_DEVICE:
+                continue
+            if await self._store.forget_residency(report.group_id, node, report.job_id):
+                log.warning(
+                    "agent %s reports %s of %s as %s: no longer resident there",
+                    node,
+                    report.job_id,
+                    report.group_id,
+                    report.state.name.lower(),
+                )
 
     async def _read_hello(self, messages: AsyncIterator[AgentMessage]) -> AgentHello:
         try:
@@ -179,7 +211,7 @@ class AgentHub(AgentHubBase):
                     fut.set_result(msg.ack)
             elif msg.workers is not None:
                 conn.record.workers = _workers(msg.workers.workers)
-                await self._store.publish_agent(conn.record, self._lease)
+                await self._store.publish_agent(conn.record, conn.lease)
 
     async def execute(self, node: str, directive: Directive, timeout: float) -> DirectiveAck:
         """Send one directive and wait for its ack (at most ``timeout`` seconds)."""

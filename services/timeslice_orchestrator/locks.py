@@ -13,6 +13,7 @@ import dataclasses
 import enum
 import logging
 import time
+import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
@@ -88,7 +89,10 @@ class LockService:
         started = time.monotonic()
         if len(request_id) > 64:
             raise InvalidArgument("request_id must be at most 64 characters")
-        enqueued = await self._store.enqueue(session, session_id, group, priority, request_id)
+        attempt = uuid.uuid4().hex[:16]
+        enqueued = await self._store.enqueue(
+            session, session_id, group, priority, request_id, attempt
+        )
         await self._mirror.wait_for_revision(enqueued.revision, MIRROR_LAG_TIMEOUT)
         topic = f"group:{group}"
         granted = False
@@ -114,9 +118,7 @@ class LockService:
         finally:
             self._metrics.waiters.dec()
             if not granted:
-                await _shielded(
-                    self._store.withdraw(group, job, session_id, enqueued.entry_revision)
-                )
+                await _shielded(self._store.withdraw(group, job, session_id, enqueued))
 
     def _progress(
         self, view: GroupView, session_id: str, job: str, entry_revision: int

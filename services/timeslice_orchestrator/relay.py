@@ -64,13 +64,18 @@ class DirectiveRouter:
         try:
             async with asyncio.timeout(timeout):
                 while True:
-                    seen = self._mirror.version(RELAY_TOPIC)
+                    seen = self._mirror.version("*")
                     kv = self._mirror.get(rel)
                     if kv is not None:
                         answered = RelayRecord.decode(kv.value)
                         if answered.ack:
                             return DirectiveAck.parse(base64.b64decode(answered.ack))
-                    await self._mirror.wait_for_change(RELAY_TOPIC, seen)
+                    now = self._mirror.agents().get(node)
+                    if now is None or now.replica != agent.replica:
+                        # The stream moved (or the agent is gone): whoever holds it now never
+                        # saw this post. Report it unreachable; the driver sends it again.
+                        raise AgentUnavailable(f"agent {node} left replica {agent.replica}")
+                    await self._mirror.wait_for_change("*", seen)
         except TimeoutError as exc:
             raise AgentUnavailable(
                 f"agent {node} (via replica {agent.replica}) did not ack within {timeout:.1f} s"

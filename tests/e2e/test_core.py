@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ClusterFactory
-from tests.e2e.history import Hold, check_fifo, check_mutual_exclusion
+from tests.history import Hold, check_fifo, check_mutual_exclusion
 from timeslice import AsyncTimeSliceClient, register
 from timeslice.dev.cluster import LocalCluster
 from timeslice.errors import Timeout

@@ -16,6 +16,7 @@ from timeslice.errors import (
     NotHolder,
     PermissionDenied,
     SessionExpired,
+    Unavailable,
 )
 from timeslice_orchestrator.store.etcd import (
     Compare,
@@ -33,6 +34,7 @@ from timeslice_orchestrator.store.etcd import (
     created_at,
     modified_at,
     present,
+    value_is,
 )
 from timeslice_orchestrator.store.keys import Keyspace
 from timeslice_orchestrator.store.records import (
@@ -48,6 +50,8 @@ from timeslice_orchestrator.store.records import (
     Stored,
     SwitchRecord,
 )
+
+_REATTACH_TRIES = 5
 
 
 def session_id_of(lease_id: int) -> str:
@@ -76,6 +80,8 @@ class Authority:
 class Enqueued:
     revision: int  # the store revision after the enqueue
     entry_revision: int  # create revision of the queue entry: the job's place in line
+    attempt: str  # this Acquire call's stamp on the entry (or hold)
+    entry_value: bytes  # the entry as this attempt wrote it ("" when re-attached to a grant)
     reattached: bool
 
 
@@ -118,14 +124,34 @@ class GroupStore:
         group: str,
         priority: int,
         request_id: str = "",
+        attempt: str = "",
     ) -> Enqueued:
         """Put the job in the group's queue; creates the group on first use.
 
         Re-acquiring with the same session re-attaches to the existing entry (its place in
         line is kept), and a retry of the same request (same ``request_id``) that finds the
         grant already committed re-attaches to the grant; the job already holding the group,
-        or waiting through another session, is refused.
+        or waiting through another session, is refused. Re-attaching stamps ``attempt`` (one
+        per Acquire call a replica serves) on the entry or hold, so that the clean-up of an
+        abandoned earlier attempt on another replica cannot take them away.
         """
+        for _ in range(_REATTACH_TRIES):
+            enqueued = await self._enqueue_once(
+                session, session_id, group, priority, request_id, attempt
+            )
+            if enqueued is not None:
+                return enqueued
+        raise Unavailable(f"group {group} changed too fast to queue job {session.record.job}")
+
+    async def _enqueue_once(
+        self,
+        session: Stored[SessionRecord],
+        session_id: str,
+        group: str,
+        priority: int,
+        request_id: str,
+        attempt: str,
+    ) -> Enqueued | None:
         job = session.record.job
         k = self.keys
         holder = await self.etcd.get(k.holder(group))
@@ -133,16 +159,31 @@ class GroupStore:
             held = HolderRecord.decode(holder.value)
             if held.job == job:
                 if request_id and held.request_id == request_id and held.session == session_id:
-                    return Enqueued(holder.mod_revision, 0, reattached=True)
+                    held.attempt = attempt
+                    value = held.encode()
+                    taken = await self.etcd.txn(
+                        Txn(
+                            [modified_at(k.holder(group), holder.mod_revision)],
+                            [Put(k.holder(group), value, lease=holder.lease)],
+                        )
+                    )
+                    if not taken.succeeded:
+                        return None
+                    return Enqueued(taken.revision, 0, attempt, b"", reattached=True)
                 raise AlreadyExists(f"job {job} already holds group {group}")
         entry = QueueRecord(
-            session=session_id, priority=priority, enqueued_at=time.time(), request_id=request_id
+            session=session_id,
+            priority=priority,
+            enqueued_at=time.time(),
+            request_id=request_id,
+            attempt=attempt,
         )
+        value = entry.encode()
         result = await self.etcd.txn(
             Txn(
                 compare=[absent(k.queue_entry(group, job)), present(k.session(session_id))],
                 success=[
-                    Put(k.queue_entry(group, job), entry.encode(), lease=session.lease),
+                    Put(k.queue_entry(group, job), value, lease=session.lease),
                     Delete(k.fault(group, job)),
                     Txn([absent(k.meta(group))], [Put(k.meta(group), b"{}")]),
                 ],
@@ -150,24 +191,39 @@ class GroupStore:
             )
         )
         if result.succeeded:
-            return Enqueued(result.revision, result.revision, reattached=False)
+            return Enqueued(result.revision, result.revision, attempt, value, reattached=False)
         existing, sessions = result.reads
         if not sessions:
             raise SessionExpired(f"session {session_id} has expired or was closed")
+        if not existing:
+            return None
         current = existing[0]
-        if QueueRecord.decode(current.value).session != session_id:
+        record = QueueRecord.decode(current.value)
+        if record.session != session_id:
             raise AlreadyExists(f"job {job} already waits for group {group} in another session")
-        return Enqueued(result.revision, current.create_revision, reattached=True)
+        record.attempt = attempt
+        value = record.encode()
+        taken = await self.etcd.txn(
+            Txn(
+                [modified_at(k.queue_entry(group, job), current.mod_revision)],
+                [Put(k.queue_entry(group, job), value, lease=current.lease)],
+            )
+        )
+        if not taken.succeeded:
+            return None
+        return Enqueued(taken.revision, current.create_revision, attempt, value, reattached=True)
 
-    async def withdraw(self, group: str, job: str, session_id: str, entry_revision: int) -> bool:
+    async def withdraw(self, group: str, job: str, session_id: str, enqueued: Enqueued) -> bool:
         """Cancel-safe exit of a waiter: drop its queue entry, or the grant that raced it.
 
-        Returns True when a grant had to be given back.
+        Only what this attempt still owns goes: an entry or hold that a later attempt (a
+        client that moved to another replica) re-attached to is left alone. Returns True
+        when a grant had to be given back.
         """
         k = self.keys
         result = await self.etcd.txn(
             Txn(
-                compare=[created_at(k.queue_entry(group, job), entry_revision)],
+                compare=[value_is(k.queue_entry(group, job), enqueued.entry_value)],
                 success=[Delete(k.queue_entry(group, job))],
                 failure=[Get(k.holder(group))],
             )
@@ -178,7 +234,7 @@ class GroupStore:
         record = HolderRecord.decode(holder.value)
         if record.job != job or record.session != session_id:
             return False
-        if holder.create_revision < entry_revision:
+        if record.attempt != enqueued.attempt or holder.create_revision < enqueued.entry_revision:
             return False
         released = await self.etcd.txn(
             Txn([modified_at(k.holder(group), holder.mod_revision)], [Delete(k.holder(group))])
@@ -260,7 +316,8 @@ class GroupStore:
         compare = [
             *self._driving(group, auth),
             absent(k.holder(group)),
-            created_at(k.queue_entry(group, job), entry.create_revision),
+            # The entry as read: a waiter that re-attached since gets the next pass instead.
+            modified_at(k.queue_entry(group, job), entry.mod_revision),
             modified_at(k.resident(group), resident_revision),
         ]
         ops: list[Op] = [
@@ -382,13 +439,47 @@ class GroupStore:
 
     # -- agents -------------------------------------------------------------------------
 
+    async def forget_residency(self, group: str, node: str, job: str) -> bool:
+        """Record that ``job``'s state is no longer on ``node``'s devices (an agent said so)."""
+        k = self.keys
+        current = await self.etcd.get(k.resident(group))
+        if current is None:
+            return False
+        record = ResidentRecord.decode(current.value)
+        if record.nodes.get(node) != job:
+            return False
+        del record.nodes[node]
+        result = await self.etcd.txn(
+            Txn(
+                [modified_at(k.resident(group), current.mod_revision)],
+                [Put(k.resident(group), record.encode())],
+            )
+        )
+        return result.succeeded
+
+    async def agent_lease(self, node: str, ttl: int) -> int:
+        """The lease that keeps ``node``'s agent record: the existing one while it lives.
+
+        Agent records outlive the stream that published them by up to ``ttl`` seconds, so an
+        agent that reconnects to another replica stays a member of its groups throughout.
+        """
+        current = await self.etcd.get(self.keys.agent(node))
+        if current is not None and current.lease:
+            try:
+                await self.etcd.keepalive_once(current.lease)
+                return current.lease
+            except LeaseExpired:
+                pass
+        return await self.etcd.grant_lease(ttl)
+
     async def publish_agent(self, record: AgentRecord, lease: int) -> None:
         await self.etcd.put(self.keys.agent(record.node), record.encode(), lease=lease)
 
-    async def remove_agent(self, node: str, replica: str) -> None:
+    async def remove_agent(self, node: str, lease: int) -> None:
+        """Drop the agent's record now (a clean goodbye), if it is still the one we wrote."""
         k = self.keys
         current = await self.etcd.get(k.agent(node))
-        if current is None or AgentRecord.decode(current.value).replica != replica:
+        if current is None or current.lease != lease:
             return
         await self.etcd.txn(
             Txn([modified_at(k.agent(node), current.mod_revision)], [Delete(k.agent(node))])

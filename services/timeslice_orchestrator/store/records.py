@@ -57,6 +57,7 @@ class QueueRecord(_Record):
     priority: int
     enqueued_at: float
     request_id: str = ""
+    attempt: str = ""
 
 
 @dataclass(slots=True)
@@ -69,6 +70,7 @@ class HolderRecord(_Record):
     previous_job: str = ""
     switch_seconds: float = 0.0
     request_id: str = ""
+    attempt: str = ""
 
 
 @dataclass(slots=True)

@@ -1,0 +1,83 @@
+"""Helpers shared by the fault scenarios: jobs that loop through the SDK, status polling,
+and the recovery-time report the closing notes and benchmarks read."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tests.history import Attempt, Hold, Recorder
+from timeslice import AsyncTimeSliceClient
+from timeslice.dev.cluster import LocalCluster
+from timeslice_agent.journal import JournalEntry, read_journal
+from timeslice_proto.timeslice.v1 import GroupStatus
+
+REPORT = Path(os.environ.get("TIMESLICE_FAULT_REPORT", ".timeslice/fault-recovery.jsonl"))
+
+
+def report_recovery(scenario: str, seconds: float, **extra: object) -> None:
+    """Append one recovery time to the shared report (summarised by scripts/faultreport.py)."""
+    REPORT.parent.mkdir(parents=True, exist_ok=True)
+    with REPORT.open("a") as fh:
+        fh.write(json.dumps({"scenario": scenario, "seconds": seconds, **extra}) + "\n")
+
+
+async def cycle(
+    client: AsyncTimeSliceClient,
+    group: str,
+    recorder: Recorder,
+    phases: int,
+    *,
+    hold: float = 0.02,
+    gap: float = 0.01,
+    timeout: float = 60.0,
+    seed: int = 0,
+) -> int:
+    """Acquire, hold, yield ``phases`` times, recording every step."""
+    rng = random.Random(seed)
+    for _ in range(phases):
+        started = recorder.now()
+        try:
+            grant = await client.acquire(group, timeout=timeout)
+        except Exception as exc:
+            recorder.attempt(Attempt(client.job_id, group, started, None, repr(exc)))
+            raise
+        granted = recorder.now()
+        recorder.attempt(Attempt(client.job_id, group, started, granted))
+        await asyncio.sleep(rng.uniform(0, hold))
+        released = recorder.now()
+        recorder.hold(Hold(client.job_id, group, grant.epoch, grant.ticket, granted, released))
+        await client.yield_(group)
+        await asyncio.sleep(rng.uniform(0, gap))
+    return phases
+
+
+async def wait_for_status(
+    client: AsyncTimeSliceClient,
+    group: str,
+    predicate: Callable[[GroupStatus], bool],
+    timeout: float,
+    interval: float = 0.01,
+) -> GroupStatus:
+    deadline = time.monotonic() + timeout
+    while True:
+        status = await client.status(group)
+        if predicate(status):
+            return status
+        if time.monotonic() > deadline:
+            raise AssertionError(f"status of {group} never matched within {timeout} s: {status}")
+        await asyncio.sleep(interval)
+
+
+def journals(cluster: LocalCluster) -> list[JournalEntry]:
+    return [e for path in cluster.agent_journals.values() for e in read_journal(path)]
+
+
+def replica_index(replica_id: str) -> int:
+    assert replica_id.startswith("r"), replica_id
+    return int(replica_id[1:])

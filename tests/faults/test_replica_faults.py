@@ -1,0 +1,121 @@
+"""Replica failures mid-switch: kill -9 of the driver, and a paused zombie driver.
+
+Each scenario runs 5 times (parametrised, so xdist spreads them). The sim backend is slowed
+(1 s per phase) so the fault lands inside the phase under test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from tests.conftest import ClusterFactory
+from tests.faults.harness import (
+    journals,
+    replica_index,
+    report_recovery,
+    wait_for_status,
+)
+from tests.history import check_fencing
+from timeslice import AsyncTimeSliceClient, register
+from timeslice_proto.timeslice.v1 import SwitchPhase
+
+TTL = 2
+# 2 GB of device state at 2 GB/s: every checkpoint or restore takes about a second.
+SLOW_SIM = ["--sim-bandwidth-gbps", "2", "--sim-state-gb", "2"]
+REPEATS = range(5)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("phase", [SwitchPhase.CHECKPOINT, SwitchPhase.RESTORE])
+@pytest.mark.parametrize("repeat", REPEATS)
+async def test_killing_the_driver_mid_switch_loses_nothing(
+    cluster_factory: ClusterFactory, phase: SwitchPhase, repeat: int
+) -> None:
+    cluster = cluster_factory(replicas=3, agents=1, replica_ttl=TTL, agent_args=SLOW_SIM)
+    socket = str(cluster.agent_sockets["node-0"])
+    with register("g", job_id="a", socket=socket), register("g", job_id="b", socket=socket):
+        async with (
+            AsyncTimeSliceClient(cluster.targets, job_id="a") as a,
+            AsyncTimeSliceClient(cluster.targets, job_id="b") as b,
+            AsyncTimeSliceClient(cluster.targets, job_id="observer") as observer,
+        ):
+            # Warm up so that b's state is parked on the host: its restore then moves data.
+            await b.acquire("g", timeout=30)
+            await b.yield_("g")
+            first = await a.acquire("g", timeout=30)
+            waiter = asyncio.create_task(b.acquire("g", timeout=60))
+            await wait_for_status(observer, "g", lambda s: [q.job_id for q in s.queue] == ["b"], 10)
+            await a.yield_("g")
+            status = await wait_for_status(
+                observer, "g", lambda s: s.switch is not None and s.switch.phase == phase, 10
+            )
+            victim = replica_index(status.driver_replica)
+            cluster.kill_replica(victim)
+            killed = time.monotonic()
+
+            grant = await waiter
+            recovery = time.monotonic() - killed
+            report_recovery(f"kill driver in {phase.name.lower()}", recovery, repeat=repeat)
+            assert grant.epoch > first.epoch
+            # Bound: the dead replica's lease runs out, then a rollback and a full switch.
+            assert recovery < TTL + 3 * 1.5 + 3, f"recovered in {recovery:.1f} s"
+            final = await observer.status("g")
+            assert final.holder_job_id == "b"
+            assert {n.node: n.resident_job_id for n in final.nodes} == {"node-0": "b"}
+            await b.yield_("g")
+            # The group keeps working: a gets it back through another full switch.
+            again = await a.acquire("g", timeout=30)
+            assert again.restored
+            await a.yield_("g")
+    check_fencing(journals(cluster))
+
+
+@pytest.mark.parametrize("repeat", REPEATS)
+async def test_a_paused_driver_cannot_act_when_it_wakes(
+    cluster_factory: ClusterFactory, repeat: int
+) -> None:
+    cluster = cluster_factory(replicas=3, agents=1, replica_ttl=TTL, agent_args=SLOW_SIM)
+    socket = str(cluster.agent_sockets["node-0"])
+    with register("g", job_id="a", socket=socket), register("g", job_id="b", socket=socket):
+        async with (
+            AsyncTimeSliceClient(cluster.targets, job_id="a") as a,
+            AsyncTimeSliceClient(cluster.targets, job_id="b") as b,
+            AsyncTimeSliceClient(cluster.targets, job_id="observer") as observer,
+        ):
+            await a.acquire("g", timeout=30)
+            waiter = asyncio.create_task(b.acquire("g", timeout=60))
+            await wait_for_status(observer, "g", lambda s: [q.job_id for q in s.queue] == ["b"], 10)
+            await a.yield_("g")
+            status = await wait_for_status(
+                observer,
+                "g",
+                lambda s: s.switch is not None and s.switch.phase == SwitchPhase.CHECKPOINT,
+                10,
+            )
+            victim = replica_index(status.driver_replica)
+            zombie = cluster.processes[status.driver_replica]
+            os.kill(zombie.pid, signal.SIGSTOP)
+            paused = time.monotonic()
+            try:
+                grant = await waiter
+                report_recovery("pause driver past its TTL", time.monotonic() - paused,
+                                repeat=repeat)
+                assert grant.job_id == "b"
+            finally:
+                os.kill(zombie.pid, signal.SIGCONT)
+            # Awake, the zombie finds its lease gone and stops before acting on it.
+            code = await asyncio.to_thread(zombie.wait, 15)
+            assert code == 1, f"the zombie replica exited with {code}"
+            assert "lease" in cluster.log_tail(cluster.replica_ids[victim], 60)
+            final = await observer.status("g")
+            assert final.holder_job_id == "b"
+            assert {n.node: n.resident_job_id for n in final.nodes} == {"node-0": "b"}
+            await b.yield_("g")
+    entries = journals(cluster)
+    check_fencing(entries)
