@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from timeslice_orchestrator.hub import AgentUnavailable
+from timeslice_orchestrator.hub import AgentGone, AgentUnavailable
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.relay import DirectiveRouter
 from timeslice_orchestrator.store.cache import AGENTS_TOPIC, GroupView, Mirror, QueuedJob
@@ -73,6 +73,11 @@ class NodeResult:
     bytes_moved: int
     elapsed: float
     unavailable: bool = False  # the agent could not be reached: the outcome is unknown
+    gone: bool = False  # the node left its groups (agent record expired): not waited for
+
+    @property
+    def failed(self) -> bool:
+        return not self.ok and not self.gone
 
 
 class SwitchFailed(Exception):
@@ -267,7 +272,7 @@ class SwitchDriver:
         if record.phase is Phase.CHECKPOINT:
             evictions = [s for s in record.steps if s.evict]
             results = await self._fan_out(switch, DirectiveKind.CHECKPOINT, evictions, "evict")
-            failed = [r for r in results if not r.ok]
+            failed = [r for r in results if r.failed]
             next_phase = Phase.ROLLBACK if failed else Phase.RESTORE
             if failed:
                 error = SwitchFailed(Phase.CHECKPOINT, failed)
@@ -299,7 +304,7 @@ class SwitchDriver:
         head = view.queued(record.to_job)
         if head is not None and head.revision != record.to_revision:
             head = None
-        failed = [r for r in results if not r.ok]
+        failed = [r for r in results if r.failed]
         if failed:
             error = SwitchFailed(Phase.RESTORE, failed)
             stats.last_error = f"{record.to_job}: {error}"
@@ -442,6 +447,10 @@ class SwitchDriver:
             ack = await self._router.execute(
                 step.node, directive, self._config.directive_timeout + 1
             )
+        except AgentGone as exc:
+            # Final: the node left its groups; whatever it held is no longer counted on.
+            self._metrics.directives.labels(kind=kind.name.lower(), status="gone").inc()
+            return NodeResult(step.node, False, str(exc), 0, time.monotonic() - started, gone=True)
         except AgentUnavailable as exc:
             self._metrics.directives.labels(kind=kind.name.lower(), status="unavailable").inc()
             return NodeResult(step.node, False, str(exc), 0, time.monotonic() - started, True)

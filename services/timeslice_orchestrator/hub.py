@@ -46,6 +46,10 @@ class AgentUnavailable(Exception):
     """No stream to that node's agent is held here, or it broke before the ack."""
 
 
+class AgentGone(AgentUnavailable):
+    """The node's agent record expired: it has left every group until it comes back."""
+
+
 @dataclass(eq=False)
 class AgentConnection:
     node: str

@@ -16,7 +16,7 @@ import base64
 import functools
 import logging
 
-from timeslice_orchestrator.hub import AgentHub, AgentUnavailable
+from timeslice_orchestrator.hub import AgentGone, AgentHub, AgentUnavailable
 from timeslice_orchestrator.store.cache import Mirror
 from timeslice_orchestrator.store.groups import RelayStore
 from timeslice_orchestrator.store.records import CorruptRecord, RelayRecord
@@ -56,7 +56,7 @@ class DirectiveRouter:
             return await self._hub.execute(node, directive, timeout)
         agent = self._mirror.agents().get(node)
         if agent is None:
-            raise AgentUnavailable(f"agent {node} is not connected to any replica")
+            raise AgentGone(f"agent {node} is gone (its record expired)")
         record = RelayRecord(driver=self._replica_id, directive=_encode(directive))
         if not await self._relay.post(node, directive.directive_id, record, self._lease):
             raise AgentUnavailable(f"directive {directive.directive_id} is already in flight")
