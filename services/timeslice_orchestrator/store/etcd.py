@@ -347,6 +347,10 @@ class EtcdClient:
                     raise WatchCompacted(int(resp.compact_revision))
                 if resp.canceled:
                     raise StoreUnavailable(f"watch cancelled by etcd: {resp.cancel_reason}")
+                if resp.created and not resp.events:
+                    # Its header revision is etcd's current one, not how far this watch has
+                    # caught up: reporting it would let readers see a future they lack.
+                    continue
                 events = tuple(WatchEvent(EventType(ev.type), _kv(ev.kv)) for ev in resp.events)
                 yield WatchBatch(int(resp.header.revision), events)
         except grpc.aio.AioRpcError as exc:
