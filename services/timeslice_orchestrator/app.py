@@ -49,6 +49,7 @@ class Orchestrator:
         self._driver: SwitchDriver | None = None
         self._router: DirectiveRouter | None = None
         self._hub: AgentHub | None = None
+        self._locks: LockService | None = None
         self._ready = False
 
     def ready(self) -> bool:
@@ -71,7 +72,7 @@ class Orchestrator:
         async with asyncio.timeout(SYNC_TIMEOUT):
             await self.mirror.synced.wait()
         self._hub = hub = AgentHub(self.store, cfg.replica_id, cfg.agent_ttl, self.metrics)
-        locks = LockService(self.store, self.mirror, self.metrics, cfg.session_ttl)
+        self._locks = locks = LockService(self.store, self.mirror, self.metrics, cfg.session_ttl)
         self._router = DirectiveRouter(
             hub, self.mirror, RelayStore(self.etcd, self.keys), cfg.replica_id, lease
         )
@@ -137,6 +138,8 @@ class Orchestrator:
 
     async def close(self) -> None:
         self._ready = False
+        if self._locks is not None:
+            self._locks.draining = True
         if self._driver is not None:
             await self._driver.stop()
         if self._router is not None:

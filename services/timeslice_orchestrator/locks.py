@@ -62,6 +62,9 @@ class LockService:
         self._mirror = mirror
         self._metrics = metrics
         self._default_ttl = default_ttl
+        # Set while the replica shuts down: its waiters are about to re-attach elsewhere,
+        # so their streams ending is no reason to give up their places or grants.
+        self.draining = False
 
     async def open_session(self, job: str, ttl: int, host: str, pid: int) -> tuple[str, int]:
         validate_job_id(job)
@@ -117,7 +120,7 @@ class LockService:
                 await self._mirror.wait_for_change(topic, seen)
         finally:
             self._metrics.waiters.dec()
-            if not granted:
+            if not granted and not self.draining:
                 await _shielded(self._store.withdraw(group, job, session_id, enqueued))
 
     def _progress(
@@ -154,6 +157,8 @@ class LockService:
 
     async def release_unsent(self, group: str, job: str, session_id: str, epoch: int) -> None:
         """Give back a grant the client never received (it left as the grant was sent)."""
+        if self.draining:
+            return  # the client re-attaches elsewhere and gets this grant back
         try:
             await _shielded(self._store.release(group, job, epoch, session_id))
             log.info("released undelivered grant of %s on %s (epoch %d)", job, group, epoch)

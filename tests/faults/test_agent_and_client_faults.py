@@ -66,8 +66,9 @@ async def test_agent_killed_mid_checkpoint(cluster_factory: ClusterFactory, repe
             assert "checkpoint" in aborted.last_error
 
             grant = await waiter  # the group goes on with the nodes it has
-            report_recovery("kill agent in checkpoint: next grant", time.monotonic() - killed,
-                            repeat=repeat)
+            report_recovery(
+                "kill agent in checkpoint: next grant", time.monotonic() - killed, repeat=repeat
+            )
             assert grant.job_id == "b"
             status = await observer.status("g")
             assert {n.node: n.resident_job_id for n in status.nodes}.get("node-0") == "b"

@@ -52,8 +52,12 @@ async def test_etcd_restart_under_load(cluster_factory: ClusterFactory, repeat: 
         while len(recorder.holds) <= before + 3:
             await asyncio.sleep(0.02)
             assert time.monotonic() - restarted < 30, "no grant within 30 s of the restart"
-        report_recovery("etcd restart: first grant after", time.monotonic() - restarted,
-                        repeat=repeat, outage=time.monotonic() - stopped)
+        report_recovery(
+            "etcd restart: first grant after",
+            time.monotonic() - restarted,
+            repeat=repeat,
+            outage=time.monotonic() - stopped,
+        )
         done = await asyncio.wait_for(asyncio.gather(*runs), 120)
         assert done == [PHASES] * len(jobs)
         for c in clients:

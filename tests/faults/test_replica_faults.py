@@ -104,8 +104,9 @@ async def test_a_paused_driver_cannot_act_when_it_wakes(
             paused = time.monotonic()
             try:
                 grant = await waiter
-                report_recovery("pause driver past its TTL", time.monotonic() - paused,
-                                repeat=repeat)
+                report_recovery(
+                    "pause driver past its TTL", time.monotonic() - paused, repeat=repeat
+                )
                 assert grant.job_id == "b"
             finally:
                 os.kill(zombie.pid, signal.SIGCONT)
