@@ -18,6 +18,7 @@ import logging
 
 from timeslice_orchestrator.hub import AgentGone, AgentHub, AgentUnavailable
 from timeslice_orchestrator.store.cache import Mirror
+from timeslice_orchestrator.store.etcd import StoreUnavailable
 from timeslice_orchestrator.store.groups import RelayStore
 from timeslice_orchestrator.store.records import CorruptRecord, RelayRecord
 from timeslice_proto.timeslice.v1 import Directive, DirectiveAck
@@ -81,7 +82,11 @@ class DirectiveRouter:
                 f"agent {node} (via replica {agent.replica}) did not ack within {timeout:.1f} s"
             ) from exc
         finally:
-            await asyncio.shield(self._relay.remove(node, directive.directive_id))
+            try:
+                await asyncio.shield(self._relay.remove(node, directive.directive_id))
+            except StoreUnavailable as exc:
+                # It goes with this replica's lease at the latest; forwarders skip answered ones.
+                log.warning("could not remove relay key of %s: %s", directive.directive_id, exc)
 
     def _on_change(self, topics: set[str]) -> None:
         if RELAY_TOPIC not in topics:
@@ -114,6 +119,20 @@ class DirectiveRouter:
         except AgentUnavailable as exc:
             log.warning("relayed directive %s to %s not acked: %s", directive_id, node, exc)
             return  # the driver's own deadline reports the failure
-        posted = self._mirror.get(f"relay/{node}/{directive_id}")
-        if posted is not None:
-            await self._relay.answer(node, directive_id, posted, _encode(ack))
+        # etcd may be briefly away (a restart): keep trying until the driver's deadline.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        delay = 0.05
+        while True:
+            posted = self._mirror.get(f"relay/{node}/{directive_id}")
+            if posted is None:
+                return  # the driver gave up (or the answer landed)
+            try:
+                await self._relay.answer(node, directive_id, posted, _encode(ack))
+                return
+            except StoreUnavailable as exc:
+                if loop.time() + delay > deadline:
+                    raise
+                log.warning("answering relayed %s: %s; retrying", directive_id, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
