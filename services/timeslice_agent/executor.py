@@ -27,8 +27,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, StatusCode, Tracer
+
 from timeslice.errors import InvalidArgument
 from timeslice.ids import validate_group_id, validate_job_id
+from timeslice.tracing import context_from
 from timeslice_agent.backends.base import (
     Backend,
     BackendError,
@@ -109,6 +113,7 @@ class DirectiveExecutor:
         hook_timeout: float,
         send_ack: Callable[[DirectiveAck], None],
         journal: DirectiveJournal | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
         self._node = node
         self._backend = backend
@@ -118,6 +123,7 @@ class DirectiveExecutor:
         self._hook_timeout = hook_timeout
         self._send_ack = send_ack
         self._journal = journal
+        self._tracer = tracer or trace.NoOpTracer()
         self._jobs: dict[str, Job] = {}
         self._epochs: dict[str, int] = {}
         self._acks: OrderedDict[str, DirectiveAck] = OrderedDict()
@@ -381,6 +387,33 @@ class DirectiveExecutor:
         )
 
     async def _run(self, d: Directive, clock: _Clock) -> None:
+        # A child of the orchestrator's span for this node, through the directive's context.
+        with self._tracer.start_as_current_span(
+            f"timeslice.agent.{d.kind.name.lower()}",
+            context=context_from(d.trace_context),
+            kind=SpanKind.SERVER,
+            attributes={
+                "timeslice.node": self._node,
+                "timeslice.group": d.group_id,
+                "timeslice.job": d.job_id,
+                "timeslice.epoch": d.epoch,
+                "timeslice.directive_id": d.directive_id,
+                "timeslice.backend": self._backend.name,
+                "timeslice.emulated": self._backend.emulated,
+            },
+        ) as span:
+            ack = await self._run_untraced(d, clock)
+            span.set_attributes(
+                {
+                    "timeslice.status": ack.status.name.lower(),
+                    "timeslice.bytes_moved": ack.bytes_moved,
+                    "timeslice.backend_seconds": ack.elapsed_seconds,
+                }
+            )
+            if ack.status is not AckStatus.OK:
+                span.set_status(StatusCode.ERROR, ack.error)
+
+    async def _run_untraced(self, d: Directive, clock: _Clock) -> DirectiveAck:
         try:
             outcome = await self._execute(d, clock)
         except asyncio.CancelledError:
@@ -400,7 +433,9 @@ class DirectiveExecutor:
             if job is not None and job.state is JobState.TRANSITIONING:
                 job.fault(reason)
             outcome = _Outcome(AckStatus.FAILED, reason)
-        await self._finish(d, self._ack(d, clock, outcome))
+        ack = self._ack(d, clock, outcome)
+        await self._finish(d, ack)
+        return ack
 
     async def _execute(self, d: Directive, clock: _Clock) -> _Outcome:
         entry = self._locks.setdefault(d.job_id, _JobLock())

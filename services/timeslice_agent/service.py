@@ -16,7 +16,9 @@ import stat
 from pathlib import Path
 
 from grpclib.server import Server
+from opentelemetry.sdk.trace import TracerProvider
 
+from timeslice.tracing import provider_from_env, tracer_for
 from timeslice_agent import __version__
 from timeslice_agent.backends import Backend, create_backend
 from timeslice_agent.config import AgentConfig, Endpoint
@@ -79,8 +81,15 @@ async def prepare_socket_path(path: Path) -> None:
 class Agent:
     """One agent process; :meth:`run` until ``stop`` is set."""
 
-    def __init__(self, config: AgentConfig, *, backend: Backend | None = None) -> None:
+    def __init__(
+        self,
+        config: AgentConfig,
+        *,
+        backend: Backend | None = None,
+        tracing: TracerProvider | None = None,
+    ) -> None:
         self.config = config
+        self.tracing = tracing if tracing is not None else provider_from_env("timeslice-agent")
         self.backend = backend or create_backend(config)
         self.metrics = AgentMetrics(
             node=config.node, backend=self.backend.name, emulated=self.backend.emulated
@@ -99,6 +108,7 @@ class Agent:
             hook_timeout=config.hook_timeout,
             send_ack=self._send_ack,
             journal=DirectiveJournal(config.journal) if config.journal else None,
+            tracer=tracer_for(self.tracing),
         )
         self.link = OrchestratorLink(
             node=config.node,
@@ -233,6 +243,8 @@ class Agent:
         if self._state_owned:
             await self.executor.persist()
         self._remove_socket()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # flush queued spans
         log.info("agent %s stopped", self.config.node)
 
     def _remove_socket(self) -> None:

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import grpclib
 from grpclib.const import Status
+from opentelemetry.trace import Span, SpanKind, StatusCode, Tracer
 
 from timeslice.errors import TimeSliceError
 from timeslice_orchestrator.locks import LockService, Progress, Stage
@@ -54,36 +55,59 @@ _STATE = {
 
 
 class TimeSliceService(TimeSliceBase):
-    def __init__(self, locks: LockService, mirror: Mirror, metrics: Metrics) -> None:
+    def __init__(
+        self, locks: LockService, mirror: Mirror, metrics: Metrics, tracer: Tracer
+    ) -> None:
         self._locks = locks
         self._mirror = mirror
         self._metrics = metrics
+        self._tracer = tracer
 
     @contextlib.contextmanager
-    def _typed_errors(self) -> Iterator[None]:
-        try:
-            yield
-        except TimeSliceError as exc:
-            self._metrics.rpc_errors.labels(kind=exc.kind.value).inc()
-            raise grpclib.GRPCError(exc.status, exc.wire_message()) from exc
-        except StoreError as exc:
-            self._metrics.rpc_errors.labels(kind="unavailable").inc()
-            raise grpclib.GRPCError(Status.UNAVAILABLE, f"[unavailable] {exc}") from exc
+    def _call(self, method: str, group: str = "", job: str = "") -> Iterator[Span]:
+        """One server span per RPC (OpenTelemetry gRPC conventions) and typed errors out."""
+        attributes: dict[str, str | int] = {
+            "rpc.system": "grpc",
+            "rpc.service": _SERVICE,
+            "rpc.method": method,
+        }
+        if group:
+            attributes["timeslice.group"] = group
+        if job:
+            attributes["timeslice.job"] = job
+        with self._tracer.start_as_current_span(
+            f"{_SERVICE}/{method}",
+            kind=SpanKind.SERVER,
+            attributes=attributes,
+            record_exception=False,
+            set_status_on_exception=False,
+        ) as span:
+            try:
+                yield span
+            except TimeSliceError as exc:
+                self._metrics.rpc_errors.labels(kind=exc.kind.value).inc()
+                _failed(span, exc.status, exc.wire_message())
+                raise grpclib.GRPCError(exc.status, exc.wire_message()) from exc
+            except StoreError as exc:
+                self._metrics.rpc_errors.labels(kind="unavailable").inc()
+                _failed(span, Status.UNAVAILABLE, str(exc))
+                raise grpclib.GRPCError(Status.UNAVAILABLE, f"[unavailable] {exc}") from exc
+            span.set_attribute("rpc.grpc.status_code", Status.OK.value)
 
     async def open_session(self, message: OpenSessionRequest) -> OpenSessionResponse:
-        with self._typed_errors():
+        with self._call("OpenSession", job=message.job_id):
             sid, ttl = await self._locks.open_session(
                 message.job_id, message.ttl_seconds, message.client_host, message.client_pid
             )
         return OpenSessionResponse(session_id=sid, ttl_seconds=ttl)
 
     async def keep_alive(self, message: KeepAliveRequest) -> KeepAliveResponse:
-        with self._typed_errors():
+        with self._call("KeepAlive"):
             ttl = await self._locks.keepalive(message.session_id)
         return KeepAliveResponse(ttl_seconds=ttl)
 
     async def close_session(self, message: CloseSessionRequest) -> CloseSessionResponse:
-        with self._typed_errors():
+        with self._call("CloseSession"):
             await self._locks.close_session(message.session_id)
         return CloseSessionResponse()
 
@@ -91,7 +115,7 @@ class TimeSliceService(TimeSliceBase):
         grant: Progress | None = None
         delivered = False
         try:
-            with self._typed_errors():
+            with self._call("Acquire", message.group_id, message.job_id) as span:
                 progress = self._locks.acquire(
                     message.session_id,
                     message.job_id,
@@ -103,6 +127,13 @@ class TimeSliceService(TimeSliceBase):
                     async for step in progress:
                         if step.stage is Stage.GRANTED:
                             grant = step
+                            span.set_attributes(
+                                {
+                                    "timeslice.epoch": step.epoch,
+                                    "timeslice.restored": step.restored,
+                                    "timeslice.waited_seconds": step.waited_seconds,
+                                }
+                            )
                         yield _event(step)
                         # Resumed: the framework sent the event and asked for more.
                         delivered = grant is not None
@@ -113,13 +144,17 @@ class TimeSliceService(TimeSliceBase):
                 )
 
     async def yield_(self, message: YieldRequest) -> YieldResponse:
-        with self._typed_errors():
+        with self._call("Yield", message.group_id, message.job_id):
             await self._locks.release(
                 message.session_id, message.job_id, message.group_id, message.epoch
             )
         return YieldResponse()
 
     async def list_groups(self, message: ListGroupsRequest) -> ListGroupsResponse:
+        with self._call("ListGroups"):
+            return self._list_groups()
+
+    def _list_groups(self) -> ListGroupsResponse:
         groups = []
         for name in self._mirror.group_names():
             view = self._mirror.group(name)
@@ -134,11 +169,11 @@ class TimeSliceService(TimeSliceBase):
         return ListGroupsResponse(groups=groups)
 
     async def get_group_status(self, message: GetGroupStatusRequest) -> GroupStatus:
-        with self._typed_errors():
+        with self._call("GetGroupStatus", message.group_id):
             return group_status(self._locks.view(message.group_id), self._mirror)
 
     async def watch_group(self, message: WatchGroupRequest) -> AsyncIterator[GroupEvent]:
-        with self._typed_errors():
+        with self._call("WatchGroup", message.group_id):
             view = self._locks.view(message.group_id)
         topic = f"group:{view.group}"
         while True:
@@ -146,6 +181,14 @@ class TimeSliceService(TimeSliceBase):
             view = self._mirror.group(view.group)
             yield GroupEvent(revision=view.revision, status=group_status(view, self._mirror))
             await self._mirror.wait_for_change(topic, seen)
+
+
+_SERVICE = "timeslice.v1.TimeSlice"
+
+
+def _failed(span: Span, status: Status, message: str) -> None:
+    span.set_attribute("rpc.grpc.status_code", status.value)
+    span.set_status(StatusCode.ERROR, message)
 
 
 def _event(step: Progress) -> AcquireEvent:

@@ -15,7 +15,9 @@ import signal
 
 from aiohttp import web
 from grpclib.server import Server
+from opentelemetry.sdk.trace import TracerProvider
 
+from timeslice.tracing import provider_from_env, tracer_for
 from timeslice_orchestrator.api import TimeSliceService
 from timeslice_orchestrator.config import OrchestratorConfig
 from timeslice_orchestrator.driver import DriverConfig, SwitchDriver
@@ -35,7 +37,7 @@ SYNC_TIMEOUT = 30.0
 
 
 class Orchestrator:
-    def __init__(self, config: OrchestratorConfig) -> None:
+    def __init__(self, config: OrchestratorConfig, tracing: TracerProvider | None = None) -> None:
         self.config = config
         self.metrics = Metrics()
         self.etcd = EtcdClient(config.etcd)
@@ -51,6 +53,9 @@ class Orchestrator:
         self._hub: AgentHub | None = None
         self._locks: LockService | None = None
         self._ready = False
+        self._tracing = (
+            tracing if tracing is not None else provider_from_env("timeslice-orchestrator")
+        )
 
     def ready(self) -> bool:
         return (
@@ -84,9 +89,11 @@ class Orchestrator:
             self.metrics,
             DriverConfig(replica_id=cfg.replica_id, directive_timeout=cfg.directive_timeout),
             lease,
+            tracer_for(self._tracing),
         )
         self._driver.start()
-        self._server = Server([TimeSliceService(locks, self.mirror, self.metrics), hub])
+        tracer = tracer_for(self._tracing)
+        self._server = Server([TimeSliceService(locks, self.mirror, self.metrics, tracer), hub])
         await self._server.start(cfg.listen.host, cfg.listen.port)
         self._runner = web.AppRunner(make_app(self.metrics, self.ready), access_log=None)
         await self._runner.setup()
@@ -162,6 +169,8 @@ class Orchestrator:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.etcd.close()
+        if self._tracing is not None:
+            await asyncio.to_thread(self._tracing.shutdown)  # flush spans queued for export
 
 
 async def serve(config: OrchestratorConfig) -> int:

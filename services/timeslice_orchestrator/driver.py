@@ -27,6 +27,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, StatusCode, Tracer
+
+from timeslice.tracing import carrier_of
 from timeslice_orchestrator.hub import AgentGone, AgentUnavailable
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.relay import DirectiveRouter
@@ -112,6 +116,7 @@ class SwitchDriver:
         metrics: Metrics,
         config: DriverConfig,
         lease: int,
+        tracer: Tracer | None = None,
     ) -> None:
         self._store = store
         self._mirror = mirror
@@ -119,6 +124,7 @@ class SwitchDriver:
         self._metrics = metrics
         self._config = config
         self._auth = Authority(config.replica_id, lease)
+        self._tracer = tracer or trace.NoOpTracer()
         self._kicks: dict[str, asyncio.Event] = {}
         self._loops: dict[str, asyncio.Task[None]] = {}
         self._attempts: dict[tuple[str, str, int], int] = {}
@@ -259,6 +265,26 @@ class SwitchDriver:
     # -- the switch, phase by phase --------------------------------------------------------
 
     async def _advance(self, switch: Stored[SwitchRecord]) -> Next:
+        record = switch.record
+        with self._tracer.start_as_current_span(
+            "timeslice.switch",
+            attributes={
+                "timeslice.group": record.group,
+                "timeslice.switch_id": record.switch_id,
+                "timeslice.epoch": switch.create_revision,
+                "timeslice.from_jobs": ",".join(record.from_jobs),
+                "timeslice.to_job": record.to_job,
+                "timeslice.nodes": len(record.steps),
+                "timeslice.attempt": record.attempt,
+                "timeslice.resumed_phase": record.phase.value,
+                "timeslice.driver": self._config.replica_id,
+            },
+        ) as span:
+            outcome = await self._advance_phases(switch)
+            span.set_attribute("timeslice.next", outcome.value)
+            return outcome
+
+    async def _advance_phases(self, switch: Stored[SwitchRecord]) -> Next:
         """Drive a switch record from its current phase to its end.
 
         CHECKPOINT -> RESTORE -> commit on success; CHECKPOINT -> ROLLBACK -> end on a
@@ -426,37 +452,69 @@ class SwitchDriver:
         purpose: str,
     ) -> list[NodeResult]:
         """Send one directive per node concurrently and gather every node's outcome."""
-        return list(
-            await asyncio.gather(*(self._run_step(switch, kind, s, purpose) for s in steps))
-        )
+        with self._tracer.start_as_current_span(
+            f"timeslice.{purpose}",
+            attributes={"timeslice.group": switch.record.group, "timeslice.nodes": len(steps)},
+        ) as span:
+            results = list(
+                await asyncio.gather(*(self._run_step(switch, kind, s, purpose) for s in steps))
+            )
+            failed = [r.node for r in results if not r.ok]
+            if failed:
+                span.set_status(StatusCode.ERROR, f"failed on {', '.join(failed)}")
+            return results
 
     async def _run_step(
         self, switch: Stored[SwitchRecord], kind: DirectiveKind, step: NodeStep, purpose: str
     ) -> NodeResult:
         job = step.evict if purpose in ("evict", "rollback") else step.restore
-        directive = Directive(
-            directive_id=f"{switch.record.switch_id}-{purpose}-{step.node}",
-            group_id=switch.record.group,
-            epoch=switch.create_revision,
-            kind=kind,
-            job_id=job,
-            deadline_ms=int(self._config.directive_timeout * 1000),
-        )
-        started = time.monotonic()
-        try:
-            ack = await self._router.execute(
-                step.node, directive, self._config.directive_timeout + 1
+        agent = self._mirror.agents().get(step.node)
+        with self._tracer.start_as_current_span(
+            f"timeslice.{purpose} {step.node}",
+            kind=SpanKind.CLIENT,
+            attributes={
+                "timeslice.group": switch.record.group,
+                "timeslice.node": step.node,
+                "timeslice.job": job,
+                "timeslice.epoch": switch.create_revision,
+                "timeslice.directive": kind.name.lower(),
+                "timeslice.backend": agent.backend if agent else "",
+                "timeslice.emulated": bool(agent and agent.emulated),
+            },
+        ) as span:
+            directive = Directive(
+                directive_id=f"{switch.record.switch_id}-{purpose}-{step.node}",
+                group_id=switch.record.group,
+                epoch=switch.create_revision,
+                kind=kind,
+                job_id=job,
+                deadline_ms=int(self._config.directive_timeout * 1000),
+                trace_context=carrier_of(span),
             )
+            result = await self._execute(step.node, directive, kind)
+            span.set_attributes(
+                {
+                    "timeslice.bytes_moved": result.bytes_moved,
+                    "timeslice.backend_seconds": result.elapsed,
+                }
+            )
+            if not result.ok:
+                span.set_status(StatusCode.ERROR, result.error)
+            return result
+
+    async def _execute(self, node: str, directive: Directive, kind: DirectiveKind) -> NodeResult:
+        started = time.monotonic()
+        label = kind.name.lower()
+        try:
+            ack = await self._router.execute(node, directive, self._config.directive_timeout + 1)
         except AgentGone as exc:
             # Final: the node left its groups; whatever it held is no longer counted on.
-            self._metrics.directives.labels(kind=kind.name.lower(), status="gone").inc()
-            return NodeResult(step.node, False, str(exc), 0, time.monotonic() - started, gone=True)
+            self._metrics.directives.labels(kind=label, status="gone").inc()
+            return NodeResult(node, False, str(exc), 0, time.monotonic() - started, gone=True)
         except AgentUnavailable as exc:
-            self._metrics.directives.labels(kind=kind.name.lower(), status="unavailable").inc()
-            return NodeResult(step.node, False, str(exc), 0, time.monotonic() - started, True)
-        self._metrics.directives.labels(
-            kind=kind.name.lower(), status=ack.status.name.lower()
-        ).inc()
+            self._metrics.directives.labels(kind=label, status="unavailable").inc()
+            return NodeResult(node, False, str(exc), 0, time.monotonic() - started, True)
+        self._metrics.directives.labels(kind=label, status=ack.status.name.lower()).inc()
         ok = ack.status == AckStatus.OK
         error = "" if ok else f"{ack.status.name.lower()}: {ack.error}"
-        return NodeResult(step.node, ok, error, ack.bytes_moved, ack.elapsed_seconds)
+        return NodeResult(node, ok, error, ack.bytes_moved, ack.elapsed_seconds)

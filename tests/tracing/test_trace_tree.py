@@ -1,0 +1,173 @@
+"""The span tree of one switch over 4 nodes, collected with the SDK's in-memory exporter.
+
+The orchestrator and four agents run in this process (real etcd, real gRPC over loopback and
+unix sockets) so one TracerProvider sees the spans of both sides; the agents' spans join the
+orchestrator's through the trace context each directive carries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from timeslice import AsyncTimeSliceClient, register
+from timeslice.dev._procs import free_ports
+from timeslice.dev.etcd import EtcdServer
+from timeslice.tracing import provider_from_env, tracing_requested
+from timeslice_agent.config import parse_config
+from timeslice_agent.service import Agent
+from timeslice_orchestrator.app import Orchestrator
+from timeslice_orchestrator.config import parse_args
+
+NODES = [f"node-{i}" for i in range(4)]
+
+
+@contextlib.asynccontextmanager
+async def traced_cluster(
+    etcd: EtcdServer, tmp: Path, provider: TracerProvider
+) -> AsyncIterator[tuple[str, dict[str, str]]]:
+    grpc_port, http_port = free_ports(2)
+    config = parse_args(
+        [
+            "--listen", f"127.0.0.1:{grpc_port}",
+            "--http", f"127.0.0.1:{http_port}",
+            "--etcd", etcd.endpoint,
+            "--prefix", f"/timeslice/trace-{tmp.name}",
+            "--replica-id", "r0",
+        ]
+    )  # fmt: skip
+    orchestrator = Orchestrator(config, tracing=provider)
+    await orchestrator.start()
+    stop = asyncio.Event()
+    run_orchestrator = asyncio.create_task(orchestrator.run(stop))
+    target = f"127.0.0.1:{grpc_port}"
+    sockets = {node: str(tmp / node / "w.sock") for node in NODES}
+    agents = [
+        Agent(
+            parse_config(
+                [
+                    "--orchestrator", target,
+                    "--node", node,
+                    "--worker-socket", sockets[node],
+                    "--sim-state-gb", "0.1",
+                ],
+                {},
+            ),
+            tracing=provider,
+        )
+        for node in NODES
+    ]  # fmt: skip
+    runs = [asyncio.create_task(agent.run(stop)) for agent in agents]
+    try:
+        async with asyncio.timeout(20):
+            while len(orchestrator.mirror.agents()) < len(NODES):
+                await asyncio.sleep(0.02)
+        yield target, sockets
+    finally:
+        stop.set()
+        await asyncio.gather(*runs, run_orchestrator, return_exceptions=True)
+        await orchestrator.close()
+
+
+def children(spans: list[ReadableSpan], parent: ReadableSpan) -> list[ReadableSpan]:
+    pid = parent.context.span_id
+    return [s for s in spans if s.parent is not None and s.parent.span_id == pid]
+
+
+async def test_switch_span_tree_over_four_nodes(etcd_server: EtcdServer, tmp_path: Path) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    async with traced_cluster(etcd_server, tmp_path, provider) as (target, sockets):
+        workers = [
+            await asyncio.to_thread(register, "g", job_id=job, socket=sockets[node])
+            for job in ("a", "b")
+            for node in NODES
+        ]
+        try:
+            async with (
+                AsyncTimeSliceClient(target, job_id="a") as a,
+                AsyncTimeSliceClient(target, job_id="b") as b,
+            ):
+                await a.acquire("g", timeout=20)
+                waiter = asyncio.create_task(b.acquire("g", timeout=20))
+                await asyncio.sleep(0.3)
+                exporter.clear()
+                await a.yield_("g")
+                grant = await waiter
+                assert grant.restored and grant.previous_job_id == "a"
+                await b.yield_("g")
+        finally:
+            for w in workers:
+                w.close()
+    spans = list(exporter.get_finished_spans())
+
+    switches = [s for s in spans if s.name == "timeslice.switch"]
+    assert len(switches) == 1
+    switch = switches[0]
+    assert switch.parent is None
+    attrs = dict(switch.attributes or {})
+    assert attrs["timeslice.group"] == "g"
+    assert attrs["timeslice.from_jobs"] == "a" and attrs["timeslice.to_job"] == "b"
+    assert attrs["timeslice.nodes"] == 4
+    epoch = attrs["timeslice.epoch"]
+
+    phases = {s.name: s for s in children(spans, switch)}
+    assert set(phases) == {"timeslice.evict", "timeslice.restore"}
+    assert phases["timeslice.evict"].end_time <= phases["timeslice.restore"].start_time
+    for phase, kind, job in (("evict", "checkpoint", "a"), ("restore", "restore", "b")):
+        per_node = children(spans, phases[f"timeslice.{phase}"])
+        assert sorted(s.name for s in per_node) == [f"timeslice.{phase} {n}" for n in NODES]
+        for node_span in per_node:
+            node_attrs = dict(node_span.attributes or {})
+            assert node_attrs["timeslice.job"] == job
+            assert node_attrs["timeslice.epoch"] == epoch
+            assert node_attrs["timeslice.backend"] == "sim"
+            assert node_attrs["timeslice.emulated"] is True
+            agent_spans = children(spans, node_span)
+            assert [s.name for s in agent_spans] == [f"timeslice.agent.{kind}"]
+            agent_attrs = dict(agent_spans[0].attributes or {})
+            assert agent_attrs["timeslice.node"] == node_attrs["timeslice.node"]
+            assert agent_attrs["timeslice.status"] == "ok"
+            if kind == "checkpoint":
+                assert agent_attrs["timeslice.bytes_moved"] == 100_000_000
+                assert node_attrs["timeslice.bytes_moved"] == 100_000_000
+        # The nodes of a phase ran concurrently: their spans overlap.
+        assert max(s.start_time for s in per_node) < min(s.end_time for s in per_node)
+
+    rpcs = [s for s in spans if s.name == "timeslice.v1.TimeSlice/Yield"]
+    assert rpcs, "client RPCs get server spans"
+    rpc_attrs = dict(rpcs[0].attributes or {})
+    assert rpc_attrs["rpc.system"] == "grpc"
+    assert rpc_attrs["rpc.service"] == "timeslice.v1.TimeSlice"
+    assert rpc_attrs["rpc.method"] == "Yield"
+    assert rpc_attrs["rpc.grpc.status_code"] == 0
+
+
+def test_tracing_is_off_unless_the_environment_asks() -> None:
+    assert not tracing_requested({})
+    assert provider_from_env("x", {}) is None
+    assert not tracing_requested({"OTEL_TRACES_EXPORTER": "none"})
+    assert tracing_requested({"OTEL_TRACES_EXPORTER": "otlp"})
+    assert tracing_requested({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"})
+    provider = provider_from_env("svc", {"OTEL_TRACES_EXPORTER": "console"})
+    assert provider is not None
+    provider.shutdown()
+
+
+@pytest.mark.parametrize("name", ["timeslice-orchestrator"])
+def test_off_means_no_provider_in_services(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in (
+        "OTEL_TRACES_EXPORTER",
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    ):
+        monkeypatch.delenv(var, raising=False)
+    assert provider_from_env(name) is None
