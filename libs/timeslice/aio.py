@@ -704,6 +704,9 @@ class AsyncTimeSliceClient:
                     while True:
                         event = await stream.recv_message()
                         if event is None:
+                            # An error after some events arrives in the trailers: this raises
+                            # it (GroupFaulted, SessionExpired, ...) as the status it carries.
+                            await stream.recv_trailing_metadata()
                             raise InternalError(
                                 f"the Acquire stream of group {group} ended without a grant"
                             )

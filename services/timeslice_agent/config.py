@@ -52,6 +52,34 @@ class SimSettings:
     bandwidth_bytes_per_s: float
     default_state_bytes: int
     time_scale: float
+    faults: tuple[InjectedFault, ...] = ()
+
+
+@dataclass(frozen=True)
+class InjectedFault:
+    """A failure the sim backend injects on purpose (tests, drills): KIND:ACTION[:JOB].
+
+    ``kind`` is checkpoint or restore; ``action`` is fail (the backend reports an error) or
+    hang (it never finishes, so the directive's deadline ends it); ``job`` limits it to one job.
+    """
+
+    kind: str
+    action: str
+    job: str = ""
+
+    @classmethod
+    def parse(cls, text: str) -> InjectedFault:
+        parts = text.split(":")
+        if (
+            len(parts) not in (2, 3)
+            or parts[0] not in ("checkpoint", "restore")
+            or parts[1] not in ("fail", "hang")
+        ):
+            raise ValueError(f"--sim-fault {text!r}: expected checkpoint|restore:fail|hang[:JOB]")
+        return cls(parts[0], parts[1], parts[2] if len(parts) == 3 else "")
+
+    def applies(self, kind: str, job: str) -> bool:
+        return self.kind == kind and (not self.job or self.job == job)
 
 
 @dataclass(frozen=True)
@@ -68,6 +96,8 @@ class AgentConfig:
     hook_timeout: float
     log_level: str
     journal: Path | None = None
+    host_reserve_gb: float = 2.0
+    host_memory_gb: float = 0.0
 
 
 def parse_endpoint(text: str, *, allow_port_zero: bool = False) -> Endpoint:
@@ -215,6 +245,25 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         type=_argtype(_number(0, inclusive=False)),
     )
     add("--log-level", "INFO", "logging level", metavar="LEVEL")
+    parser.add_argument(
+        "--sim-fault",
+        action="append",
+        default=[],
+        metavar="KIND:ACTION[:JOB]",
+        help="sim: inject a failure (checkpoint|restore : fail|hang [: job]); repeatable",
+    )
+    add(
+        "--host-reserve-gb",
+        "2",
+        "host memory kept free: a checkpoint that would eat into it is refused, in GB",
+        type=_argtype(_number(0, inclusive=True)),
+    )
+    add(
+        "--host-memory-gb",
+        "0",
+        "model a host of this size instead of reading MemAvailable (sim, tests), in GB",
+        type=_argtype(_number(0, inclusive=True)),
+    )
     add(
         "--journal",
         "",
@@ -222,6 +271,13 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         metavar="PATH",
     )
     return parser
+
+
+def _faults(parser: argparse.ArgumentParser, texts: list[str]) -> list[InjectedFault]:
+    try:
+        return [InjectedFault.parse(t) for t in texts]
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def parse_config(
@@ -250,6 +306,7 @@ def parse_config(
         bandwidth_bytes_per_s=ns.sim_bandwidth_gbps * GB,
         default_state_bytes=int(ns.sim_state_gb * GB),
         time_scale=ns.sim_time_scale,
+        faults=tuple(_faults(parser, ns.sim_fault)),
     )
     return AgentConfig(
         orchestrators=ns.orchestrator,
@@ -262,4 +319,6 @@ def parse_config(
         hook_timeout=ns.hook_timeout,
         log_level=level,
         journal=Path(ns.journal) if ns.journal else None,
+        host_reserve_gb=ns.host_reserve_gb,
+        host_memory_gb=ns.host_memory_gb,
     )

@@ -41,6 +41,7 @@ from timeslice_agent.backends.base import (
     ResidentJob,
     SavedJob,
 )
+from timeslice_agent.hostmem import HostMemory
 from timeslice_agent.jobs import Job, JobState, Residency
 from timeslice_agent.journal import DirectiveJournal, JournalEntry
 from timeslice_agent.metrics import AgentMetrics
@@ -114,6 +115,7 @@ class DirectiveExecutor:
         send_ack: Callable[[DirectiveAck], None],
         journal: DirectiveJournal | None = None,
         tracer: Tracer | None = None,
+        host_memory: HostMemory | None = None,
     ) -> None:
         self._node = node
         self._backend = backend
@@ -124,6 +126,7 @@ class DirectiveExecutor:
         self._send_ack = send_ack
         self._journal = journal
         self._tracer = tracer or trace.NoOpTracer()
+        self._host_memory = host_memory
         self._jobs: dict[str, Job] = {}
         self._epochs: dict[str, int] = {}
         self._acks: OrderedDict[str, DirectiveAck] = OrderedDict()
@@ -540,6 +543,12 @@ class DirectiveExecutor:
             self._count_jobs()
         return _Outcome(AckStatus.OK, bytes_moved=nbytes)
 
+    def _host_refusal(self, ctx: JobContext) -> str | None:
+        if self._host_memory is None:
+            return None
+        parked = sum(j.saved_bytes for j in self._jobs.values() if j.state is JobState.SAVED)
+        return self._host_memory.refusal(self._backend.checkpoint_bytes(ctx), parked)
+
     async def _checkpoint(self, d: Directive, clock: _Clock) -> _Outcome:
         workers = self._registry.workers_of(d.job_id)
         job = self._jobs.get(d.job_id)
@@ -562,6 +571,11 @@ class DirectiveExecutor:
         except BackendRefused as exc:
             self._metrics.refused.labels("backend").inc()
             return _Outcome(AckStatus.REFUSED, exc.reason)
+        refusal = self._host_refusal(ctx)
+        if refusal is not None:
+            log.warning("checkpoint of %s refused: %s", d.job_id, refusal)
+            self._metrics.refused.labels("host_memory").inc()
+            return _Outcome(AckStatus.REFUSED, refusal)
         hooks_sent = any(w.app_callbacks for w in workers)
         hooks_done = False
 

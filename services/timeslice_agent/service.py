@@ -21,8 +21,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from timeslice.tracing import provider_from_env, tracer_for
 from timeslice_agent import __version__
 from timeslice_agent.backends import Backend, create_backend
-from timeslice_agent.config import AgentConfig, Endpoint
+from timeslice_agent.config import AgentConfig, BackendKind, Endpoint
 from timeslice_agent.executor import DirectiveExecutor
+from timeslice_agent.hostmem import GB, HostMemory
 from timeslice_agent.http import HttpServer
 from timeslice_agent.journal import DirectiveJournal
 from timeslice_agent.metrics import AgentMetrics
@@ -78,6 +79,17 @@ async def prepare_socket_path(path: Path) -> None:
     raise AgentStartError(f"another process is serving the worker socket {path}")
 
 
+# The sim backend parks emulated bytes, so it measures against an emulated host as well: by
+# default one the size of an 8-GPU server's DRAM, not this machine's.
+SIM_HOST_GB = 2048.0
+
+
+def _modelled_host_gb(config: AgentConfig) -> float:
+    if config.host_memory_gb:
+        return config.host_memory_gb
+    return SIM_HOST_GB if config.backend is BackendKind.SIM else 0.0
+
+
 class Agent:
     """One agent process; :meth:`run` until ``stop`` is set."""
 
@@ -109,6 +121,10 @@ class Agent:
             send_ack=self._send_ack,
             journal=DirectiveJournal(config.journal) if config.journal else None,
             tracer=tracer_for(self.tracing),
+            host_memory=HostMemory(
+                reserve_bytes=int(config.host_reserve_gb * GB),
+                modelled_bytes=int(_modelled_host_gb(config) * GB),
+            ),
         )
         self.link = OrchestratorLink(
             node=config.node,

@@ -31,7 +31,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, StatusCode, Tracer
 
 from timeslice.tracing import carrier_of
-from timeslice_orchestrator.hub import AgentGone, AgentUnavailable
+from timeslice_orchestrator.hub import AgentGone, AgentTimeout, AgentUnavailable
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.relay import DirectiveRouter
 from timeslice_orchestrator.store.cache import AGENTS_TOPIC, GroupView, Mirror, QueuedJob
@@ -507,6 +507,10 @@ class SwitchDriver:
         label = kind.name.lower()
         try:
             ack = await self._router.execute(node, directive, self._config.directive_timeout + 1)
+        except AgentTimeout as exc:
+            # Connected but silent past the deadline: a failure, like a backend error.
+            self._metrics.directives.labels(kind=label, status="timeout").inc()
+            return NodeResult(node, False, str(exc), 0, time.monotonic() - started)
         except AgentGone as exc:
             # Final: the node left its groups; whatever it held is no longer counted on.
             self._metrics.directives.labels(kind=label, status="gone").inc()

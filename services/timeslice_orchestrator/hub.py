@@ -46,6 +46,10 @@ class AgentUnavailable(Exception):
     """No stream to that node's agent is held here, or it broke before the ack."""
 
 
+class AgentTimeout(AgentUnavailable):
+    """The agent is connected but did not ack within the directive's deadline: a failure."""
+
+
 class AgentGone(AgentUnavailable):
     """The node's agent record expired: it has left every group until it comes back."""
 
@@ -229,6 +233,6 @@ class AgentHub(AgentHubBase):
             async with asyncio.timeout(timeout):
                 return await fut
         except TimeoutError as exc:
-            raise AgentUnavailable(f"agent {node} did not ack within {timeout:.1f} s") from exc
+            raise AgentTimeout(f"agent {node} did not ack within {timeout:.1f} s") from exc
         finally:
             conn.pending.pop(directive.directive_id, None)

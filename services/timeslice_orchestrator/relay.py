@@ -16,7 +16,7 @@ import base64
 import functools
 import logging
 
-from timeslice_orchestrator.hub import AgentGone, AgentHub, AgentUnavailable
+from timeslice_orchestrator.hub import AgentGone, AgentHub, AgentTimeout, AgentUnavailable
 from timeslice_orchestrator.store.cache import Mirror
 from timeslice_orchestrator.store.etcd import StoreUnavailable
 from timeslice_orchestrator.store.groups import RelayStore
@@ -78,7 +78,7 @@ class DirectiveRouter:
                         raise AgentUnavailable(f"agent {node} left replica {agent.replica}")
                     await self._mirror.wait_for_change("*", seen)
         except TimeoutError as exc:
-            raise AgentUnavailable(
+            raise AgentTimeout(
                 f"agent {node} (via replica {agent.replica}) did not ack within {timeout:.1f} s"
             ) from exc
         finally:

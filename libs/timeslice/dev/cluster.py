@@ -95,6 +95,7 @@ class LocalCluster:
         base_dir: holds logs, agent sockets and state files; None makes a temporary directory
             that :meth:`stop` removes (pass a directory to keep the logs).
         agent_args, orchestrator_args: extra command-line arguments for every agent / replica
+        node_args: extra arguments for one agent by node name (fault injection, say)
             (for example ``["--sim-state-gb", "1"]``).
         env: variables added to the services' environment.
         ready_timeout: deadline for each start to become ready (``/readyz`` answers 200).
@@ -112,6 +113,7 @@ class LocalCluster:
         replica_ttl: float | None = None,
         base_dir: Path | str | None = None,
         agent_args: Sequence[str] = (),
+        node_args: Mapping[str, Sequence[str]] | None = None,
         orchestrator_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         ready_timeout: float = 30.0,
@@ -131,6 +133,7 @@ class LocalCluster:
         self._session_ttl = session_ttl
         self._replica_ttl = replica_ttl
         self._agent_args = list(agent_args)
+        self._node_args = {node: list(args) for node, args in (node_args or {}).items()}
         self._orchestrator_args = list(orchestrator_args)
         self._ready_timeout = ready_timeout
         self._owns_base_dir = base_dir is None
@@ -428,6 +431,7 @@ class LocalCluster:
             "--http", service.http,
             "--journal", str(self.agent_journals[service.name]),
             *self._agent_args,
+            *self._node_args.get(service.name, []),
         ]  # fmt: skip
 
     def _launch(self, service: ServiceProcess) -> None:

@@ -92,6 +92,10 @@ class Backend(abc.ABC):
         """
         return None
 
+    def checkpoint_bytes(self, job: JobContext) -> int:
+        """Host bytes a checkpoint of ``job`` will take (for host-memory admission)."""
+        return job.state_bytes
+
     def admit_restore(self, job: JobContext) -> None:
         """Raise :class:`BackendRefused` if a restore of ``job`` must not even start."""
         return None

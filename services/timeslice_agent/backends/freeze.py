@@ -102,6 +102,9 @@ class FreezeBackend(Backend):
             except OSError as exc:
                 log.warning("could not resume pid %d after a failed freeze: %s", pid, exc)
 
+    def checkpoint_bytes(self, job: JobContext) -> int:
+        return 0  # frozen processes keep their memory where it is
+
     async def checkpoint(self, job: JobContext) -> Transfer:
         pids = self._check_freezable(job)
         started = time.monotonic()

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 
 from timeslice_agent.backends.base import (
     Backend,
+    BackendError,
     BackendRefused,
     JobContext,
     SavedJob,
@@ -72,7 +73,16 @@ class SimBackend(Backend):
         """Modelled time to move ``nbytes`` in one direction."""
         return nbytes / self._settings.bandwidth_bytes_per_s * self._settings.time_scale
 
+    async def _inject(self, kind: str, job: JobContext) -> None:
+        for fault in self._settings.faults:
+            if fault.applies(kind, job.job_id):
+                log.warning("%s injected %s %s for job %s", _TAG, kind, fault.action, job.job_id)
+                if fault.action == "hang":
+                    await asyncio.Event().wait()  # until the directive's deadline cancels it
+                raise BackendError(f"injected {kind} failure (--sim-fault)")
+
     async def checkpoint(self, job: JobContext) -> Transfer:
+        await self._inject("checkpoint", job)
         nbytes = self.job_bytes(job.state_bytes)
         started = time.monotonic()
         # The books change only after the modelled transfer: a cancelled checkpoint moved nothing.
@@ -102,6 +112,9 @@ class SimBackend(Backend):
         ) + sum(b for j, b in self._incoming.items() if j != job.job_id)
         return max(self._settings.capacity_bytes - in_use, 0)
 
+    def checkpoint_bytes(self, job: JobContext) -> int:
+        return self.job_bytes(job.state_bytes)
+
     def admit_restore(self, job: JobContext) -> None:
         nbytes = self._restore_bytes(job)
         free = self.free_bytes(job)
@@ -111,6 +124,7 @@ class SimBackend(Backend):
             raise BackendRefused(reason)
 
     async def restore(self, job: JobContext) -> Transfer:
+        await self._inject("restore", job)
         # Checked again here: admission and transfer are one step for callers that skip admit.
         self.admit_restore(job)
         nbytes = self._restore_bytes(job)

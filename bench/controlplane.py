@@ -1,0 +1,469 @@
+"""Control-plane benchmarks: handoff latency, acquire/yield throughput, memory, switch fan-out.
+
+Every benchmark starts its own :class:`~timeslice.dev.cluster.LocalCluster` (real etcd,
+orchestrator replicas and agents as processes, loopback gRPC) and drives it through the SDK
+from this process, so the client side's CPU is part of what is measured: on a 2-core
+machine the load generator, etcd, the replicas and the agents compete for the same cores.
+Each records CPU seconds per process over its measured window, which says what dominates.
+
+* :func:`handoff_latency` - a holder yields while another job waits: from the yield call to
+  the waiter's grant. No data moves (the jobs register no workers).
+* :func:`cycle_throughput` - one job per group, each doing acquire -> yield in a closed
+  loop, all groups at once: cycles per second against the number of groups and replicas.
+* :func:`memory_per_group` - a replica's resident memory (``VmRSS``) before and after
+  creating N groups.
+* :func:`switch_fanout` - context switches across 1..16 nodes with free data movement
+  (``--sim-time-scale 0``): switch wall time minus the slowest node's backend time per phase.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from bench._common import (
+    close_workers,
+    cluster_pids,
+    cpu_by_role,
+    cpu_seconds,
+    proc_sample,
+    register_workers,
+    rotated,
+    running_cluster,
+)
+from bench.analysis import GrantSample, Stats, split_switches
+from tests.history import (
+    Hold,
+    Recorder,
+    check_fencing,
+    check_fifo,
+    check_mutual_exclusion,
+    check_two_phase,
+)
+from timeslice import AcquireProgress, AcquireStage, AsyncTimeSliceClient, Grant
+from timeslice_agent.journal import read_journal
+
+__all__ = [
+    "CyclesResult",
+    "FanoutResult",
+    "HandoffResult",
+    "MemoryResult",
+    "cycle_throughput",
+    "handoff_latency",
+    "memory_per_group",
+    "switch_fanout",
+]
+
+_CALL_TIMEOUT = 30.0
+# After the waiter is queued, give every replica's mirror time to see the queue entry, so
+# the measured handoff starts from a settled state (the yield is the only thing happening).
+_SETTLE_SECONDS = 0.005
+# Driver loops of idle groups end after the orchestrator's idle recheck (2 s): memory is
+# read once they have.
+_MEMORY_SETTLE_SECONDS = 3.0
+_CREATE_CONCURRENCY = 64
+
+
+def _violations(recorder: Recorder, journal: Sequence[Any] = ()) -> list[str]:
+    out: list[str] = []
+    checks: list[tuple[str, Callable[[], None]]] = [
+        ("mutual_exclusion", lambda: check_mutual_exclusion(recorder.holds)),
+        ("fifo", lambda: check_fifo(recorder.holds)),
+        ("fencing", lambda: check_fencing(list(journal))),
+        ("two_phase", lambda: check_two_phase(list(journal))),
+    ]
+    for name, check in checks:
+        try:
+            check()
+        except AssertionError as exc:
+            out.append(f"{name}: {exc}")
+    return out
+
+
+async def _close_all(clients: Sequence[AsyncTimeSliceClient]) -> None:
+    await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+
+
+# -- handoff ---------------------------------------------------------------------------------
+
+
+@dataclass
+class HandoffResult:
+    """Yield -> next waiter granted, no data movement."""
+
+    replicas: int
+    samples: int
+    handoff_ms: Stats  # from calling yield to the waiter's acquire returning
+    yield_call_ms: Stats  # the yield call alone (holder side)
+    cpu_seconds: dict[str, float]
+    violations: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+async def handoff_latency(
+    replicas: int,
+    samples: int = 200,
+    *,
+    warmup: int = 10,
+    cluster_kwargs: Mapping[str, Any] | None = None,
+) -> HandoffResult:
+    """Two jobs hand one group back and forth ``samples + warmup`` times.
+
+    The holder and the waiter talk to different replicas when there are several (the switch
+    driver may be a third), so with 3 replicas the measurement crosses replicas through etcd.
+    """
+    group = "handoff"
+    recorder = Recorder()
+    handoffs: list[float] = []
+    yields: list[float] = []
+    kwargs = {"replicas": replicas, "agents": 0, **(cluster_kwargs or {})}
+    async with running_cluster(**kwargs) as cluster:
+        clients = [
+            AsyncTimeSliceClient(
+                rotated(cluster.targets, i), job_id=f"handoff-{i}", call_timeout=_CALL_TIMEOUT
+            )
+            for i in range(2)
+        ]
+        try:
+            pids = cluster_pids(cluster)
+            holder, waiter = clients
+            grant = await holder.acquire(group, timeout=_CALL_TIMEOUT)
+            granted_at = time.monotonic()
+            cpu0 = cpu_seconds(pids)
+            for i in range(samples + warmup):
+                queued = asyncio.Event()
+
+                def progress(p: AcquireProgress, queued: asyncio.Event = queued) -> None:
+                    if p.state is AcquireStage.QUEUED:
+                        queued.set()
+
+                async def wait_grant(
+                    client: AsyncTimeSliceClient = waiter,
+                    progress: Callable[[AcquireProgress], None] = progress,
+                ) -> tuple[Grant, float]:
+                    g = await client.acquire(group, timeout=_CALL_TIMEOUT, on_progress=progress)
+                    return g, time.perf_counter()
+
+                task = asyncio.create_task(wait_grant())
+                try:
+                    async with asyncio.timeout(_CALL_TIMEOUT):
+                        await queued.wait()
+                    await asyncio.sleep(_SETTLE_SECONDS)
+                    released_at = time.monotonic()
+                    t0 = time.perf_counter()
+                    await holder.yield_(group)
+                    t_yield = time.perf_counter()
+                    recorder.hold(
+                        Hold(holder.job_id, group, grant.epoch, grant.ticket, granted_at,
+                             released_at)
+                    )
+                    async with asyncio.timeout(_CALL_TIMEOUT):
+                        grant, t1 = await task
+                except BaseException:
+                    task.cancel()
+                    with contextlib.suppress(BaseException):
+                        await task
+                    raise
+                granted_at = time.monotonic()
+                if i >= warmup:
+                    handoffs.append(t1 - t0)
+                    yields.append(t_yield - t0)
+                holder, waiter = waiter, holder
+            cpu = cpu_by_role(cpu0, cpu_seconds(pids))
+            await holder.yield_(group)
+        finally:
+            await _close_all(clients)
+    return HandoffResult(
+        replicas=replicas,
+        samples=len(handoffs),
+        handoff_ms=Stats.of(handoffs).scaled(1000),
+        yield_call_ms=Stats.of(yields).scaled(1000),
+        cpu_seconds=cpu,
+        violations=_violations(recorder),
+    )
+
+
+# -- acquire/yield throughput ------------------------------------------------------------------
+
+
+@dataclass
+class CyclesResult:
+    """Closed-loop acquire -> yield cycles, one job per group, all groups concurrently."""
+
+    groups: int
+    replicas: int
+    clients: int
+    seconds: float
+    cycles: int
+    cycles_per_second: float
+    cycle_ms: Stats  # one acquire + yield, as the job sees it
+    cpu_seconds: dict[str, float]  # by role over the measured window
+    cpu_ms_per_cycle: dict[str, float]
+    violations: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+async def cycle_throughput(
+    groups: int,
+    replicas: int,
+    *,
+    seconds: float = 6.0,
+    warmup: float = 2.0,
+    clients: int = 16,
+    cluster_kwargs: Mapping[str, Any] | None = None,
+) -> CyclesResult:
+    """Acquire/yield cycles per second with ``groups`` groups and ``replicas`` replicas.
+
+    ``clients`` jobs (sessions) share the groups round-robin, each group cycled by one task
+    of its job, so no acquire ever waits for another job: this is the uncontended grant path
+    at full concurrency. The first ``warmup`` seconds (group creation) are not counted.
+    """
+    n_clients = max(1, min(clients, groups))
+    recorder = Recorder()
+    kwargs = {"replicas": replicas, "agents": 0, **(cluster_kwargs or {})}
+    async with running_cluster(**kwargs) as cluster:
+        pool = [
+            AsyncTimeSliceClient(
+                rotated(cluster.targets, i), job_id=f"cycle-{i}", call_timeout=_CALL_TIMEOUT
+            )
+            for i in range(n_clients)
+        ]
+        counting = False
+        stop = asyncio.Event()
+        count = 0
+        latencies: list[float] = []
+
+        async def cycle(client: AsyncTimeSliceClient, group: str) -> None:
+            nonlocal count
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                grant = await client.acquire(group, timeout=_CALL_TIMEOUT)
+                held = time.monotonic()
+                released = time.monotonic()
+                await client.yield_(group)
+                recorder.hold(Hold(client.job_id, group, grant.epoch, grant.ticket, held,
+                                   released))
+                if counting:
+                    count += 1
+                    latencies.append(time.perf_counter() - t0)
+
+        try:
+            pids = cluster_pids(cluster)
+            tasks = [
+                asyncio.create_task(cycle(pool[g % n_clients], f"cycle-{g}"))
+                for g in range(groups)
+            ]
+            try:
+                await _sleep_or_fail(warmup, tasks)
+                counting = True
+                cpu0 = cpu_seconds(pids)
+                t0 = time.monotonic()
+                await _sleep_or_fail(seconds, tasks)
+                counting = False
+                elapsed = time.monotonic() - t0
+                cycles = count
+                cpu = cpu_by_role(cpu0, cpu_seconds(pids))
+                stop.set()
+                async with asyncio.timeout(_CALL_TIMEOUT):
+                    await asyncio.gather(*tasks)
+            finally:
+                stop.set()
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            await _close_all(pool)
+    return CyclesResult(
+        groups=groups,
+        replicas=replicas,
+        clients=n_clients,
+        seconds=elapsed,
+        cycles=cycles,
+        cycles_per_second=cycles / elapsed,
+        cycle_ms=Stats.of(latencies).scaled(1000),
+        cpu_seconds=cpu,
+        cpu_ms_per_cycle={k: 1000 * v / max(1, cycles) for k, v in cpu.items()},
+        violations=_violations(recorder),
+    )
+
+
+async def _sleep_or_fail(seconds: float, tasks: Sequence[asyncio.Task[None]]) -> None:
+    """Sleep, but surface at once the first task that fails meanwhile."""
+    done, _ = await asyncio.wait(tasks, timeout=seconds, return_when=asyncio.FIRST_EXCEPTION)
+    for t in done:
+        if not t.cancelled() and t.exception() is not None:
+            raise t.exception()  # type: ignore[misc]
+
+
+# -- memory ----------------------------------------------------------------------------------
+
+
+@dataclass
+class MemoryResult:
+    """A replica's resident memory after creating groups (one acquire + yield each)."""
+
+    points: list[tuple[int, int]]  # (groups created, VmRSS bytes of the replica)
+    bytes_per_group: list[float]  # per point: (rss - rss at 0 groups) / groups
+    violations: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+async def memory_per_group(
+    counts: Sequence[int] = (1000, 5000),
+    *,
+    clients: int = 8,
+    cluster_kwargs: Mapping[str, Any] | None = None,
+) -> MemoryResult:
+    """RSS of the single replica at 0 groups, then after creating up to each of ``counts``."""
+    if list(counts) != sorted(counts) or not counts or counts[0] < 1:
+        raise ValueError("counts must be increasing positive group counts")
+    recorder = Recorder()
+    kwargs = {"replicas": 1, "agents": 0, **(cluster_kwargs or {})}
+    async with running_cluster(**kwargs) as cluster:
+        pool = [
+            AsyncTimeSliceClient(cluster.targets, job_id=f"mem-{i}", call_timeout=_CALL_TIMEOUT)
+            for i in range(clients)
+        ]
+        try:
+            pid = cluster_pids(cluster)["r0"]
+
+            async def touch(index: int) -> None:
+                client = pool[index % clients]
+                group = f"mem-{index}"
+                grant = await client.acquire(group, timeout=_CALL_TIMEOUT)
+                now = time.monotonic()
+                await client.yield_(group)
+                recorder.hold(Hold(client.job_id, group, grant.epoch, grant.ticket, now, now))
+
+            # One warm-up cycle per client: sessions and connections are not groups.
+            await asyncio.gather(*(c.acquire("mem-warmup", timeout=_CALL_TIMEOUT)
+                                   for c in pool[:1]))
+            await pool[0].yield_("mem-warmup")
+            for c in pool[1:]:
+                await c.acquire("mem-warmup", timeout=_CALL_TIMEOUT)
+                await c.yield_("mem-warmup")
+            await asyncio.sleep(_MEMORY_SETTLE_SECONDS)
+            points = [(0, proc_sample(pid).rss_bytes)]
+            created = 0
+            for target in counts:
+                await _bounded(
+                    [lambda i=i: touch(i) for i in range(created, target)], _CREATE_CONCURRENCY
+                )
+                created = target
+                await asyncio.sleep(_MEMORY_SETTLE_SECONDS)
+                points.append((created, proc_sample(pid).rss_bytes))
+        finally:
+            await _close_all(pool)
+    base = points[0][1]
+    return MemoryResult(
+        points=points,
+        bytes_per_group=[(rss - base) / n for n, rss in points[1:]],
+        violations=_violations(recorder),
+    )
+
+
+async def _bounded(jobs: Sequence[Callable[[], Awaitable[None]]], limit: int) -> None:
+    gate = asyncio.Semaphore(limit)
+
+    async def one(job: Callable[[], Awaitable[None]]) -> None:
+        async with gate:
+            await job()
+
+    async with asyncio.TaskGroup() as tasks:
+        for job in jobs:
+            tasks.create_task(one(job))
+
+
+# -- switch fan-out --------------------------------------------------------------------------
+
+
+@dataclass
+class FanoutResult:
+    """Context switches across ``nodes`` nodes with free (zero-time) emulated transfers."""
+
+    nodes: int
+    switches: int
+    wall_ms: Stats  # Grant.switch_seconds: switch start to commit, orchestrator side
+    backend_ms: Stats  # slowest node's checkpoint + slowest node's restore, agents' journals
+    control_ms: Stats  # wall - backend: the control plane's own share
+    acquire_ms: Stats  # the waiter's whole acquire call (includes the commit and the notice)
+    cpu_seconds: dict[str, float]
+    violations: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+async def switch_fanout(
+    nodes: int,
+    switches: int = 60,
+    *,
+    warmup: int = 4,
+    cluster_kwargs: Mapping[str, Any] | None = None,
+) -> FanoutResult:
+    """Two jobs with workers on every node take turns: every grant is a context switch."""
+    group = "fanout"
+    jobs = ["fanout-a", "fanout-b"]
+    recorder = Recorder()
+    grants: list[GrantSample] = []
+    acquires: list[float] = []
+    extra = dict(cluster_kwargs or {})
+    agent_args = ["--sim-time-scale", "0", *extra.pop("agent_args", ())]
+    kwargs = {"replicas": 1, "agents": nodes, "agent_args": agent_args, **extra}
+    async with running_cluster(**kwargs) as cluster:
+        workers = await register_workers(cluster, [(j, group) for j in jobs])
+        clients = [
+            AsyncTimeSliceClient(cluster.targets, job_id=j, call_timeout=_CALL_TIMEOUT)
+            for j in jobs
+        ]
+        try:
+            pids = cluster_pids(cluster)
+            cpu0 = cpu_seconds(pids)
+            for i in range(switches + warmup):
+                client = clients[i % 2]
+                asked = time.time()
+                t0 = time.perf_counter()
+                grant = await client.acquire(group, timeout=_CALL_TIMEOUT)
+                took = time.perf_counter() - t0
+                granted = time.time()
+                await client.yield_(group)
+                recorder.hold(Hold(client.job_id, group, grant.epoch, grant.ticket, granted,
+                                   granted))
+                if i >= warmup:
+                    acquires.append(took)
+                    grants.append(
+                        GrantSample(
+                            job=client.job_id, group=group, step=i, asked_at=asked,
+                            granted_at=granted, released_at=granted, epoch=grant.epoch,
+                            ticket=grant.ticket, restored=grant.restored,
+                            previous_job=grant.previous_job_id or "",
+                            switch_seconds=grant.switch_seconds,
+                            waited_seconds=grant.waited_seconds,
+                        )
+                    )
+            cpu = cpu_by_role(cpu0, cpu_seconds(pids))
+        finally:
+            await _close_all(clients)
+            await close_workers(workers)
+        journal = [e for p in cluster.agent_journals.values() for e in read_journal(p)]
+    splits = split_switches(grants, journal)
+    return FanoutResult(
+        nodes=nodes,
+        switches=len(splits),
+        wall_ms=Stats.of(s.wall for s in splits).scaled(1000),
+        backend_ms=Stats.of(s.data for s in splits).scaled(1000),
+        control_ms=Stats.of(s.control for s in splits).scaled(1000),
+        acquire_ms=Stats.of(acquires).scaled(1000),
+        cpu_seconds=cpu,
+        violations=_violations(recorder, journal),
+    )
