@@ -346,10 +346,7 @@ async def memory_per_group(
                 recorder.hold(Hold(client.job_id, group, grant.epoch, grant.ticket, now, now))
 
             # One warm-up cycle per client: sessions and connections are not groups.
-            await asyncio.gather(*(c.acquire("mem-warmup", timeout=_CALL_TIMEOUT)
-                                   for c in pool[:1]))
-            await pool[0].yield_("mem-warmup")
-            for c in pool[1:]:
+            for c in pool:
                 await c.acquire("mem-warmup", timeout=_CALL_TIMEOUT)
                 await c.yield_("mem-warmup")
             await asyncio.sleep(_MEMORY_SETTLE_SECONDS)

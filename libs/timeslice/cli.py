@@ -47,12 +47,13 @@ from timeslice.errors import (
     Unavailable,
     error_from_status,
 )
-from timeslice.ids import validate_group_id, validate_job_id
+from timeslice.ids import validate_group_id, validate_job_id, validate_node
 from timeslice_proto.timeslice.v1 import (
     GetGroupStatusRequest,
     GroupStatus,
     GroupSummary,
     ListGroupsRequest,
+    SetGroupMembersRequest,
     SwitchPhase,
     TimeSliceStub,
     YieldRequest,
@@ -228,6 +229,15 @@ def build_parser() -> argparse.ArgumentParser:
     yield_.add_argument("--job", required=True, metavar="J")
     yield_.add_argument("--epoch", required=True, type=_epoch, metavar="E")
     yield_.add_argument("--target", help=target_help)
+
+    members = sub.add_parser(
+        "members", help="pin the nodes a group always spans (static membership), or unpin"
+    )
+    members.add_argument("group", metavar="GROUP")
+    pin = members.add_mutually_exclusive_group(required=True)
+    pin.add_argument("--set", metavar="NODES", help="comma-separated node names")
+    pin.add_argument("--clear", action="store_true", help="back to registrations only")
+    members.add_argument("--target", help=target_help)
     return parser
 
 
@@ -473,6 +483,21 @@ def _cmd_yield(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_members(args: argparse.Namespace) -> int:
+    group = validate_group_id(args.group)
+    nodes = [] if args.clear else [n.strip() for n in args.set.split(",") if n.strip()]
+    for node in nodes:
+        validate_node(node)
+    targets = parse_targets(args.target)
+    request = SetGroupMembersRequest(group_id=group, nodes=nodes)
+    status = asyncio.run(
+        _call_any(targets, lambda stub: stub.set_group_members(request, timeout=CALL_TIMEOUT))
+    )
+    pinned = ", ".join(status.static_members) or "(none: registrations only)"
+    _out(f"{group}: pinned nodes {pinned}")
+    return 0
+
+
 class _Interrupted(BaseException):
     """SIGINT/SIGTERM arrived (a BaseException so that library code does not swallow it)."""
 
@@ -610,6 +635,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "groups": _cmd_groups,
         "status": _cmd_status,
         "yield": _cmd_yield,
+        "members": _cmd_members,
         "acquire": _cmd_acquire,
         "dev": _cmd_dev_cluster,
     }

@@ -37,6 +37,7 @@ from timeslice_proto.timeslice.v1 import (
     OpenSessionRequest,
     OpenSessionResponse,
     QueueEntry,
+    SetGroupMembersRequest,
     SwitchPhase,
     SwitchStatus,
     TimeSliceBase,
@@ -172,6 +173,11 @@ class TimeSliceService(TimeSliceBase):
         with self._call("GetGroupStatus", message.group_id):
             return group_status(self._locks.view(message.group_id), self._mirror)
 
+    async def set_group_members(self, message: SetGroupMembersRequest) -> GroupStatus:
+        with self._call("SetGroupMembers", message.group_id):
+            await self._locks.set_members(message.group_id, list(message.nodes))
+            return group_status(self._locks.view(message.group_id), self._mirror)
+
     async def watch_group(self, message: WatchGroupRequest) -> AsyncIterator[GroupEvent]:
         with self._call("WatchGroup", message.group_id):
             view = self._locks.view(message.group_id)
@@ -216,6 +222,7 @@ def group_status(view: GroupView, mirror: Mirror) -> GroupStatus:
     resident = view.resident_nodes
     nodes = sorted(
         set(resident)
+        | set(view.static_members)
         | {n for n, a in agents.items() if any(w.group == view.group for w in a.workers)}
     )
     status = GroupStatus(
@@ -236,6 +243,7 @@ def group_status(view: GroupView, mirror: Mirror) -> GroupStatus:
         last_error=view.stats.last_error,
         switches=view.stats.switches,
         driver_replica=view.driver or "",
+        static_members=list(view.static_members),
     )
     if view.holder is not None:
         status.holder_job_id = view.holder.record.job

@@ -98,11 +98,16 @@ def nodes_of(group: str, job: str, agents: dict[str, AgentRecord]) -> list[str]:
 
 
 def plan(view: GroupView, job: str, agents: dict[str, AgentRecord]) -> list[NodeStep]:
-    """What must move so that ``job`` is resident on every node where it runs."""
+    """What must move so that ``job`` is resident on every node where it runs.
+
+    Those are the nodes where it registered workers, plus any node an operator pinned to the
+    group (static membership).
+    """
     resident = view.resident_nodes
+    nodes = sorted(set(nodes_of(view.group, job, agents)) | set(view.static_members))
     return [
         NodeStep(node=node, evict=resident.get(node, ""), restore=job)
-        for node in nodes_of(view.group, job, agents)
+        for node in nodes
         if resident.get(node, "") != job
     ]
 
@@ -211,7 +216,13 @@ class SwitchDriver:
             # Ours in flight, or left by a driver that died: carry it on from its phase.
             return await self._advance(view.switch)
         head = view.queue[0]
-        steps = plan(view, head.job, self._mirror.agents())
+        agents = self._mirror.agents()
+        missing = [n for n in view.static_members if n not in agents]
+        if missing:
+            # A pinned node must take part in every switch: wait for its agent to come back.
+            log.warning("group %s: waiting for pinned node(s) %s", group, ", ".join(missing))
+            return Next.LATER
+        steps = plan(view, head.job, agents)
         if not steps:
             return await self._grant_in_place(view, head)
         attempt = self._attempts.get((group, head.job, head.revision), 0) + 1

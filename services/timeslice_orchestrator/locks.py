@@ -25,7 +25,7 @@ from timeslice.errors import (
     PermissionDenied,
     SessionExpired,
 )
-from timeslice.ids import validate_group_id, validate_job_id
+from timeslice.ids import validate_group_id, validate_job_id, validate_node
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.store.cache import GroupView, Mirror
 from timeslice_orchestrator.store.groups import GroupStore, lease_of
@@ -174,6 +174,14 @@ class LockService:
             raise InvalidArgument("epoch must be the positive fencing token of the grant")
         hint = self._mirror.get(f"groups/{group}/holder")
         await self._store.release(group, job, epoch, session_id, hint)
+
+    async def set_members(self, group: str, nodes: list[str]) -> None:
+        validate_group_id(group)
+        for node in nodes:
+            validate_node(node)
+        revision = await self._store.set_members(group, nodes)
+        # The caller reads its own write back from the mirror.
+        await self._mirror.wait_for_revision(revision, MIRROR_LAG_TIMEOUT)
 
     def view(self, group: str) -> GroupView:
         validate_group_id(group)

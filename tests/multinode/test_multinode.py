@@ -4,6 +4,8 @@ node roll back or isolate exactly as documented, and host memory is never overco
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from collections import defaultdict
 
@@ -237,3 +239,52 @@ async def test_host_memory_admission_refuses_an_oversized_checkpoint(
             w.close()
     refused = [e for e in journals(cluster) if e.status == "refused"]
     assert refused and all("host memory admission" in e.error for e in refused)
+
+
+@pytest.mark.slow
+async def test_static_membership_pins_nodes_into_every_switch(
+    cluster_factory: ClusterFactory,
+) -> None:
+    cluster = cluster_factory(agents=2, agent_args=SIM, orchestrator_args=["--agent-ttl", "2"])
+    only_node0 = [
+        register("g", job_id=j, socket=str(cluster.agent_sockets["node-0"])) for j in ("a", "b")
+    ]
+    cli = [sys.executable, "-m", "timeslice.cli"]
+    try:
+        out = subprocess.run(
+            [*cli, "members", "g", "--set", "node-0,node-1", "--target", cluster.target],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout  # fmt: skip
+        assert "pinned nodes node-0, node-1" in out
+        async with (
+            AsyncTimeSliceClient(cluster.target, job_id="a") as a,
+            AsyncTimeSliceClient(cluster.target, job_id="b") as b,
+        ):
+            status = await a.status("g")
+            assert list(status.static_members) == ["node-0", "node-1"]
+            await a.acquire("g", timeout=20)
+            await a.yield_("g")
+            await b.acquire("g", timeout=20)
+            nodes = {e.node for e in journals(cluster) if e.job == "b" and e.kind == "restore"}
+            assert nodes == {"node-0", "node-1"}, "the pinned node takes part in the switch"
+
+            # A pinned node that is away holds every switch back instead of being skipped.
+            cluster.kill_agent("node-1")
+            await asyncio.sleep(3)  # its record expires (agent TTL 2 s)
+            waiter = asyncio.create_task(a.acquire("g", timeout=30))
+            await b.yield_("g")
+            await asyncio.sleep(2)
+            assert not waiter.done(), "no grant while a pinned node is missing"
+            cluster.start_agent("node-1")
+            grant = await waiter
+            assert grant.job_id == "a"
+            await a.yield_("g")
+
+            subprocess.run(
+                [*cli, "members", "g", "--clear", "--target", cluster.target],
+                capture_output=True, text=True, timeout=30, check=True,
+            )  # fmt: skip
+            assert list((await a.status("g")).static_members) == []
+    finally:
+        for w in only_node0:
+            w.close()

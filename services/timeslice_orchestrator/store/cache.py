@@ -26,6 +26,7 @@ from timeslice_orchestrator.store.records import (
     FaultRecord,
     GroupStats,
     HolderRecord,
+    MembersRecord,
     QueueRecord,
     ResidentRecord,
     SessionRecord,
@@ -72,6 +73,7 @@ class GroupView:
     driver_lease: int
     faults: dict[str, Stored[FaultRecord]] = field(default_factory=dict)
     stats: GroupStats = field(default_factory=GroupStats)
+    static_members: list[str] = field(default_factory=list)
 
     def queued(self, job: str) -> QueuedJob | None:
         return next((q for q in self.queue if q.job == job), None)
@@ -130,6 +132,7 @@ class Mirror:
         queue: list[QueuedJob] = []
         faults: dict[str, Stored[FaultRecord]] = {}
         stats = GroupStats()
+        members: list[str] = []
         exists = False
         for rel, kv in self.under(base):
             exists = True
@@ -144,6 +147,8 @@ class Mirror:
                 driver, driver_lease = kv.value.decode(), kv.lease
             elif name == "stats":
                 stats = GroupStats.decode(kv.value)
+            elif name == "members":
+                members = MembersRecord.decode(kv.value).nodes
             elif name.startswith("queue/"):
                 queue.append(QueuedJob(name[6:], Stored.of(kv, QueueRecord.decode(kv.value))))
             elif name.startswith("faulted/"):
@@ -161,6 +166,7 @@ class Mirror:
             driver_lease,
             faults,
             stats,
+            members,
         )
 
     # -- waiting ------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from timeslice_orchestrator.store.records import (
     FaultRecord,
     GroupStats,
     HolderRecord,
+    MembersRecord,
     Phase,
     QueueRecord,
     RelayRecord,
@@ -436,6 +437,19 @@ class GroupStore:
             )
         )
         return result.succeeded
+
+    async def set_members(self, group: str, nodes: list[str]) -> int:
+        """Pin (or, with no nodes, unpin) the nodes a group always spans; creates the group.
+
+        Returns the store revision after the change.
+        """
+        k = self.keys
+        # Always a write (an empty list unpins), so the revision returned is this change's.
+        change = Put(k.members(group), MembersRecord(sorted(set(nodes))).encode())
+        result = await self.etcd.txn(
+            Txn([], [change, Txn([absent(k.meta(group))], [Put(k.meta(group), b"{}")])])
+        )
+        return result.revision
 
     # -- agents -------------------------------------------------------------------------
 

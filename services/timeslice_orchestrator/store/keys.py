@@ -54,6 +54,9 @@ class Keyspace:
     def driver(self, group: str) -> bytes:
         return self._k(f"groups/{group}/driver")
 
+    def members(self, group: str) -> bytes:
+        return self._k(f"groups/{group}/members")
+
     def stats(self, group: str) -> bytes:
         return self._k(f"groups/{group}/stats")
 

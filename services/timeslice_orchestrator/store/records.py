@@ -120,6 +120,13 @@ class SwitchRecord(_Record):
 
 
 @dataclass(slots=True)
+class MembersRecord(_Record):
+    """Nodes an operator pinned to a group, on top of those its registrations bring."""
+
+    nodes: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class FaultRecord(_Record):
     reason: str
     at: float

@@ -38,6 +38,7 @@ __all__ = (
     "OpenSessionResponse",
     "OrchestratorMessage",
     "QueueEntry",
+    "SetGroupMembersRequest",
     "SwitchPhase",
     "SwitchStatus",
     "TimeSliceBase",
@@ -583,6 +584,11 @@ class GroupStatus(betterproto2.Message):
 
     driver_replica: "str" = betterproto2.field(11, betterproto2.TYPE_STRING)
 
+    static_members: "list[str]" = betterproto2.field(12, betterproto2.TYPE_STRING, repeated=True)
+    """
+    Nodes an operator pinned to the group; every switch includes them.
+    """
+
 
 default_message_pool.register_message("timeslice.v1", "GroupStatus", GroupStatus)
 
@@ -730,6 +736,18 @@ class QueueEntry(betterproto2.Message):
 
 
 default_message_pool.register_message("timeslice.v1", "QueueEntry", QueueEntry)
+
+
+@dataclass(eq=False, repr=False)
+class SetGroupMembersRequest(betterproto2.Message):
+    group_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    nodes: "list[str]" = betterproto2.field(2, betterproto2.TYPE_STRING, repeated=True)
+
+
+default_message_pool.register_message(
+    "timeslice.v1", "SetGroupMembersRequest", SetGroupMembersRequest
+)
 
 
 @dataclass(eq=False, repr=False)
@@ -1039,6 +1057,27 @@ class TimeSliceStub(betterproto2_grpclib.ServiceStub):
         ):
             yield response
 
+    async def set_group_members(
+        self,
+        message: "SetGroupMembersRequest",
+        *,
+        timeout: "float | None" = None,
+        deadline: "Deadline | None" = None,
+        metadata: "MetadataLike | None" = None,
+    ) -> "GroupStatus":
+        """
+        Operators: pin the nodes a group always spans (empty list: back to registrations only).
+        """
+
+        return await self._unary_unary(
+            "/timeslice.v1.TimeSlice/SetGroupMembers",
+            message,
+            GroupStatus,
+            timeout=timeout,
+            deadline=deadline,
+            metadata=metadata,
+        )
+
 
 class WorkerLinkStub(betterproto2_grpclib.ServiceStub):
     """
@@ -1180,6 +1219,13 @@ class TimeSliceBase(betterproto2_grpclib.ServiceBase):
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
         yield GroupEvent()
 
+    async def set_group_members(self, message: "SetGroupMembersRequest") -> "GroupStatus":
+        """
+        Operators: pin the nodes a group always spans (empty list: back to registrations only).
+        """
+
+        raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
+
     async def __rpc_open_session(
         self, stream: "grpclib.server.Stream[OpenSessionRequest, OpenSessionResponse]"
     ) -> None:
@@ -1250,6 +1296,14 @@ class TimeSliceBase(betterproto2_grpclib.ServiceBase):
             request,
         )
 
+    async def __rpc_set_group_members(
+        self, stream: "grpclib.server.Stream[SetGroupMembersRequest, GroupStatus]"
+    ) -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        response = await self.set_group_members(request)
+        await stream.send_message(response)
+
     def __mapping__(self) -> "dict[str, grpclib.const.Handler]":
         return {
             "/timeslice.v1.TimeSlice/OpenSession": grpclib.const.Handler(
@@ -1299,6 +1353,12 @@ class TimeSliceBase(betterproto2_grpclib.ServiceBase):
                 grpclib.const.Cardinality.UNARY_STREAM,
                 WatchGroupRequest,
                 GroupEvent,
+            ),
+            "/timeslice.v1.TimeSlice/SetGroupMembers": grpclib.const.Handler(
+                self.__rpc_set_group_members,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                SetGroupMembersRequest,
+                GroupStatus,
             ),
         }
 
