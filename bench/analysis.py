@@ -187,7 +187,9 @@ def duty_by_group(samples: Iterable[PhaseSample], window: Interval) -> dict[str,
     return {g: duty_cycle(items, window) for g, items in sorted(by_group.items())}
 
 
-def split_switches(grants: Iterable[GrantSample], journal: Iterable[JournalEntry]) -> list[SwitchSplit]:
+def split_switches(
+    grants: Iterable[GrantSample], journal: Iterable[JournalEntry]
+) -> list[SwitchSplit]:
     """Match every context-switch grant with its directives in the agents' journals.
 
     Directives carry the switch record's epoch, which is older than the grant's epoch; a

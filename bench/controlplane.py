@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import pstats
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from bench._common import (
@@ -55,6 +58,7 @@ __all__ = [
     "cycle_throughput",
     "handoff_latency",
     "memory_per_group",
+    "profile_orchestrator",
     "switch_fanout",
 ]
 
@@ -299,8 +303,9 @@ async def _sleep_or_fail(seconds: float, tasks: Sequence[asyncio.Task[None]]) ->
     """Sleep, but surface at once the first task that fails meanwhile."""
     done, _ = await asyncio.wait(tasks, timeout=seconds, return_when=asyncio.FIRST_EXCEPTION)
     for t in done:
-        if not t.cancelled() and t.exception() is not None:
-            raise t.exception()  # type: ignore[misc]
+        error = None if t.cancelled() else t.exception()
+        if error is not None:
+            raise error
 
 
 # -- memory ----------------------------------------------------------------------------------
@@ -353,9 +358,7 @@ async def memory_per_group(
             points = [(0, proc_sample(pid).rss_bytes)]
             created = 0
             for target in counts:
-                await _bounded(
-                    [lambda i=i: touch(i) for i in range(created, target)], _CREATE_CONCURRENCY
-                )
+                await _bounded([touch(i) for i in range(created, target)], _CREATE_CONCURRENCY)
                 created = target
                 await asyncio.sleep(_MEMORY_SETTLE_SECONDS)
                 points.append((created, proc_sample(pid).rss_bytes))
@@ -369,12 +372,13 @@ async def memory_per_group(
     )
 
 
-async def _bounded(jobs: Sequence[Callable[[], Awaitable[None]]], limit: int) -> None:
+async def _bounded(jobs: Sequence[Coroutine[Any, Any, None]], limit: int) -> None:
+    """Await ``jobs`` with at most ``limit`` running at once; the first failure cancels all."""
     gate = asyncio.Semaphore(limit)
 
-    async def one(job: Callable[[], Awaitable[None]]) -> None:
+    async def one(job: Coroutine[Any, Any, None]) -> None:
         async with gate:
-            await job()
+            await job
 
     async with asyncio.TaskGroup() as tasks:
         for job in jobs:
@@ -464,3 +468,86 @@ async def switch_fanout(
         cpu_seconds=cpu,
         violations=_violations(recorder, journal),
     )
+
+
+# -- profiling -------------------------------------------------------------------------------
+
+PROFILER_DIR = Path(__file__).resolve().parent / "profiler"
+
+
+@dataclass(frozen=True)
+class ProfileRow:
+    """One function in a cProfile of the replica: its own time's share, calls, cumulative."""
+
+    function: str
+    own_share: float  # of all own time in the profile
+    own_seconds: float
+    cumulative_seconds: float
+    calls: int
+
+
+@dataclass
+class ProfileResult:
+    """Where a replica's CPU goes while serving the acquire/yield cycle benchmark."""
+
+    groups: int
+    cycles_per_second: float  # under the profiler (slower than unprofiled)
+    profiled_seconds: float
+    top: list[ProfileRow]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _short(path: str) -> str:
+    for marker in ("site-packages/", "services/", "libs/", "python3.11/"):
+        if marker in path:
+            return path.split(marker, 1)[1]
+    return path
+
+
+async def profile_orchestrator(
+    groups: int = 100, *, seconds: float = 6.0, top: int = 15, work_dir: Path
+) -> ProfileResult:
+    """Run :func:`cycle_throughput` with the replica under cProfile; rank its functions.
+
+    The profile covers the replica's whole life (start, warm-up, the measured window,
+    shutdown); at this load the cycles dominate it.
+    """
+    prefix = await asyncio.to_thread(_fresh_profile_dir, work_dir)
+    path = os.pathsep.join(p for p in (str(PROFILER_DIR), os.environ.get("PYTHONPATH")) if p)
+    env = {"PYTHONPATH": path, "TIMESLICE_BENCH_PROFILE": str(prefix)}
+    result = await cycle_throughput(groups, 1, seconds=seconds, cluster_kwargs={"env": env})
+    total, rows = await asyncio.to_thread(_rank_profile, work_dir, top)
+    return ProfileResult(groups, result.cycles_per_second, total, rows)
+
+
+def _fresh_profile_dir(work_dir: Path) -> Path:
+    work_dir.mkdir(parents=True, exist_ok=True)
+    for old in work_dir.glob("replica.prof.*"):
+        old.unlink()
+    return work_dir / "replica.prof"
+
+
+def _rank_profile(work_dir: Path, top: int) -> tuple[float, list[ProfileRow]]:
+    dumps = sorted(work_dir.glob("replica.prof.*"))
+    if not dumps:
+        raise RuntimeError(f"the replica wrote no profile under {work_dir}")
+    stats = pstats.Stats(str(dumps[0]))
+    for extra in dumps[1:]:
+        stats.add(str(extra))
+    # (file, line, function) -> (primitive calls, calls, own seconds, cumulative, callers)
+    table = stats.stats  # type: ignore[attr-defined]
+    total = sum(v[2] for v in table.values()) or 1.0
+    ranked = sorted(table.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    rows = [
+        ProfileRow(
+            function=f"{_short(file)}:{line}({func})",
+            own_share=own / total,
+            own_seconds=own,
+            cumulative_seconds=cum,
+            calls=calls,
+        )
+        for (file, line, func), (_, calls, own, cum, _) in ranked
+    ]
+    return total, rows

@@ -46,14 +46,12 @@ from bench.analysis import (
     GrantSample,
     PhaseSample,
     Stats,
-    SwitchSplit,
     active_window,
     analytic_duty_bound,
     analytic_step_ratio,
     duty_by_group,
     mean_step_seconds,
     split_switches,
-    step_spans,
 )
 from bench.profiles import DrawnHold, DrawnOff, Phase, Profile, StepPlan
 from tests.history import (
@@ -363,9 +361,14 @@ async def _async_job(
     async def samplers() -> None:
         nonlocal produced
         for b, seconds in enumerate(batches):
+            oldest = b - sampler.staleness
+
+            def fresh_enough(oldest: int = oldest) -> bool:
+                return version >= oldest
+
             async with changed:
                 # Off-policy by at most `staleness` versions: wait for the trainer to catch up.
-                await changed.wait_for(lambda b=b: version >= b - sampler.staleness)
+                await changed.wait_for(fresh_enough)
             await asyncio.sleep(seconds * time_scale)
             async with changed:
                 produced += 1
@@ -375,8 +378,12 @@ async def _async_job(
         nonlocal version
         for step, plan in enumerate(plans):
             begin = time.time()
+
+            def batch_ready(step: int = step) -> bool:
+                return produced > step
+
             async with changed:
-                await changed.wait_for(lambda step=step: produced > step)
+                await changed.wait_for(batch_ready)
             log.samples.append(
                 PhaseSample(spec.job_id, "", Phase.BATCH_WAIT, step, begin, time.time())
             )

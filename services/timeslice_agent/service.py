@@ -169,6 +169,8 @@ class Agent:
             jobs=self.executor.reports(),
             epochs=self.executor.epoch_list(),
             agent_version=__version__,
+            capacity_bytes=self.backend.capacity_bytes,
+            default_state_bytes=self.backend.default_state_bytes,
         )
 
     # ----- life cycle ------------------------------------------------------------------------

@@ -219,7 +219,7 @@ _PHASE = {
 
 def group_status(view: GroupView, mirror: Mirror) -> GroupStatus:
     agents = mirror.agents()
-    resident = view.resident_nodes
+    resident = view.residency().nodes
     nodes = sorted(
         set(resident)
         | set(view.static_members)
@@ -236,7 +236,14 @@ def group_status(view: GroupView, mirror: Mirror) -> GroupStatus:
             )
             for q in view.queue
         ],
-        nodes=[NodeResidency(node=n, resident_job_id=resident.get(n, "")) for n in nodes],
+        nodes=[
+            NodeResidency(
+                node=n,
+                resident_job_id=(resident.get(n) or [""])[-1],
+                resident_jobs=resident.get(n, []),
+            )
+            for n in nodes
+        ],
         faulted=[
             FaultedJob(job_id=j, reason=f.record.reason) for j, f in sorted(view.faults.items())
         ],

@@ -87,7 +87,11 @@ class Orchestrator:
             self.mirror,
             self._router,
             self.metrics,
-            DriverConfig(replica_id=cfg.replica_id, directive_timeout=cfg.directive_timeout),
+            DriverConfig(
+                replica_id=cfg.replica_id,
+                directive_timeout=cfg.directive_timeout,
+                co_residency=cfg.co_residency,
+            ),
             lease,
             tracer_for(self._tracing),
         )

@@ -37,6 +37,7 @@ class OrchestratorConfig:
     replica_ttl: int
     agent_ttl: int
     directive_timeout: float
+    co_residency: bool
 
 
 def _env(name: str, default: str) -> str:
@@ -86,6 +87,13 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         default=float(_env("DIRECTIVE_TIMEOUT", "30")),
         help="deadline of one checkpoint/restore directive on a node, seconds",
     )
+    p.add_argument(
+        "--co-residency",
+        action=argparse.BooleanOptionalAction,
+        default=_env("CO_RESIDENCY", "false").lower() in ("1", "true", "yes", "on"),
+        help="keep an idle job's state on the devices while the next job fits next to it "
+        "(needs honest state_bytes that include each job's peak working memory)",
+    )
     a = p.parse_args(argv)
     try:
         listen, http = Address.parse(a.listen), Address.parse(a.http)
@@ -104,4 +112,5 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         replica_ttl=a.replica_ttl,
         agent_ttl=a.agent_ttl,
         directive_timeout=a.directive_timeout,
+        co_residency=a.co_residency,
     )

@@ -42,7 +42,6 @@ from timeslice_orchestrator.store.records import (
     HolderRecord,
     NodeStep,
     Phase,
-    ResidentRecord,
     Stored,
     SwitchRecord,
 )
@@ -59,6 +58,7 @@ class DriverConfig:
     retry_backoff: float = 0.2
     max_backoff: float = 2.0
     idle_recheck: float = 2.0
+    co_residency: bool = False
 
 
 class Next(enum.Enum):
@@ -97,19 +97,36 @@ def nodes_of(group: str, job: str, agents: dict[str, AgentRecord]) -> list[str]:
     return sorted(node for node, agent in agents.items() if job in agent.jobs_of(group))
 
 
-def plan(view: GroupView, job: str, agents: dict[str, AgentRecord]) -> list[NodeStep]:
+def plan(
+    view: GroupView, job: str, agents: dict[str, AgentRecord], co_residency: bool = False
+) -> list[NodeStep]:
     """What must move so that ``job`` is resident on every node where it runs.
 
     Those are the nodes where it registered workers, plus any node an operator pinned to the
-    group (static membership).
+    group (static membership). On a node whose backend reports device capacity, jobs already
+    there stay as long as ``job`` fits next to them (least recently restored leave first);
+    elsewhere every other job leaves. A node where ``job`` is already resident needs nothing.
     """
-    resident = view.resident_nodes
+    residency = view.residency()
     nodes = sorted(set(nodes_of(view.group, job, agents)) | set(view.static_members))
-    return [
-        NodeStep(node=node, evict=resident.get(node, ""), restore=job)
-        for node in nodes
-        if resident.get(node, "") != job
-    ]
+    steps: list[NodeStep] = []
+    for node in nodes:
+        on_device = residency.nodes.get(node, [])
+        if job in on_device:
+            continue
+        agent = agents.get(node)
+        evict = list(on_device)
+        if co_residency and agent is not None and agent.capacity_bytes:
+            free = agent.capacity_bytes - sum(agent.job_bytes(j) for j in on_device)
+            evict = []
+            for other in on_device:
+                if free >= agent.job_bytes(job):
+                    break
+                evict.append(other)
+                free += agent.job_bytes(other)
+        steps += [NodeStep(node=node, evict=other, restore="") for other in evict[:-1]]
+        steps.append(NodeStep(node=node, evict=evict[-1] if evict else "", restore=job))
+    return steps
 
 
 class SwitchDriver:
@@ -222,7 +239,7 @@ class SwitchDriver:
             # A pinned node must take part in every switch: wait for its agent to come back.
             log.warning("group %s: waiting for pinned node(s) %s", group, ", ".join(missing))
             return Next.LATER
-        steps = plan(view, head.job, agents)
+        steps = plan(view, head.job, agents, self._config.co_residency)
         if not steps:
             return await self._grant_in_place(view, head)
         attempt = self._attempts.get((group, head.job, head.revision), 0) + 1
@@ -237,8 +254,7 @@ class SwitchDriver:
             started_at=time.time(),
             attempt=attempt,
         )
-        resident_rev = view.resident.mod_revision if view.resident else 0
-        switch = await self._store.begin_switch(group, self._auth, record, resident_rev)
+        switch = await self._store.begin_switch(group, self._auth, record, view.resident_revision)
         if switch is None:
             return Next.AGAIN  # the group changed underneath; look again
         log.info(
@@ -256,14 +272,18 @@ class SwitchDriver:
         holder = self._holder(head, restored=False, previous="", switch_seconds=0.0)
         stats = view.stats
         stats.grants += 1
+        residency = view.residency()
+        for node, jobs in list(residency.nodes.items()):
+            if head.job in jobs:
+                residency.place(node, head.job)  # most recently used: evicted last
         epoch = await self._store.grant(
             view.group,
             self._auth,
             head.entry,
             head.job,
             holder,
-            ResidentRecord(view.resident_nodes),
-            view.resident.mod_revision if view.resident else 0,
+            residency,
+            view.resident_revision,
             None,
             stats,
         )
@@ -327,16 +347,18 @@ class SwitchDriver:
     async def _restore_and_commit(self, switch: Stored[SwitchRecord], started: float) -> Next:
         record = switch.record
         group = record.group
-        results = await self._fan_out(switch, DirectiveKind.RESTORE, record.steps, "restore")
+        restores = [s for s in record.steps if s.restore]
+        results = await self._fan_out(switch, DirectiveKind.RESTORE, restores, "restore")
         if any(r.unavailable for r in results):
             return Next.LATER  # keep the record; the same directives go again
         view = self._mirror.group(group)
-        resident = view.resident_nodes
+        resident = view.residency()
         for step in record.steps:
-            resident.pop(step.node, None)  # the evicted job was checkpointed there
-        for step, result in zip(record.steps, results, strict=True):
+            if step.evict:
+                resident.remove(step.node, step.evict)  # checkpointed to the host
+        for step, result in zip(restores, results, strict=True):
             if result.ok:
-                resident[step.node] = record.to_job
+                resident.place(step.node, record.to_job)
         stats = view.stats
         head = view.queued(record.to_job)
         if head is not None and head.revision != record.to_revision:
@@ -347,7 +369,7 @@ class SwitchDriver:
             stats.last_error = f"{record.to_job}: {error}"
             fault = (record.to_job, head.entry, str(error)) if head is not None else None
             ended = await self._store.end_switch(
-                group, self._auth, switch, ResidentRecord(resident), stats, fault=fault
+                group, self._auth, switch, resident, stats, fault=fault
             )
             if ended:
                 self._metrics.switches.labels(outcome="restore_failed").inc()
@@ -355,9 +377,7 @@ class SwitchDriver:
             return Next.AGAIN
         if head is None:
             # The waiter left mid-switch: keep what the devices now hold, drop the record.
-            ended = await self._store.end_switch(
-                group, self._auth, switch, ResidentRecord(resident), stats
-            )
+            ended = await self._store.end_switch(group, self._auth, switch, resident, stats)
             if ended:
                 self._metrics.switches.labels(outcome="waiter_left").inc()
             return Next.AGAIN
@@ -376,8 +396,8 @@ class SwitchDriver:
             head.entry,
             head.job,
             holder,
-            ResidentRecord(resident),
-            view.resident.mod_revision if view.resident else 0,
+            resident,
+            view.resident_revision,
             switch,
             stats,
         )
@@ -402,16 +422,14 @@ class SwitchDriver:
         if any(r.unavailable for r in results):
             return Next.LATER
         view = self._mirror.group(group)
-        resident = view.resident_nodes
+        resident = view.residency()
         stats = view.stats
         stats.last_error = self._last_error.pop(group, "") or f"switch {record.switch_id} aborted"
         for step, result in zip(evictions, results, strict=True):
             if not result.ok:
-                resident.pop(step.node, None)
+                resident.remove(step.node, step.evict)
                 stats.last_error += f"; rollback on {step.node} failed: {result.error}"
-        if not await self._store.end_switch(
-            group, self._auth, switch, ResidentRecord(resident), stats
-        ):
+        if not await self._store.end_switch(group, self._auth, switch, resident, stats):
             return Next.AGAIN
         return await self._after_abort(group, record)
 
@@ -494,7 +512,7 @@ class SwitchDriver:
             },
         ) as span:
             directive = Directive(
-                directive_id=f"{switch.record.switch_id}-{purpose}-{step.node}",
+                directive_id=f"{switch.record.switch_id}-{purpose}-{step.node}-{job}",
                 group_id=switch.record.group,
                 epoch=switch.create_revision,
                 kind=kind,

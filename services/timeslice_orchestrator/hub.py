@@ -126,6 +126,8 @@ class AgentHub(AgentHubBase):
             connected_at=time.time(),
             workers=_workers(hello.workers),
             devices=len(hello.devices),
+            capacity_bytes=hello.capacity_bytes,
+            default_state_bytes=hello.default_state_bytes,
         )
         conn = AgentConnection(node, record)
         previous = self._connections.get(node)

@@ -92,6 +92,16 @@ class Backend(abc.ABC):
         """
         return None
 
+    @property
+    def capacity_bytes(self) -> int:
+        """Device bytes several jobs' states can share; 0 = one job's state at a time."""
+        return 0
+
+    @property
+    def default_state_bytes(self) -> int:
+        """Device bytes of a job whose workers announced none (0: unknown)."""
+        return 0
+
     def checkpoint_bytes(self, job: JobContext) -> int:
         """Host bytes a checkpoint of ``job`` will take (for host-memory admission)."""
         return job.state_bytes

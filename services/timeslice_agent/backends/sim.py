@@ -112,6 +112,14 @@ class SimBackend(Backend):
         ) + sum(b for j, b in self._incoming.items() if j != job.job_id)
         return max(self._settings.capacity_bytes - in_use, 0)
 
+    @property
+    def capacity_bytes(self) -> int:
+        return self._settings.capacity_bytes
+
+    @property
+    def default_state_bytes(self) -> int:
+        return self._settings.default_state_bytes
+
     def checkpoint_bytes(self, job: JobContext) -> int:
         return self.job_bytes(job.state_bytes)
 

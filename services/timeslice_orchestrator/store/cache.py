@@ -81,9 +81,14 @@ class GroupView:
     def position(self, job: str) -> int | None:
         return next((i for i, q in enumerate(self.queue) if q.job == job), None)
 
+    def residency(self) -> ResidentRecord:
+        """A copy of the residency record to edit (empty when there is none)."""
+        nodes = self.resident.record.nodes if self.resident else {}
+        return ResidentRecord({node: list(jobs) for node, jobs in nodes.items()})
+
     @property
-    def resident_nodes(self) -> dict[str, str]:
-        return dict(self.resident.record.nodes) if self.resident else {}
+    def resident_revision(self) -> int:
+        return self.resident.mod_revision if self.resident else 0
 
 
 class Mirror:

@@ -460,9 +460,9 @@ class GroupStore:
         if current is None:
             return False
         record = ResidentRecord.decode(current.value)
-        if record.nodes.get(node) != job:
+        if job not in record.nodes.get(node, []):
             return False
-        del record.nodes[node]
+        record.remove(node, job)
         result = await self.etcd.txn(
             Txn(
                 [modified_at(k.resident(group), current.mod_revision)],

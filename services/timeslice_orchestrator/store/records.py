@@ -75,9 +75,26 @@ class HolderRecord(_Record):
 
 @dataclass(slots=True)
 class ResidentRecord(_Record):
-    """Whose device state is on the devices of each node of the group."""
+    """Whose device state is on the devices of each node of the group.
 
-    nodes: dict[str, str] = field(default_factory=dict)
+    Per node, the jobs whose state is on the devices, least recently restored first: the last
+    one is the job that ran last there. Several jobs share a node's devices when its backend
+    reports the capacity for them (co-residency), else there is at most one.
+    """
+
+    nodes: dict[str, list[str]] = field(default_factory=dict)
+
+    def remove(self, node: str, job: str) -> None:
+        jobs = self.nodes.get(node, [])
+        if job in jobs:
+            jobs.remove(job)
+        if not jobs:
+            self.nodes.pop(node, None)
+
+    def place(self, node: str, job: str) -> None:
+        """``job`` is now the most recently restored job on ``node``."""
+        jobs = [j for j in self.nodes.get(node, []) if j != job]
+        self.nodes[node] = [*jobs, job]
 
 
 class Phase(enum.Enum):
@@ -159,6 +176,8 @@ class AgentRecord(_Record):
     connected_at: float
     workers: list[WorkerRecord] = field(default_factory=list)
     devices: int = 0
+    capacity_bytes: int = 0  # 0: one job's state at a time
+    default_state_bytes: int = 0
 
     @classmethod
     def _from_dict(cls, data: dict[str, Any]) -> Self:
@@ -168,6 +187,11 @@ class AgentRecord(_Record):
 
     def jobs_of(self, group: str) -> set[str]:
         return {w.job for w in self.workers if w.group == group}
+
+    def job_bytes(self, job: str) -> int:
+        """Device bytes of ``job`` on this node, as its workers announced them."""
+        announced = sum(w.state_bytes for w in self.workers if w.job == job)
+        return announced or self.default_state_bytes
 
 
 T = TypeVar("T")

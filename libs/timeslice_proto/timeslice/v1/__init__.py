@@ -372,6 +372,17 @@ class AgentHello(betterproto2.Message):
 
     agent_version: "str" = betterproto2.field(8, betterproto2.TYPE_STRING)
 
+    capacity_bytes: "int" = betterproto2.field(9, betterproto2.TYPE_UINT64)
+    """
+    Device bytes the backend can place job states into; 0 means one job's state at a time
+    (a backend that frees no device memory, like freeze, reports 0).
+    """
+
+    default_state_bytes: "int" = betterproto2.field(10, betterproto2.TYPE_UINT64)
+    """
+    The device bytes of a job whose workers announced no state_bytes.
+    """
+
 
 default_message_pool.register_message("timeslice.v1", "AgentHello", AgentHello)
 
@@ -663,7 +674,12 @@ class NodeResidency(betterproto2.Message):
 
     resident_job_id: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
     """
-    empty: nothing on the devices
+    the job restored last; empty: nothing on the devices
+    """
+
+    resident_jobs: "list[str]" = betterproto2.field(3, betterproto2.TYPE_STRING, repeated=True)
+    """
+    every job whose state is on the devices, oldest first
     """
 
 

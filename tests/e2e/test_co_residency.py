@@ -1,0 +1,44 @@
+"""Residency-aware switching: with --co-residency, a job whose state fits next to the others
+stays on the devices, and the least recently used job is the one evicted when space runs out."""
+
+from __future__ import annotations
+
+from tests.conftest import ClusterFactory
+from tests.faults.harness import journals
+from timeslice import AsyncTimeSliceClient, register
+
+
+async def test_jobs_that_fit_share_the_devices(cluster_factory: ClusterFactory) -> None:
+    cluster = cluster_factory(
+        agents=1,
+        orchestrator_args=["--co-residency"],
+        agent_args=["--sim-capacity-gb", "80", "--sim-bandwidth-gbps", "200"],
+    )
+    socket = str(cluster.agent_sockets["node-0"])
+    workers = [register("g", job_id=j, socket=socket, state_bytes=30 * 10**9) for j in "abc"]
+    try:
+        async with (
+            AsyncTimeSliceClient(cluster.target, job_id="a") as a,
+            AsyncTimeSliceClient(cluster.target, job_id="b") as b,
+            AsyncTimeSliceClient(cluster.target, job_id="c") as c,
+        ):
+            for client in (a, b):
+                await client.acquire("g", timeout=20)
+                await client.yield_("g")
+            again = await a.acquire("g", timeout=20)  # 30 + 30 GB fit in 80: still there
+            assert not again.restored
+            await a.yield_("g")
+            status = await a.status("g")
+            assert list(status.nodes[0].resident_jobs) == ["b", "a"]
+            assert not [e for e in journals(cluster) if e.kind == "checkpoint"]
+
+            await c.acquire("g", timeout=20)  # 90 GB would not fit: b, used least recently, goes
+            await c.yield_("g")
+            evicted = [e.job for e in journals(cluster) if e.kind == "checkpoint"]
+            assert evicted == ["b"]
+            status = await a.status("g")
+            assert list(status.nodes[0].resident_jobs) == ["a", "c"]
+            assert status.nodes[0].resident_job_id == "c"
+    finally:
+        for w in workers:
+            w.close()
