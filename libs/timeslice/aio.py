@@ -147,6 +147,7 @@ class AsyncTimeSliceClient:
         job_id: str | None = None,
         session_ttl: float = 10.0,
         call_timeout: float = 10.0,
+        on_yield_request: Callable[[str], None] | None = None,
     ) -> None:
         if target is None:
             target = os.environ.get("TIMESLICE_TARGET") or DEFAULT_TARGET
@@ -169,6 +170,8 @@ class AsyncTimeSliceClient:
         self._grants: dict[str, Grant] = {}
         self._acquiring: set[str] = set()
         self._closed = False
+        self._yield_requests: set[str] = set()
+        self._on_yield_request = on_yield_request
         self.keepalives_sent = 0
         """KeepAlive calls answered so far (all sessions)."""
         self.last_session_loss: str | None = None
@@ -199,6 +202,23 @@ class AsyncTimeSliceClient:
     def grants(self) -> dict[str, Grant]:
         """The groups this client holds by its own record, keyed by group id."""
         return dict(self._grants)
+
+    def yield_requested(self, group_id: str) -> bool:
+        """True when the orchestrator asked this job to yield ``group_id`` soon.
+
+        The co-operative "please yield" signal: the job has held the group longer than the
+        orchestrator's ``--max-hold`` while others wait. Nothing is taken away by force; a
+        long accelerator phase can check this between steps and yield at a good point. It
+        is refreshed with every session keepalive (every ttl/3).
+        """
+        return group_id in self._yield_requests and group_id in self._grants
+
+    def _note_yield_requests(self, groups: set[str]) -> None:
+        for group in groups - self._yield_requests:
+            log.info("the orchestrator asks job %s to yield %s", self._job_id, group)
+            if self._on_yield_request is not None:
+                self._on_yield_request(group)
+        self._yield_requests = groups
 
     def __repr__(self) -> str:
         return (
@@ -255,6 +275,43 @@ class AsyncTimeSliceClient:
         await self._on_own_loop(self._yield(group))
 
     release = yield_
+
+    async def acquire_all(
+        self, group_ids: Sequence[str], *, timeout: float | None = None, priority: int = 0
+    ) -> dict[str, Grant]:
+        """Hold every group in ``group_ids`` at once (a sync job needing trainer and samplers).
+
+        Groups are acquired one by one in one global order (sorted by id), the classic rule
+        that makes waiting deadlock-free: two jobs can never each hold a group the other waits
+        for. All or nothing: on a timeout or error, the groups already held are yielded
+        before the error propagates. ``timeout`` bounds the whole call.
+        """
+        groups = sorted({validate_group_id(g) for g in group_ids})
+        if not groups:
+            raise InvalidArgument("acquire_all needs at least one group")
+        wait = check_seconds(timeout, "timeout", allow_none=True)
+        loop = asyncio.get_running_loop()
+        deadline = None if wait is None else loop.time() + wait
+        held: dict[str, Grant] = {}
+        try:
+            for group in groups:
+                left = None if deadline is None else max(0.001, deadline - loop.time())
+                held[group] = await self.acquire(group, timeout=left, priority=priority)
+        except BaseException:
+            await self.yield_all(list(held))
+            raise
+        return held
+
+    async def yield_all(self, group_ids: Sequence[str]) -> None:
+        """Yield every group in ``group_ids`` (reverse order); errors are raised after all."""
+        errors: list[TimeSliceError] = []
+        for group in sorted(group_ids, reverse=True):
+            try:
+                await self.yield_(group)
+            except TimeSliceError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
     def on_accelerators(
         self, group_id: str, *, timeout: float | None = None, priority: int = 0
@@ -467,8 +524,9 @@ class AsyncTimeSliceClient:
             return
         exc = task.exception()
         if exc is not None:
-            log.error("background task %s of job %s failed", task.get_name(), self._job_id,
-                      exc_info=exc)
+            log.error(
+                "background task %s of job %s failed", task.get_name(), self._job_id, exc_info=exc
+            )
 
     # ------------------------------------------------------------------ sessions
 
@@ -513,8 +571,12 @@ class AsyncTimeSliceClient:
             self._keepalive = self._spawn(
                 self._keepalive_guard(session), name=f"timeslice-keepalive-{session.session_id}"
             )
-            log.debug("job %s opened session %s (ttl %.3gs)", self._job_id,
-                      session.session_id, session.ttl)
+            log.debug(
+                "job %s opened session %s (ttl %.3gs)",
+                self._job_id,
+                session.session_id,
+                session.ttl,
+            )
             return session
 
     async def _keepalive_guard(self, session: _Session) -> None:
@@ -541,17 +603,19 @@ class AsyncTimeSliceClient:
             # A fixed cadence; after a stall, resume from now rather than firing a burst.
             next_at = max(next_at + interval, loop.time())
             try:
-                await self._unary("KeepAlive", call, budget=min(self._call_timeout, interval))
+                reply = await self._unary(
+                    "KeepAlive", call, budget=min(self._call_timeout, interval)
+                )
             except (SessionExpired, NotFound) as exc:
                 self._session_lost(session, f"KeepAlive: {exc}")
                 return
             except TimeSliceError as exc:
                 if self._closed:
                     return
-                log.warning("keepalive of session %s failed, retrying: %s",
-                            session.session_id, exc)
+                log.warning("keepalive of session %s failed, retrying: %s", session.session_id, exc)
                 continue
             self.keepalives_sent += 1
+            self._note_yield_requests(set(reply.yield_requested))
 
     def _session_lost(self, session: _Session, reason: str) -> None:
         if self._session is not session:
@@ -563,7 +627,10 @@ class AsyncTimeSliceClient:
         log.warning(
             "session %s of job %s is gone (%s); holds released: %s; a new session opens on "
             "the next acquire",
-            session.session_id, self._job_id, reason, ", ".join(lost) or "none",
+            session.session_id,
+            self._job_id,
+            reason,
+            ", ".join(lost) or "none",
         )
         keepalive, self._keepalive = self._keepalive, None
         if keepalive is not None and keepalive is not asyncio.current_task():
@@ -643,8 +710,9 @@ class AsyncTimeSliceClient:
             target, stub = self._transport.stub()
             seen = outcome.events
             try:
-                await self._acquire_stream(stub, target, session, group, priority, on_progress,
-                                           outcome)
+                await self._acquire_stream(
+                    stub, target, session, group, priority, on_progress, outcome
+                )
                 return
             except Exception as exc:
                 if self._closed:
@@ -672,8 +740,9 @@ class AsyncTimeSliceClient:
                     ) from exc
                 # Re-issuing Acquire with the same session re-attaches to our queue entry.
                 self._transport.rotate()
-                log.warning("acquire of %s: %s; re-attaching via %s", group, error,
-                            self._transport.current)
+                log.warning(
+                    "acquire of %s: %s; re-attaching via %s", group, error, self._transport.current
+                )
                 await asyncio.sleep(backoff.next_delay())
 
     async def _acquire_stream(
@@ -719,8 +788,12 @@ class AsyncTimeSliceClient:
             if outcome.granted is None:
                 raise
             # The grant arrived; only the tail of the stream failed. The grant stands.
-            log.warning("Acquire stream of %s via %s failed after the grant: %s", group,
-                        target, map_error(exc, target) or exc)
+            log.warning(
+                "Acquire stream of %s via %s failed after the grant: %s",
+                group,
+                target,
+                map_error(exc, target) or exc,
+            )
 
     def _on_event(
         self,
@@ -772,8 +845,12 @@ class AsyncTimeSliceClient:
             )
         except Exception as exc:
             # The acquire's own error is what propagates; this one must still be seen.
-            log.error("could not give back group %s (epoch %d) after an aborted acquire: %s",
-                      group, epoch, exc)
+            log.error(
+                "could not give back group %s (epoch %d) after an aborted acquire: %s",
+                group,
+                epoch,
+                exc,
+            )
 
     # --------------------------------------------------------------------- yield
 
@@ -804,8 +881,7 @@ class AsyncTimeSliceClient:
         session = self._session
         if grant is None or session is None:
             raise NotHolder(
-                f"job {self._job_id} does not hold group {group} (no grant recorded by this "
-                "client)"
+                f"job {self._job_id} does not hold group {group} (no grant recorded by this client)"
             )
         # A yield cut short by a cancel would leave the group held until the session ends:
         # once started, it runs to completion, bookkeeping included.
@@ -853,8 +929,9 @@ class AsyncTimeSliceClient:
                     "CloseSession", call, budget=min(self._call_timeout, _CLOSE_BUDGET)
                 )
             except (TimeSliceError, StreamTerminatedError) as exc:
-                log.warning("CloseSession of %s failed (its lease will expire): %s",
-                            session.session_id, exc)
+                log.warning(
+                    "CloseSession of %s failed (its lease will expire): %s", session.session_id, exc
+                )
         pending = [t for t in self._tasks if not t.done()]
         for task in pending:
             task.cancel()

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import threading
 import weakref
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -82,8 +82,11 @@ def _shutdown(
         loop.call_soon_threadsafe(loop.stop)
         thread.join(_JOIN_SECONDS)
         if thread.is_alive():
-            log.warning("the event loop thread of job %s did not stop within %.0fs",
-                        client.job_id, _JOIN_SECONDS)
+            log.warning(
+                "the event loop thread of job %s did not stop within %.0fs",
+                client.job_id,
+                _JOIN_SECONDS,
+            )
 
 
 class TimeSliceOrchestratorClient:
@@ -117,10 +120,15 @@ class TimeSliceOrchestratorClient:
         job_id: str | None = None,
         session_ttl: float = 10.0,
         call_timeout: float = 10.0,
+        on_yield_request: Callable[[str], None] | None = None,
     ) -> None:
         # Validate everything before starting a thread, so bad input leaves nothing behind.
         self._client = AsyncTimeSliceClient(
-            target, job_id=job_id, session_ttl=session_ttl, call_timeout=call_timeout
+            target,
+            job_id=job_id,
+            session_ttl=session_ttl,
+            call_timeout=call_timeout,
+            on_yield_request=on_yield_request,
         )
         self._call_timeout = float(call_timeout)
         self._loop = asyncio.new_event_loop()
@@ -171,6 +179,10 @@ class TimeSliceOrchestratorClient:
         """The groups this client holds by its own record, keyed by group id."""
         return self._client.grants()
 
+    def yield_requested(self, group_id: str) -> bool:
+        """The co-operative "please yield" signal (see AsyncTimeSliceClient.yield_requested)."""
+        return self._client.yield_requested(group_id)
+
     def __repr__(self) -> str:
         return (
             f"TimeSliceOrchestratorClient(targets={self.targets!r}, job_id={self.job_id!r}, "
@@ -213,6 +225,31 @@ class TimeSliceOrchestratorClient:
         self._client._yield_blocking(group)
 
     release = yield_
+
+    def acquire_all(
+        self, group_ids: Sequence[str], *, timeout: float | None = None, priority: int = 0
+    ) -> dict[str, Grant]:
+        """Hold every group at once, deadlock-free; see :meth:`AsyncTimeSliceClient.acquire_all`."""
+        self._check_open()
+        wait = check_seconds(timeout, "timeout", allow_none=True)
+        return call_in_loop(
+            self._loop,
+            self._client.acquire_all(group_ids, timeout=wait, priority=priority),
+            wait=None if wait is None else wait + 2 * self._call_timeout + _SLACK,
+            grace=self._call_timeout,
+            what=f"acquire_all({', '.join(group_ids)})",
+        )
+
+    def yield_all(self, group_ids: Sequence[str]) -> None:
+        """Yield every group in ``group_ids``."""
+        self._check_open()
+        call_in_loop(
+            self._loop,
+            self._client.yield_all(group_ids),
+            wait=len(group_ids) * self._call_timeout + _SLACK,
+            grace=self._call_timeout,
+            what="yield_all",
+        )
 
     def status(self, group_id: str) -> GroupStatus:
         """The group's holder, queue, residency, switch in flight and faults."""

@@ -29,6 +29,7 @@ from timeslice_proto.timeslice.v1 import (
     GroupEvent,
     GroupStatus,
     GroupSummary,
+    JobUsage,
     KeepAliveRequest,
     KeepAliveResponse,
     ListGroupsRequest,
@@ -104,8 +105,8 @@ class TimeSliceService(TimeSliceBase):
 
     async def keep_alive(self, message: KeepAliveRequest) -> KeepAliveResponse:
         with self._call("KeepAlive"):
-            ttl = await self._locks.keepalive(message.session_id)
-        return KeepAliveResponse(ttl_seconds=ttl)
+            ttl, asked = await self._locks.keepalive(message.session_id)
+        return KeepAliveResponse(ttl_seconds=ttl, yield_requested=asked)
 
     async def close_session(self, message: CloseSessionRequest) -> CloseSessionResponse:
         with self._call("CloseSession"):
@@ -171,12 +172,17 @@ class TimeSliceService(TimeSliceBase):
 
     async def get_group_status(self, message: GetGroupStatusRequest) -> GroupStatus:
         with self._call("GetGroupStatus", message.group_id):
-            return group_status(self._locks.view(message.group_id), self._mirror)
+            return self._status(message.group_id)
+
+    def _status(self, group: str) -> GroupStatus:
+        status = group_status(self._locks.view(group), self._mirror)
+        status.policy = self._locks.policy.value
+        return status
 
     async def set_group_members(self, message: SetGroupMembersRequest) -> GroupStatus:
         with self._call("SetGroupMembers", message.group_id):
             await self._locks.set_members(message.group_id, list(message.nodes))
-            return group_status(self._locks.view(message.group_id), self._mirror)
+            return self._status(message.group_id)
 
     async def watch_group(self, message: WatchGroupRequest) -> AsyncIterator[GroupEvent]:
         with self._call("WatchGroup", message.group_id):
@@ -251,6 +257,16 @@ def group_status(view: GroupView, mirror: Mirror) -> GroupStatus:
         switches=view.stats.switches,
         driver_replica=view.driver or "",
         static_members=list(view.static_members),
+        usage=[
+            JobUsage(
+                job_id=job,
+                held_seconds=u.held_seconds,
+                holds=u.holds,
+                first_seen=u.first_seen,
+                last_seen=u.last_seen,
+            )
+            for job, u in sorted((view.usage.record.jobs if view.usage else {}).items())
+        ],
     )
     if view.holder is not None:
         status.holder_job_id = view.holder.record.job

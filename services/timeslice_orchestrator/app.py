@@ -77,7 +77,9 @@ class Orchestrator:
         async with asyncio.timeout(SYNC_TIMEOUT):
             await self.mirror.synced.wait()
         self._hub = hub = AgentHub(self.store, cfg.replica_id, cfg.agent_ttl, self.metrics)
-        self._locks = locks = LockService(self.store, self.mirror, self.metrics, cfg.session_ttl)
+        self._locks = locks = LockService(
+            self.store, self.mirror, self.metrics, cfg.session_ttl, cfg.policy, cfg.max_hold
+        )
         self._router = DirectiveRouter(
             hub, self.mirror, RelayStore(self.etcd, self.keys), cfg.replica_id, lease
         )
@@ -91,6 +93,7 @@ class Orchestrator:
                 replica_id=cfg.replica_id,
                 directive_timeout=cfg.directive_timeout,
                 co_residency=cfg.co_residency,
+                policy=cfg.policy,
             ),
             lease,
             tracer_for(self._tracing),

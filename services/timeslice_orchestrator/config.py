@@ -9,6 +9,8 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from timeslice_orchestrator.policy import Policy
+
 
 @dataclass(frozen=True, slots=True)
 class Address:
@@ -38,6 +40,8 @@ class OrchestratorConfig:
     agent_ttl: int
     directive_timeout: float
     co_residency: bool
+    policy: Policy
+    max_hold: float
 
 
 def _env(name: str, default: str) -> str:
@@ -94,6 +98,19 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         help="keep an idle job's state on the devices while the next job fits next to it "
         "(needs honest state_bytes that include each job's peak working memory)",
     )
+    p.add_argument(
+        "--policy",
+        choices=[x.value for x in Policy],
+        default=_env("POLICY", "fifo"),
+        help="which waiter a group serves next",
+    )
+    p.add_argument(
+        "--max-hold",
+        type=float,
+        default=float(_env("MAX_HOLD", "0")),
+        help="seconds after which a holder is asked (co-operatively) to yield when others "
+        "wait; 0 = never",
+    )
     a = p.parse_args(argv)
     try:
         listen, http = Address.parse(a.listen), Address.parse(a.http)
@@ -113,4 +130,6 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         agent_ttl=a.agent_ttl,
         directive_timeout=a.directive_timeout,
         co_residency=a.co_residency,
+        policy=Policy(a.policy),
+        max_hold=a.max_hold,
     )

@@ -33,6 +33,7 @@ from opentelemetry.trace import SpanKind, StatusCode, Tracer
 from timeslice.tracing import carrier_of
 from timeslice_orchestrator.hub import AgentGone, AgentTimeout, AgentUnavailable
 from timeslice_orchestrator.metrics import Metrics
+from timeslice_orchestrator.policy import Policy, order
 from timeslice_orchestrator.relay import DirectiveRouter
 from timeslice_orchestrator.store.cache import AGENTS_TOPIC, GroupView, Mirror, QueuedJob
 from timeslice_orchestrator.store.etcd import StoreUnavailable
@@ -59,6 +60,7 @@ class DriverConfig:
     max_backoff: float = 2.0
     idle_recheck: float = 2.0
     co_residency: bool = False
+    policy: Policy = Policy.FIFO
 
 
 class Next(enum.Enum):
@@ -232,7 +234,7 @@ class SwitchDriver:
         if view.switch is not None:
             # Ours in flight, or left by a driver that died: carry it on from its phase.
             return await self._advance(view.switch)
-        head = view.queue[0]
+        head = order(self._config.policy, view)[0]
         agents = self._mirror.agents()
         missing = [n for n in view.static_members if n not in agents]
         if missing:

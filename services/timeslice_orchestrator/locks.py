@@ -27,6 +27,7 @@ from timeslice.errors import (
 )
 from timeslice.ids import validate_group_id, validate_job_id, validate_node
 from timeslice_orchestrator.metrics import Metrics
+from timeslice_orchestrator.policy import Policy, order
 from timeslice_orchestrator.store.cache import GroupView, Mirror
 from timeslice_orchestrator.store.groups import GroupStore, lease_of
 
@@ -56,12 +57,20 @@ class Progress:
 
 class LockService:
     def __init__(
-        self, store: GroupStore, mirror: Mirror, metrics: Metrics, default_ttl: int
+        self,
+        store: GroupStore,
+        mirror: Mirror,
+        metrics: Metrics,
+        default_ttl: int,
+        policy: Policy = Policy.FIFO,
+        max_hold: float = 0.0,
     ) -> None:
         self._store = store
         self._mirror = mirror
         self._metrics = metrics
         self._default_ttl = default_ttl
+        self.policy = policy
+        self._max_hold = max_hold
         # Set while the replica shuts down: its waiters are about to re-attach elsewhere,
         # so their streams ending is no reason to give up their places or grants.
         self.draining = False
@@ -73,8 +82,28 @@ class LockService:
         ttl = ttl or self._default_ttl
         return await self._store.open_session(job, ttl, host[:253], pid), ttl
 
-    async def keepalive(self, session_id: str) -> int:
-        return await self._store.keepalive(session_id)
+    async def keepalive(self, session_id: str) -> tuple[int, list[str]]:
+        """Refresh the session; also return the groups it is asked to yield."""
+        ttl = await self._store.keepalive(session_id)
+        return ttl, self.yield_requested(session_id)
+
+    def yield_requested(self, session_id: str) -> list[str]:
+        """Groups this session has held past the maximum hold while others wait."""
+        if self._max_hold <= 0:
+            return []
+        now = time.time()
+        asked = []
+        for group in self._mirror.group_names():
+            view = self._mirror.group(group)
+            holder = view.holder
+            if (
+                holder is not None
+                and holder.record.session == session_id
+                and view.queue
+                and now - holder.record.granted_at > self._max_hold
+            ):
+                asked.append(group)
+        return asked
 
     async def close_session(self, session_id: str) -> None:
         await self._store.close_session(session_id)
@@ -153,7 +182,8 @@ class LockService:
         switch = view.switch
         if switch is not None and switch.record.to_job == job:
             return Progress(Stage.SWITCHING, 0)
-        return Progress(Stage.QUEUED, view.position(job) or 0)
+        served = [q.job for q in order(self.policy, view)]
+        return Progress(Stage.QUEUED, served.index(job) if job in served else 0)
 
     async def release_unsent(self, group: str, job: str, session_id: str, epoch: int) -> None:
         """Give back a grant the client never received (it left as the grant was sent)."""
@@ -173,7 +203,8 @@ class LockService:
         if epoch <= 0:
             raise InvalidArgument("epoch must be the positive fencing token of the grant")
         hint = self._mirror.get(f"groups/{group}/holder")
-        await self._store.release(group, job, epoch, session_id, hint)
+        usage = self._mirror.get(f"groups/{group}/usage")
+        await self._store.release(group, job, epoch, session_id, hint, usage)
 
     async def set_members(self, group: str, nodes: list[str]) -> None:
         validate_group_id(group)

@@ -32,6 +32,7 @@ from timeslice_orchestrator.store.records import (
     SessionRecord,
     Stored,
     SwitchRecord,
+    UsageRecord,
 )
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class GroupView:
     faults: dict[str, Stored[FaultRecord]] = field(default_factory=dict)
     stats: GroupStats = field(default_factory=GroupStats)
     static_members: list[str] = field(default_factory=list)
+    usage: Stored[UsageRecord] | None = None
 
     def queued(self, job: str) -> QueuedJob | None:
         return next((q for q in self.queue if q.job == job), None)
@@ -138,6 +140,7 @@ class Mirror:
         faults: dict[str, Stored[FaultRecord]] = {}
         stats = GroupStats()
         members: list[str] = []
+        usage: Stored[UsageRecord] | None = None
         exists = False
         for rel, kv in self.under(base):
             exists = True
@@ -154,6 +157,8 @@ class Mirror:
                 stats = GroupStats.decode(kv.value)
             elif name == "members":
                 members = MembersRecord.decode(kv.value).nodes
+            elif name == "usage":
+                usage = Stored.of(kv, UsageRecord.decode(kv.value))
             elif name.startswith("queue/"):
                 queue.append(QueuedJob(name[6:], Stored.of(kv, QueueRecord.decode(kv.value))))
             elif name.startswith("faulted/"):
@@ -172,6 +177,7 @@ class Mirror:
             faults,
             stats,
             members,
+            usage,
         )
 
     # -- waiting ------------------------------------------------------------------------

@@ -50,6 +50,7 @@ from timeslice_orchestrator.store.records import (
     SessionRecord,
     Stored,
     SwitchRecord,
+    UsageRecord,
 )
 
 _REATTACH_TRIES = 5
@@ -243,7 +244,13 @@ class GroupStore:
         return released.succeeded
 
     async def release(
-        self, group: str, job: str, epoch: int, session_id: str, hint: KeyValue | None = None
+        self,
+        group: str,
+        job: str,
+        epoch: int,
+        session_id: str,
+        hint: KeyValue | None = None,
+        usage: KeyValue | None = None,
     ) -> None:
         """Yield: compare-and-delete the holder key. Moves no data (lazy switching).
 
@@ -268,11 +275,27 @@ class GroupStore:
             )
         if session_id and record.session != session_id:
             raise PermissionDenied(f"the hold on {group} belongs to another session of {job}")
+        # The hold ends and its time goes into the group's usage ledger in one transaction.
+        usage_kv = await self.etcd.get(k.usage(group)) if usage is None else usage
+        ledger = UsageRecord.decode(usage_kv.value) if usage_kv is not None else UsageRecord()
+        ledger.add(job, record.granted_at, time.time())
         result = await self.etcd.txn(
-            Txn([modified_at(k.holder(group), holder.mod_revision)], [Delete(k.holder(group))])
+            Txn(
+                [
+                    modified_at(k.holder(group), holder.mod_revision),
+                    modified_at(k.usage(group), usage_kv.mod_revision if usage_kv else 0),
+                ],
+                [Delete(k.holder(group)), Put(k.usage(group), ledger.encode())],
+                [Get(k.holder(group))],
+            )
         )
-        if not result.succeeded:
-            raise NotHolder(f"job {job} lost its hold on {group} (session expired?)")
+        if result.succeeded:
+            return
+        current = result.reads[0]
+        if current and current[0].mod_revision == holder.mod_revision:
+            # Only the ledger moved (a stale copy): read it afresh and try once more.
+            return await self.release(group, job, epoch, session_id, holder, None)
+        raise NotHolder(f"job {job} lost its hold on {group} (session expired?)")
 
     # -- the switch driver --------------------------------------------------------------
 

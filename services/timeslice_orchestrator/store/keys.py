@@ -57,6 +57,9 @@ class Keyspace:
     def members(self, group: str) -> bytes:
         return self._k(f"groups/{group}/members")
 
+    def usage(self, group: str) -> bytes:
+        return self._k(f"groups/{group}/usage")
+
     def stats(self, group: str) -> bytes:
         return self._k(f"groups/{group}/stats")
 

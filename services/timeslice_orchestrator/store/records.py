@@ -144,6 +144,32 @@ class MembersRecord(_Record):
 
 
 @dataclass(slots=True)
+class JobUsageRecord:
+    held_seconds: float = 0.0
+    holds: int = 0
+    first_seen: float = 0.0
+    last_seen: float = 0.0
+
+
+@dataclass(slots=True)
+class UsageRecord(_Record):
+    """Accelerator time each job held a group: the fair-share ledger and the phase history
+    the placement advisor reads."""
+
+    jobs: dict[str, JobUsageRecord] = field(default_factory=dict)
+
+    @classmethod
+    def _from_dict(cls, data: dict[str, Any]) -> Self:
+        return cls({job: JobUsageRecord(**u) for job, u in data["jobs"].items()})
+
+    def add(self, job: str, granted_at: float, released_at: float) -> None:
+        usage = self.jobs.setdefault(job, JobUsageRecord(first_seen=granted_at))
+        usage.held_seconds += max(0.0, released_at - granted_at)
+        usage.holds += 1
+        usage.last_seen = released_at
+
+
+@dataclass(slots=True)
 class FaultRecord(_Record):
     reason: str
     at: float

@@ -29,6 +29,7 @@ __all__ = (
     "HookKind",
     "JobReport",
     "JobState",
+    "JobUsage",
     "KeepAliveRequest",
     "KeepAliveResponse",
     "ListGroupsRequest",
@@ -600,6 +601,13 @@ class GroupStatus(betterproto2.Message):
     Nodes an operator pinned to the group; every switch includes them.
     """
 
+    usage: "list[JobUsage]" = betterproto2.field(13, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    Accelerator time each job held the group (the orchestrator's phase history).
+    """
+
+    policy: "str" = betterproto2.field(14, betterproto2.TYPE_STRING)
+
 
 default_message_pool.register_message("timeslice.v1", "GroupStatus", GroupStatus)
 
@@ -637,6 +645,34 @@ default_message_pool.register_message("timeslice.v1", "JobReport", JobReport)
 
 
 @dataclass(eq=False, repr=False)
+class JobUsage(betterproto2.Message):
+    job_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    held_seconds: "float" = betterproto2.field(2, betterproto2.TYPE_DOUBLE)
+    """
+    total time holding the group
+    """
+
+    holds: "int" = betterproto2.field(3, betterproto2.TYPE_UINT64)
+    """
+    number of grants that were yielded
+    """
+
+    first_seen: "float" = betterproto2.field(4, betterproto2.TYPE_DOUBLE)
+    """
+    unix seconds of its first grant here
+    """
+
+    last_seen: "float" = betterproto2.field(5, betterproto2.TYPE_DOUBLE)
+    """
+    unix seconds of its last yield here
+    """
+
+
+default_message_pool.register_message("timeslice.v1", "JobUsage", JobUsage)
+
+
+@dataclass(eq=False, repr=False)
 class KeepAliveRequest(betterproto2.Message):
     session_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
 
@@ -647,6 +683,12 @@ default_message_pool.register_message("timeslice.v1", "KeepAliveRequest", KeepAl
 @dataclass(eq=False, repr=False)
 class KeepAliveResponse(betterproto2.Message):
     ttl_seconds: "int" = betterproto2.field(1, betterproto2.TYPE_UINT32)
+
+    yield_requested: "list[str]" = betterproto2.field(2, betterproto2.TYPE_STRING, repeated=True)
+    """
+    Groups this session holds past the orchestrator's maximum hold while others wait:
+    the co-operative "please yield" signal (nothing is taken away by force).
+    """
 
 
 default_message_pool.register_message("timeslice.v1", "KeepAliveResponse", KeepAliveResponse)
