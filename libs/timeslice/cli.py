@@ -48,6 +48,7 @@ from timeslice.errors import (
     error_from_status,
 )
 from timeslice.ids import validate_group_id, validate_job_id, validate_node
+from timeslice.plan import propose, render, workloads_from
 from timeslice_proto.timeslice.v1 import (
     GetGroupStatusRequest,
     GroupStatus,
@@ -229,6 +230,21 @@ def build_parser() -> argparse.ArgumentParser:
     yield_.add_argument("--job", required=True, metavar="J")
     yield_.add_argument("--epoch", required=True, type=_epoch, metavar="E")
     yield_.add_argument("--target", help=target_help)
+
+    plan = sub.add_parser(
+        "plan", help="propose which jobs should share which group, from recorded usage"
+    )
+    plan.add_argument("--target", help=target_help)
+    plan.add_argument(
+        "--cap", type=_positive_float, default=0.9, help="maximum load of a group (default 0.9)"
+    )
+    plan.add_argument(
+        "--switch-seconds",
+        type=_non_negative_float,
+        default=0.0,
+        help="cost of one context switch, to count against shared groups",
+    )
+    plan.add_argument("--json", action="store_true", help="print JSON")
 
     members = sub.add_parser(
         "members", help="pin the nodes a group always spans (static membership), or unpin"
@@ -483,6 +499,42 @@ def _cmd_yield(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    targets = parse_targets(args.target)
+
+    async def status_of(group: str) -> GroupStatus:
+        request = GetGroupStatusRequest(group_id=group)
+        return await _call_any(
+            targets, lambda stub: stub.get_group_status(request, timeout=CALL_TIMEOUT)
+        )
+
+    async def statuses() -> list[GroupStatus]:
+        return [await status_of(g.group_id) for g in await _list_groups(targets)]
+
+    found = asyncio.run(statuses())
+    workloads = workloads_from(found)
+    proposals = propose(workloads, cap=args.cap, switch_seconds=args.switch_seconds)
+    if args.json:
+        _out(
+            json.dumps(
+                [
+                    {
+                        "workloads": [asdict(w) for w in p.workloads],
+                        "predicted_duty": p.predicted_duty,
+                        "load": p.load,
+                    }
+                    for p in proposals
+                ],
+                indent=2,
+            )
+        )
+    elif not workloads:
+        print("(no usage recorded yet)", file=sys.stderr, flush=True)
+    else:
+        _out(render(proposals, len({w.group for w in workloads})))
+    return 0
+
+
 def _cmd_members(args: argparse.Namespace) -> int:
     group = validate_group_id(args.group)
     nodes = [] if args.clear else [n.strip() for n in args.set.split(",") if n.strip()]
@@ -636,6 +688,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "status": _cmd_status,
         "yield": _cmd_yield,
         "members": _cmd_members,
+        "plan": _cmd_plan,
         "acquire": _cmd_acquire,
         "dev": _cmd_dev_cluster,
     }

@@ -1,0 +1,69 @@
+"""The placement advisor: its prediction, from recorded usage, against a real shared run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+from tests.conftest import ClusterFactory
+from tests.history import Hold, Recorder
+from timeslice import AsyncTimeSliceClient
+from timeslice.dev.timeline import Interval, duty_cycle
+from timeslice.plan import Proposal, Workload, propose
+
+ON, OFF, STEPS = 0.08, 0.12, 20  # a job alone keeps its accelerators 40% busy
+
+
+def test_first_fit_decreasing_respects_the_cap() -> None:
+    loads = [Workload(f"j{i}", "g", busy, 1.0) for i, busy in enumerate([0.5, 0.4, 0.4, 0.3])]
+    proposals = propose(loads, cap=0.9)
+    assert [[w.job for w in p.workloads] for p in proposals] == [["j0", "j1"], ["j2", "j3"]]
+    assert [round(p.predicted_duty, 2) for p in proposals] == [0.9, 0.7]
+    # Switches count against sharing: 0.05 s x 2 grants/s x 2 jobs = 20% of the time.
+    costly = propose(loads[1:3], cap=0.85, switch_seconds=0.05)
+    assert len(costly) == 2
+    assert Proposal(loads[1:3], 0.05).predicted_duty == 0.8
+
+
+async def _run(client: AsyncTimeSliceClient, group: str, recorder: Recorder) -> None:
+    for _ in range(STEPS):
+        await asyncio.sleep(OFF)  # rewards, environment: off the accelerator
+        grant = await client.acquire(group, timeout=30)
+        start = recorder.now()
+        await asyncio.sleep(ON)
+        end = recorder.now()
+        recorder.hold(Hold(client.job_id, group, grant.epoch, grant.ticket, start, end))
+        await client.yield_(group)
+
+
+def _duty(recorder: Recorder, group: str) -> float:
+    holds = [h for h in recorder.holds if h.group == group]
+    window = Interval(min(h.granted_at for h in holds), max(h.released_at for h in holds))
+    return duty_cycle([Interval(h.granted_at, h.released_at) for h in holds], window)
+
+
+async def test_plan_predicts_the_shared_duty_cycle(cluster_factory: ClusterFactory) -> None:
+    cluster = cluster_factory(agents=0)
+    recorder = Recorder()
+    async with (
+        AsyncTimeSliceClient(cluster.target, job_id="a") as a,
+        AsyncTimeSliceClient(cluster.target, job_id="b") as b,
+    ):
+        await asyncio.gather(_run(a, "dedicated-a", recorder), _run(b, "dedicated-b", recorder))
+        out = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "timeslice.cli", "plan", "--json", "--target", cluster.target],
+            capture_output=True, text=True, timeout=30, check=True,
+        )  # fmt: skip
+        proposals = json.loads(out.stdout)
+        assert len(proposals) == 1, proposals
+        assert sorted(w["job"] for w in proposals[0]["workloads"]) == ["a", "b"]
+        predicted = proposals[0]["predicted_duty"]
+        assert 0.6 <= predicted <= 0.9
+
+        await asyncio.gather(_run(a, "shared", recorder), _run(b, "shared", recorder))
+    measured = _duty(recorder, "shared")
+    assert abs(measured - predicted) <= 0.12, (measured, predicted)
+    assert _duty(recorder, "dedicated-a") < measured
