@@ -93,6 +93,7 @@ class Orchestrator:
                 replica_id=cfg.replica_id,
                 directive_timeout=cfg.directive_timeout,
                 co_residency=cfg.co_residency,
+                prefetch=cfg.prefetch,
                 policy=cfg.policy,
             ),
             lease,

@@ -40,6 +40,7 @@ class OrchestratorConfig:
     agent_ttl: int
     directive_timeout: float
     co_residency: bool
+    prefetch: bool
     policy: Policy
     max_hold: float
 
@@ -99,6 +100,13 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         "(needs honest state_bytes that include each job's peak working memory)",
     )
     p.add_argument(
+        "--prefetch",
+        action=argparse.BooleanOptionalAction,
+        default=_env("PREFETCH", "false").lower() in ("1", "true", "yes", "on"),
+        help="restore the next waiter's state while the holder still runs, when it fits "
+        "beside it (device capacity reported by the agents)",
+    )
+    p.add_argument(
         "--policy",
         choices=[x.value for x in Policy],
         default=_env("POLICY", "fifo"),
@@ -130,6 +138,7 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         agent_ttl=a.agent_ttl,
         directive_timeout=a.directive_timeout,
         co_residency=a.co_residency,
+        prefetch=a.prefetch,
         policy=Policy(a.policy),
         max_hold=a.max_hold,
     )

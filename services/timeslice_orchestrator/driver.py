@@ -60,6 +60,7 @@ class DriverConfig:
     max_backoff: float = 2.0
     idle_recheck: float = 2.0
     co_residency: bool = False
+    prefetch: bool = False
     policy: Policy = Policy.FIFO
 
 
@@ -100,8 +101,12 @@ def nodes_of(group: str, job: str, agents: dict[str, AgentRecord]) -> list[str]:
 
 
 def plan(
-    view: GroupView, job: str, agents: dict[str, AgentRecord], co_residency: bool = False
-) -> list[NodeStep]:
+    view: GroupView,
+    job: str,
+    agents: dict[str, AgentRecord],
+    co_residency: bool = False,
+    protect: str = "",
+) -> list[NodeStep] | None:
     """What must move so that ``job`` is resident on every node where it runs.
 
     Those are the nodes where it registered workers, plus any node an operator pinned to the
@@ -124,8 +129,14 @@ def plan(
             for other in on_device:
                 if free >= agent.job_bytes(job):
                     break
+                if other == protect:
+                    continue
                 evict.append(other)
                 free += agent.job_bytes(other)
+            if free < agent.job_bytes(job):
+                evict = list(on_device)
+        if protect and protect in evict:
+            return None
         steps += [NodeStep(node=node, evict=other, restore="") for other in evict[:-1]]
         steps.append(NodeStep(node=node, evict=evict[-1] if evict else "", restore=job))
     return steps
@@ -225,6 +236,8 @@ class SwitchDriver:
     async def reconcile(self, group: str) -> Next:
         """Take one step for ``group``."""
         view = self._mirror.group(group)
+        if view.switch is None and view.holder is not None and view.queue:
+            return await self._prefetch(view)
         if view.switch is None and (view.holder is not None or not view.queue):
             return Next.IDLE
         if view.driver is not None and view.driver_lease != self._auth.lease:
@@ -242,6 +255,7 @@ class SwitchDriver:
             log.warning("group %s: waiting for pinned node(s) %s", group, ", ".join(missing))
             return Next.LATER
         steps = plan(view, head.job, agents, self._config.co_residency)
+        assert steps is not None  # nothing is protected without a holder
         if not steps:
             return await self._grant_in_place(view, head)
         attempt = self._attempts.get((group, head.job, head.revision), 0) + 1
@@ -268,6 +282,40 @@ class SwitchDriver:
             switch.create_revision,
             attempt,
         )
+        return await self._advance(switch)
+
+    async def _prefetch(self, view: GroupView) -> Next:
+        """While the holder runs, bring the next waiter's state in if it fits beside it."""
+        if not self._config.prefetch or view.holder is None:
+            return Next.IDLE
+        if view.driver is not None and view.driver_lease != self._auth.lease:
+            return Next.IDLE
+        head = order(self._config.policy, view)[0]
+        steps = plan(
+            view, head.job, self._mirror.agents(), co_residency=True,
+            protect=view.holder.record.job,
+        )  # fmt: skip
+        if not steps:
+            return Next.IDLE  # already resident, or it does not fit beside the holder
+        if view.driver is None and not await self._store.claim_driver(view.group, self._auth):
+            return Next.IDLE
+        record = SwitchRecord(
+            switch_id=new_switch_id(),
+            group=view.group,
+            to_job=head.job,
+            to_revision=head.revision,
+            steps=steps,
+            phase=Phase.CHECKPOINT,
+            driver=self._config.replica_id,
+            started_at=time.time(),
+            prefetch=True,
+        )
+        switch = await self._store.begin_switch(
+            view.group, self._auth, record, view.resident_revision, view.holder.mod_revision
+        )
+        if switch is None:
+            return Next.AGAIN
+        log.info("group %s: prefetching %s beside %s", view.group, head.job, view.holder.record.job)
         return await self._advance(switch)
 
     async def _grant_in_place(self, view: GroupView, head: QueuedJob) -> Next:
@@ -377,11 +425,13 @@ class SwitchDriver:
                 self._metrics.switches.labels(outcome="restore_failed").inc()
                 log.error("group %s: %s isolated: %s", group, record.to_job, error)
             return Next.AGAIN
-        if head is None:
-            # The waiter left mid-switch: keep what the devices now hold, drop the record.
+        if record.prefetch or head is None:
+            # A prefetch ends here, and so does a switch whose waiter left: keep what the
+            # devices now hold, drop the record; the grant (in place) comes on its own.
             ended = await self._store.end_switch(group, self._auth, switch, resident, stats)
             if ended:
-                self._metrics.switches.labels(outcome="waiter_left").inc()
+                outcome = "prefetched" if record.prefetch else "waiter_left"
+                self._metrics.switches.labels(outcome=outcome).inc()
             return Next.AGAIN
         elapsed = max(time.monotonic() - started, time.time() - record.started_at)
         holder = self._holder(
@@ -437,6 +487,8 @@ class SwitchDriver:
 
     async def _after_abort(self, group: str, record: SwitchRecord) -> Next:
         """Retry the waiter with a bounded backoff, then give up on it alone."""
+        if record.prefetch:
+            return Next.IDLE  # an optimisation that did not work out: the switch will do it
         key = (group, record.to_job, record.to_revision)
         attempt = max(self._attempts.get(key, 0), record.attempt)
         if attempt < self._config.max_attempts:

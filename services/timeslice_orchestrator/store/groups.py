@@ -359,16 +359,25 @@ class GroupStore:
         return result.revision if result.succeeded else None
 
     async def begin_switch(
-        self, group: str, auth: Authority, record: SwitchRecord, resident_revision: int
+        self,
+        group: str,
+        auth: Authority,
+        record: SwitchRecord,
+        resident_revision: int,
+        holder_revision: int = 0,
     ) -> Stored[SwitchRecord] | None:
-        """Write the switch record; its create revision is the epoch of every directive."""
+        """Write the switch record; its create revision is the epoch of every directive.
+
+        A switch needs the group free (``holder_revision`` 0); a prefetch runs beside the
+        holder it names by revision, and never touches that holder's state.
+        """
         k = self.keys
         result = await self.etcd.txn(
             Txn(
                 [
                     *self._driving(group, auth),
                     absent(k.switch(group)),
-                    absent(k.holder(group)),
+                    modified_at(k.holder(group), holder_revision),
                     modified_at(k.resident(group), resident_revision),
                 ],
                 [Put(k.switch(group), record.encode()), Get(k.switch(group))],

@@ -123,6 +123,8 @@ class SwitchRecord(_Record):
     driver: str
     started_at: float
     attempt: int = 1
+    # Prefetch: bring to_job's state in while the holder still runs; ends without a grant.
+    prefetch: bool = False
 
     @classmethod
     def _from_dict(cls, data: dict[str, Any]) -> Self:
