@@ -8,8 +8,8 @@ Each records CPU seconds per process over its measured window, which says what d
 
 * :func:`handoff_latency` - a holder yields while another job waits: from the yield call to
   the waiter's grant. No data moves (the jobs register no workers).
-* :func:`cycle_throughput` - one job per group, each doing acquire -> yield in a closed
-  loop, all groups at once: cycles per second against the number of groups and replicas.
+* :func:`cycle_throughput` - acquire -> yield in closed loops over N groups (one job per
+  group, at most 100 acquires in flight): cycles per second against groups and replicas.
 * :func:`memory_per_group` - a replica's resident memory (``VmRSS``) before and after
   creating N groups.
 * :func:`switch_fanout` - context switches across 1..16 nodes with free data movement
@@ -70,6 +70,7 @@ _SETTLE_SECONDS = 0.005
 # read once they have.
 _MEMORY_SETTLE_SECONDS = 3.0
 _CREATE_CONCURRENCY = 64
+_CREATE_TIMEOUT = 120.0
 
 
 def _violations(recorder: Recorder, journal: Sequence[Any] = ()) -> list[str]:
@@ -203,6 +204,7 @@ class CyclesResult:
     groups: int
     replicas: int
     clients: int
+    in_flight: int  # acquire loops running at once
     seconds: float
     cycles: int
     cycles_per_second: float
@@ -222,15 +224,20 @@ async def cycle_throughput(
     seconds: float = 6.0,
     warmup: float = 2.0,
     clients: int = 16,
+    in_flight: int = 100,
     cluster_kwargs: Mapping[str, Any] | None = None,
 ) -> CyclesResult:
     """Acquire/yield cycles per second with ``groups`` groups and ``replicas`` replicas.
 
-    ``clients`` jobs (sessions) share the groups round-robin, each group cycled by one task
-    of its job, so no acquire ever waits for another job: this is the uncontended grant path
-    at full concurrency. The first ``warmup`` seconds (group creation) are not counted.
+    ``min(groups, in_flight)`` loops run at once; loop ``w`` cycles groups ``w``,
+    ``w + loops``, ... in turn, so every group is in use and at most ``in_flight`` acquires
+    are outstanding. ``clients`` jobs (sessions) share the loops round-robin; each group is
+    only ever acquired by one job, so no acquire waits for another job: this is the
+    uncontended grant path at a bounded concurrency. Counting starts once every group has
+    been created (acquired once) and ``warmup`` seconds have passed.
     """
-    n_clients = max(1, min(clients, groups))
+    loops = max(1, min(groups, in_flight))
+    n_clients = max(1, min(clients, loops))
     recorder = Recorder()
     kwargs = {"replicas": replicas, "agents": 0, **(cluster_kwargs or {})}
     async with running_cluster(**kwargs) as cluster:
@@ -242,30 +249,38 @@ async def cycle_throughput(
         ]
         counting = False
         stop = asyncio.Event()
+        all_created = asyncio.Event()
+        created: set[int] = set()
         count = 0
         latencies: list[float] = []
 
-        async def cycle(client: AsyncTimeSliceClient, group: str) -> None:
+        async def cycle(index: int) -> None:
             nonlocal count
+            client = pool[index % n_clients]
+            mine = list(range(index, groups, loops))
+            turn = 0
             while not stop.is_set():
+                number = mine[turn % len(mine)]
+                turn += 1
+                group = f"cycle-{number}"
                 t0 = time.perf_counter()
                 grant = await client.acquire(group, timeout=_CALL_TIMEOUT)
                 held = time.monotonic()
-                released = time.monotonic()
                 await client.yield_(group)
-                recorder.hold(Hold(client.job_id, group, grant.epoch, grant.ticket, held,
-                                   released))
+                recorder.hold(Hold(client.job_id, group, grant.epoch, grant.ticket, held, held))
                 if counting:
                     count += 1
                     latencies.append(time.perf_counter() - t0)
+                elif number not in created:
+                    created.add(number)
+                    if len(created) == groups:
+                        all_created.set()
 
         try:
             pids = cluster_pids(cluster)
-            tasks = [
-                asyncio.create_task(cycle(pool[g % n_clients], f"cycle-{g}"))
-                for g in range(groups)
-            ]
+            tasks = [asyncio.create_task(cycle(w)) for w in range(loops)]
             try:
+                await _event_or_fail(all_created, tasks, _CREATE_TIMEOUT)
                 await _sleep_or_fail(warmup, tasks)
                 counting = True
                 cpu0 = cpu_seconds(pids)
@@ -289,6 +304,7 @@ async def cycle_throughput(
         groups=groups,
         replicas=replicas,
         clients=n_clients,
+        in_flight=loops,
         seconds=elapsed,
         cycles=cycles,
         cycles_per_second=cycles / elapsed,
@@ -299,13 +315,33 @@ async def cycle_throughput(
     )
 
 
-async def _sleep_or_fail(seconds: float, tasks: Sequence[asyncio.Task[None]]) -> None:
-    """Sleep, but surface at once the first task that fails meanwhile."""
-    done, _ = await asyncio.wait(tasks, timeout=seconds, return_when=asyncio.FIRST_EXCEPTION)
+def _raise_first(done: set[asyncio.Task[Any]]) -> None:
     for t in done:
         error = None if t.cancelled() else t.exception()
         if error is not None:
             raise error
+
+
+async def _sleep_or_fail(seconds: float, tasks: Sequence[asyncio.Task[Any]]) -> None:
+    """Sleep, but surface at once the first task that fails meanwhile."""
+    done, _ = await asyncio.wait(tasks, timeout=seconds, return_when=asyncio.FIRST_EXCEPTION)
+    _raise_first(done)
+
+
+async def _event_or_fail(
+    event: asyncio.Event, tasks: Sequence[asyncio.Task[Any]], timeout: float
+) -> None:
+    """Wait for ``event`` within ``timeout``; surface at once a task that fails meanwhile."""
+    waiter = asyncio.create_task(event.wait())
+    try:
+        done, _ = await asyncio.wait(
+            [*tasks, waiter], timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+    finally:
+        waiter.cancel()
+    _raise_first(done - {waiter})
+    if not event.is_set():
+        raise TimeoutError(f"not ready within {timeout:g} s")
 
 
 # -- memory ----------------------------------------------------------------------------------

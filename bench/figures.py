@@ -137,7 +137,7 @@ def cycles_figure(results: Sequence[CyclesResult], path: Path) -> Path:
                 color=_COLOURS[i], label=f"{replicas} replica{'s' if replicas > 1 else ''}")
     ax.axhline(500, color="grey", ls="--", label="target (100 groups)")
     ax.set_xscale("log")
-    ax.set_xlabel("groups (one job cycling each, all at once)")
+    ax.set_xlabel("groups (one job each; up to 100 acquires in flight)")
     ax.set_ylabel("acquire/yield cycles per second")
     ax.set_title("Control-plane throughput (2 cores, no data movement)", fontsize=10)
     ax.grid(alpha=0.3)

@@ -209,11 +209,11 @@ def render_summary(
         )
         lines.append("")
     if cycles:
-        lines += ["## Acquire/yield throughput (one job per group, all groups at once)", ""]
+        lines += ["## Acquire/yield throughput (one job per group, up to 100 acquires in flight)", ""]
         lines += _table(
-            ["groups", "replicas", "clients", "cycles/s", "cycle p50 / p99 ms",
+            ["groups", "replicas", "clients", "in flight", "cycles/s", "cycle p50 / p99 ms",
              "CPU ms per cycle (orchestrator / etcd / bench)", "invariants"],
-            [[c.groups, c.replicas, c.clients, f"{c.cycles_per_second:.0f}",
+            [[c.groups, c.replicas, c.clients, c.in_flight, f"{c.cycles_per_second:.0f}",
               f"{c.cycle_ms.p50:.1f} / {c.cycle_ms.p99:.1f}",
               " / ".join(f"{c.cpu_ms_per_cycle.get(k, 0):.2f}"
                          for k in ("orchestrator", "etcd", "bench")),

@@ -29,9 +29,11 @@ from timeslice.dev.timeline import Interval
 from timeslice_agent.journal import JournalEntry
 
 
-def ph(job: str, phase: Phase, step: int, start: float, end: float, group: str = "g") -> PhaseSample:
-    return PhaseSample(job, group if phase.on_accelerator or phase is Phase.QUEUE else "", phase,
-                       step, start, end)
+def ph(
+    job: str, phase: Phase, step: int, start: float, end: float, group: str = "g"
+) -> PhaseSample:
+    on_group = phase.on_accelerator or phase is Phase.QUEUE
+    return PhaseSample(job, group if on_group else "", phase, step, start, end)
 
 
 def grant(job: str, epoch: int, *, previous: str = "", restored: bool = True,
@@ -225,8 +227,8 @@ def test_targets_are_judged_against_the_brief() -> None:
         "balanced-n2-reference": _run("balanced-n2-reference", 2, 0.55, [1.4, 1.4]),
     }
     handoff = [HandoffResult(1, 10, fast, fast, {}, []), HandoffResult(3, 10, slow, slow, {}, [])]
-    cycles = [CyclesResult(100, 1, 16, 5.0, 3000, 600.0, fast, {}, {}, []),
-              CyclesResult(10, 1, 10, 5.0, 100, 20.0, fast, {}, {}, [])]
+    cycles = [CyclesResult(100, 1, 16, 100, 5.0, 3000, 600.0, fast, {}, {}, []),
+              CyclesResult(10, 1, 10, 10, 5.0, 100, 20.0, fast, {}, {}, [])]
     fanout = [FanoutResult(4, 60, slow, fast, Stats(60, 25.0, 40.0, 26.0, 41.0), slow, {}, [])]
     verdicts = {t.name: t.met for t in check_targets(runs, handoff, cycles, fanout)}
     assert verdicts == {
