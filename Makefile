@@ -8,7 +8,7 @@ PY     := $(BIN)/python
 STAMP  := $(VENV)/.installed
 PKGS   := -p timeslice -p timeslice_orchestrator -p timeslice_agent
 
-.PHONY: venv test test-fast lint typecheck protos protos-check demo cluster bench bench-quick clean
+.PHONY: venv test test-fast lint typecheck protos demo cluster bench bench-quick soak clean
 
 venv: $(STAMP)
 
@@ -39,6 +39,16 @@ demo: $(STAMP)
 
 cluster: $(STAMP)
 	$(BIN)/timeslice dev cluster
+
+# Benchmarks on the real stack (sim backend: emulated data movement); results in bench/results.
+bench: $(STAMP)
+	$(PY) -m bench.run --suite full --out bench/results
+
+bench-quick: $(STAMP)
+	$(PY) -m bench.run --suite quick --out bench/results
+
+soak: $(STAMP)
+	$(PY) -m bench.soak --duration 600 --out bench/results/soak-600s.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

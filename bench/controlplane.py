@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import os
 import pstats
+import tempfile
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -360,7 +361,7 @@ class MemoryResult:
 
 
 async def memory_per_group(
-    counts: Sequence[int] = (1000, 5000),
+    counts: Sequence[int] = (1000, 2000),
     *,
     clients: int = 8,
     cluster_kwargs: Mapping[str, Any] | None = None,
@@ -543,18 +544,23 @@ def _short(path: str) -> str:
 
 
 async def profile_orchestrator(
-    groups: int = 100, *, seconds: float = 6.0, top: int = 15, work_dir: Path
+    groups: int = 100, *, seconds: float = 6.0, top: int = 15, keep_in: Path | None = None
 ) -> ProfileResult:
     """Run :func:`cycle_throughput` with the replica under cProfile; rank its functions.
 
     The profile covers the replica's whole life (start, warm-up, the measured window,
-    shutdown); at this load the cycles dominate it.
+    shutdown); at this load the cycles dominate it. The raw ``pstats`` dump is kept in
+    ``keep_in`` when given (for ``python -m pstats``), else thrown away.
     """
-    prefix = await asyncio.to_thread(_fresh_profile_dir, work_dir)
-    path = os.pathsep.join(p for p in (str(PROFILER_DIR), os.environ.get("PYTHONPATH")) if p)
-    env = {"PYTHONPATH": path, "TIMESLICE_BENCH_PROFILE": str(prefix)}
-    result = await cycle_throughput(groups, 1, seconds=seconds, cluster_kwargs={"env": env})
-    total, rows = await asyncio.to_thread(_rank_profile, work_dir, top)
+    with tempfile.TemporaryDirectory(prefix="timeslice-profile-") as scratch:
+        work_dir = keep_in or Path(scratch)
+        prefix = await asyncio.to_thread(_fresh_profile_dir, work_dir)
+        path = os.pathsep.join(
+            p for p in (str(PROFILER_DIR), os.environ.get("PYTHONPATH")) if p
+        )
+        env = {"PYTHONPATH": path, "TIMESLICE_BENCH_PROFILE": str(prefix)}
+        result = await cycle_throughput(groups, 1, seconds=seconds, cluster_kwargs={"env": env})
+        total, rows = await asyncio.to_thread(_rank_profile, work_dir, top)
     return ProfileResult(groups, result.cycles_per_second, total, rows)
 
 

@@ -209,7 +209,7 @@ def render_summary(
         )
         lines.append("")
     if cycles:
-        lines += ["## Acquire/yield throughput (one job per group, up to 100 acquires in flight)", ""]
+        lines += ["## Acquire/yield throughput (one job per group, no data movement)", ""]
         lines += _table(
             ["groups", "replicas", "clients", "in flight", "cycles/s", "cycle p50 / p99 ms",
              "CPU ms per cycle (orchestrator / etcd / bench)", "invariants"],

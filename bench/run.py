@@ -95,7 +95,7 @@ FULL = SuiteConfig(
     cycle_groups=(1, 10, 100, 1000),
     cycle_replicas=(1, 3),
     cycle_seconds=6.0,
-    memory_counts=(1000, 5000),
+    memory_counts=(1000, 2000),
     fanout_nodes=(1, 4, 8, 16),
     fanout_switches=60,
     profile_orchestrator=True,
@@ -259,7 +259,7 @@ async def _workloads(cfg: SuiteConfig, results: SuiteResults) -> None:
             results.runs[label] = run
 
 
-async def _controlplane(cfg: SuiteConfig, results: SuiteResults, out: Path) -> None:
+async def _controlplane(cfg: SuiteConfig, results: SuiteResults) -> None:
     for r in cfg.handoff_replicas:
         h = await _step(results, f"handoff r{r}", functools.partial(
             controlplane.handoff_latency, r, cfg.handoff_samples))
@@ -280,7 +280,7 @@ async def _controlplane(cfg: SuiteConfig, results: SuiteResults, out: Path) -> N
             results.fanout.append(f)
     if cfg.profile_orchestrator:
         results.profile = await _step(results, "profile", lambda: controlplane.profile_orchestrator(
-            100, seconds=cfg.cycle_seconds, work_dir=out / ".profile"))
+            100, seconds=cfg.cycle_seconds))
 
 
 def _figures(results: SuiteResults, out: Path) -> list[str]:
@@ -308,7 +308,7 @@ async def run_suite(cfg: SuiteConfig, out: Path) -> SuiteResults:
     started = time.monotonic()
     results = SuiteResults(cfg, await asyncio.to_thread(machine_info))
     await _workloads(cfg, results)
-    await _controlplane(cfg, results, out)
+    await _controlplane(cfg, results)
     results.wall_seconds = time.monotonic() - started
     await asyncio.to_thread(_write, results, out)
     return results
