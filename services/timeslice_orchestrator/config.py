@@ -49,6 +49,10 @@ def _env(name: str, default: str) -> str:
     return os.environ.get(f"TIMESLICE_{name}", default)
 
 
+def _env_flag(name: str) -> bool:
+    return _env(name, "false").strip().lower() in ("1", "true", "yes", "on")
+
+
 def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
     p = argparse.ArgumentParser(prog="timeslice orchestrator", description=__doc__)
     p.add_argument("--listen", default=_env("LISTEN", "0.0.0.0:50051"), help="gRPC HOST:PORT")
@@ -71,38 +75,38 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
     p.add_argument(
         "--session-ttl",
         type=int,
-        default=int(_env("SESSION_TTL", "10")),
+        default=_env("SESSION_TTL", "10"),
         help="default client session lease TTL, seconds",
     )
     p.add_argument(
         "--replica-ttl",
         type=int,
-        default=int(_env("REPLICA_TTL", "5")),
+        default=_env("REPLICA_TTL", "5"),
         help="this replica's lease TTL: how fast others take over its groups",
     )
     p.add_argument(
         "--agent-ttl",
         type=int,
-        default=int(_env("AGENT_TTL", "10")),
+        default=_env("AGENT_TTL", "10"),
         help="how long a node stays in its groups after its agent's stream drops, seconds",
     )
     p.add_argument(
         "--directive-timeout",
         type=float,
-        default=float(_env("DIRECTIVE_TIMEOUT", "30")),
+        default=_env("DIRECTIVE_TIMEOUT", "30"),
         help="deadline of one checkpoint/restore directive on a node, seconds",
     )
     p.add_argument(
         "--co-residency",
         action=argparse.BooleanOptionalAction,
-        default=_env("CO_RESIDENCY", "false").lower() in ("1", "true", "yes", "on"),
+        default=_env_flag("CO_RESIDENCY"),
         help="keep an idle job's state on the devices while the next job fits next to it "
         "(needs honest state_bytes that include each job's peak working memory)",
     )
     p.add_argument(
         "--prefetch",
         action=argparse.BooleanOptionalAction,
-        default=_env("PREFETCH", "false").lower() in ("1", "true", "yes", "on"),
+        default=_env_flag("PREFETCH"),
         help="restore the next waiter's state while the holder still runs, when it fits "
         "beside it (device capacity reported by the agents)",
     )
@@ -115,7 +119,7 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
     p.add_argument(
         "--max-hold",
         type=float,
-        default=float(_env("MAX_HOLD", "0")),
+        default=_env("MAX_HOLD", "0"),
         help="seconds after which a holder is asked (co-operatively) to yield when others "
         "wait; 0 = never",
     )
