@@ -82,6 +82,16 @@ async def test_eight_nodes_three_jobs_a_hundred_switches(cluster_factory: Cluste
     assert overlapping >= 0.95 * 2 * len(switches), (overlapping, len(switches))
 
 
+async def queue_behind(
+    holder: AsyncTimeSliceClient, waiter: AsyncTimeSliceClient, timeout: float
+) -> asyncio.Task[object]:
+    """``holder`` takes g, ``waiter`` queues behind it; returns the waiter's acquire."""
+    await holder.acquire("g", timeout=20)
+    task: asyncio.Task[object] = asyncio.create_task(waiter.acquire("g", timeout=timeout))
+    await wait_for_status(holder, "g", lambda s: len(s.queue) == 1, 10)
+    return task
+
+
 async def _setup(cluster: LocalCluster, jobs: list[str]) -> list[WorkerRegistration]:
     return await asyncio.to_thread(register_everywhere, cluster, jobs)
 
@@ -97,9 +107,7 @@ async def test_checkpoint_failure_on_one_node_rolls_back(cluster_factory: Cluste
             AsyncTimeSliceClient(cluster.target, job_id="a") as a,
             AsyncTimeSliceClient(cluster.target, job_id="b") as b,
         ):
-            await a.acquire("g", timeout=20)
-            waiter = asyncio.create_task(b.acquire("g", timeout=30))
-            await wait_for_status(a, "g", lambda s: len(s.queue) == 1, 10)
+            waiter = await queue_behind(a, b, timeout=30)
             started = time.monotonic()
             await a.yield_("g")
             with pytest.raises(GroupFaulted) as info:
@@ -136,9 +144,7 @@ async def test_restore_failure_isolates_the_job(cluster_factory: ClusterFactory)
             # b's state must be parked once so that its restore really runs.
             await b.acquire("g", timeout=20)
             await b.yield_("g")
-            await a.acquire("g", timeout=20)
-            waiter = asyncio.create_task(b.acquire("g", timeout=30))
-            await wait_for_status(a, "g", lambda s: len(s.queue) == 1, 10)
+            waiter = await queue_behind(a, b, timeout=30)
             await a.yield_("g")
             with pytest.raises(GroupFaulted) as info:
                 await waiter
@@ -178,9 +184,7 @@ async def test_a_node_that_never_answers_fails_at_the_deadline(
             AsyncTimeSliceClient(cluster.target, job_id="a") as a,
             AsyncTimeSliceClient(cluster.target, job_id="b") as b,
         ):
-            await a.acquire("g", timeout=20)
-            waiter = asyncio.create_task(b.acquire("g", timeout=60))
-            await wait_for_status(a, "g", lambda s: len(s.queue) == 1, 10)
+            waiter = await queue_behind(a, b, timeout=60)
             started = time.monotonic()
             await a.yield_("g")
             first_abort = await wait_for_status(
@@ -221,9 +225,7 @@ async def test_host_memory_admission_refuses_an_oversized_checkpoint(
             AsyncTimeSliceClient(cluster.target, job_id="a") as a,
             AsyncTimeSliceClient(cluster.target, job_id="b") as b,
         ):
-            await a.acquire("g", timeout=20)
-            waiter = asyncio.create_task(b.acquire("g", timeout=30))
-            await wait_for_status(a, "g", lambda s: len(s.queue) == 1, 10)
+            waiter = await queue_behind(a, b, timeout=30)
             await a.yield_("g")
             with pytest.raises(GroupFaulted) as info:
                 await waiter
