@@ -115,7 +115,9 @@ class LockService:
         validate_job_id(job)
         validate_group_id(group)
         lease_of(session_id)
-        session = await self._store.session(session_id)
+        # The mirror's copies save two etcd reads; the enqueue transaction compares both, so a
+        # stale copy costs a retry, never a wrong answer.
+        session = self._mirror.session(session_id) or await self._store.session(session_id)
         if session.record.job != job:
             raise PermissionDenied(f"session {session_id} belongs to job {session.record.job}")
         started = time.monotonic()
@@ -123,7 +125,14 @@ class LockService:
             raise InvalidArgument("request_id must be at most 64 characters")
         attempt = uuid.uuid4().hex[:16]
         enqueued = await self._store.enqueue(
-            session, session_id, group, priority, request_id, attempt
+            session,
+            session_id,
+            group,
+            priority,
+            request_id,
+            attempt,
+            holder_hint=self._mirror.get(f"groups/{group}/holder"),
+            hint_given=True,
         )
         await self._mirror.wait_for_revision(enqueued.revision, MIRROR_LAG_TIMEOUT)
         topic = f"group:{group}"

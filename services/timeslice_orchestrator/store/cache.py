@@ -8,6 +8,7 @@ every decision that changes state is an etcd transaction with compares.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -100,11 +101,15 @@ class Mirror:
         self._etcd = etcd
         self._keys = keys
         self._kvs: dict[str, KeyValue] = {}
+        # The same keys indexed by topic, so reading one group costs its own few keys.
+        self._by_topic: dict[str, dict[str, KeyValue]] = {}
         self.revision = 0
         self.synced = asyncio.Event()
         self._conditions: dict[str, asyncio.Condition] = {}
         self._listeners: list[Callable[[set[str]], None]] = []
         self._versions: dict[str, int] = {}
+        self._revision_waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._seq = 0
         self.reconnects = 0
 
     # -- reading ------------------------------------------------------------------------
@@ -113,10 +118,25 @@ class Mirror:
         return self._kvs.get(rel)
 
     def under(self, rel_prefix: str) -> list[tuple[str, KeyValue]]:
-        return sorted((k, v) for k, v in self._kvs.items() if k.startswith(rel_prefix))
+        """Keys under ``rel_prefix``, which must lie within one topic (a group, agents, ...)."""
+        keys = self._by_topic.get(topic_of(rel_prefix), {})
+        return sorted((k, v) for k, v in keys.items() if k.startswith(rel_prefix))
 
     def group_names(self) -> list[str]:
-        return sorted({k.split("/", 2)[1] for k in self._kvs if k.startswith("groups/")})
+        return sorted(t[6:] for t in self._by_topic if t.startswith("group:"))
+
+    def _store(self, rel: str, kv: KeyValue) -> None:
+        self._kvs[rel] = kv
+        self._by_topic.setdefault(topic_of(rel), {})[rel] = kv
+
+    def _drop(self, rel: str) -> None:
+        self._kvs.pop(rel, None)
+        topic = topic_of(rel)
+        keys = self._by_topic.get(topic)
+        if keys is not None:
+            keys.pop(rel, None)
+            if not keys:
+                del self._by_topic[topic]
 
     def session(self, session_id: str) -> Stored[SessionRecord] | None:
         kv = self._kvs.get(f"sessions/{session_id}")
@@ -203,9 +223,21 @@ class Mirror:
 
     async def wait_for_revision(self, revision: int, timeout: float) -> None:
         """Wait until the mirror reflects ``revision`` (one of our own writes)."""
-        cond = self.condition("*")
-        async with asyncio.timeout(timeout), cond:
-            await cond.wait_for(lambda: self.revision >= revision)
+        if self.revision >= revision:
+            return
+        # A heap of futures, resolved in revision order as batches land: no waiter is woken
+        # by changes that do not concern it.
+        waiter = asyncio.get_running_loop().create_future()
+        self._seq += 1
+        heapq.heappush(self._revision_waiters, (revision, self._seq, waiter))
+        async with asyncio.timeout(timeout):
+            await waiter
+
+    def _release_revision_waiters(self) -> None:
+        while self._revision_waiters and self._revision_waiters[0][0] <= self.revision:
+            _, _, waiter = heapq.heappop(self._revision_waiters)
+            if not waiter.done():
+                waiter.set_result(None)
 
     # -- maintaining --------------------------------------------------------------------
 
@@ -231,7 +263,10 @@ class Mirror:
     async def _relist(self) -> None:
         revision, kvs = await self._etcd.get_prefix(self._keys.root)
         old = set(self._kvs)
-        self._kvs = {self._keys.relative(kv.key): kv for kv in kvs}
+        self._kvs = {}
+        self._by_topic = {}
+        for kv in kvs:
+            self._store(self._keys.relative(kv.key), kv)
         self.revision = revision
         self.synced.set()
         await self._notify({topic_of(k) for k in old | set(self._kvs)})
@@ -242,9 +277,9 @@ class Mirror:
             kv = ev.kv  # type: ignore[attr-defined]
             rel = self._keys.relative(kv.key)
             if ev.type is EventType.PUT:  # type: ignore[attr-defined]
-                self._kvs[rel] = kv
+                self._store(rel, kv)
             else:
-                self._kvs.pop(rel, None)
+                self._drop(rel)
             topics.add(topic_of(rel))
         # A batch's header revision can run ahead of its events while a watcher catches up,
         # so only an empty batch (a progress notification) may move the revision past them.
@@ -254,6 +289,7 @@ class Mirror:
         await self._notify(topics)
 
     async def _notify(self, topics: set[str]) -> None:
+        self._release_revision_waiters()
         for topic in (*topics, "*"):
             self._versions[topic] = self._versions.get(topic, 0) + 1
             cond = self._conditions.get(topic)

@@ -127,6 +127,8 @@ class GroupStore:
         priority: int,
         request_id: str = "",
         attempt: str = "",
+        holder_hint: KeyValue | None = None,
+        hint_given: bool = False,
     ) -> Enqueued:
         """Put the job in the group's queue; creates the group on first use.
 
@@ -139,10 +141,11 @@ class GroupStore:
         """
         for _ in range(_REATTACH_TRIES):
             enqueued = await self._enqueue_once(
-                session, session_id, group, priority, request_id, attempt
+                session, session_id, group, priority, request_id, attempt, holder_hint, hint_given
             )
             if enqueued is not None:
                 return enqueued
+            hint_given = False  # raced: read the holder afresh
         raise Unavailable(f"group {group} changed too fast to queue job {session.record.job}")
 
     async def _enqueue_once(
@@ -153,12 +156,22 @@ class GroupStore:
         priority: int,
         request_id: str,
         attempt: str,
+        hint: KeyValue | None,
+        hint_given: bool,
     ) -> Enqueued | None:
+        """One try; None when the group changed underneath (the caller tries again).
+
+        With ``hint_given``, ``hint`` is the holder key as the mirror has it (None: no
+        holder) instead of a fresh read; the transaction compares the holder's revision
+        either way, so a stale hint costs a retry, never a wrong answer.
+        """
         job = session.record.job
         k = self.keys
-        holder = await self.etcd.get(k.holder(group))
+        holder = hint if hint_given else await self.etcd.get(k.holder(group))
         if holder is not None:
             held = HolderRecord.decode(holder.value)
+            if held.job == job and hint_given:
+                return None  # the mirror may lag our own yield: decide on a fresh read
             if held.job == job:
                 if request_id and held.request_id == request_id and held.session == session_id:
                     held.attempt = attempt
@@ -183,7 +196,11 @@ class GroupStore:
         value = entry.encode()
         result = await self.etcd.txn(
             Txn(
-                compare=[absent(k.queue_entry(group, job)), present(k.session(session_id))],
+                compare=[
+                    absent(k.queue_entry(group, job)),
+                    present(k.session(session_id)),
+                    modified_at(k.holder(group), holder.mod_revision if holder else 0),
+                ],
                 success=[
                     Put(k.queue_entry(group, job), value, lease=session.lease),
                     Delete(k.fault(group, job)),
@@ -198,7 +215,7 @@ class GroupStore:
         if not sessions:
             raise SessionExpired(f"session {session_id} has expired or was closed")
         if not existing:
-            return None
+            return None  # the holder changed since we looked
         current = existing[0]
         record = QueueRecord.decode(current.value)
         if record.session != session_id:
