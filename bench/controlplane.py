@@ -71,6 +71,7 @@ _SETTLE_SECONDS = 0.005
 # read once they have.
 _MEMORY_SETTLE_SECONDS = 3.0
 _CREATE_CONCURRENCY = 64
+_STATUS_SAMPLES = 100
 _CREATE_TIMEOUT = 120.0
 
 
@@ -105,6 +106,7 @@ class HandoffResult:
     samples: int
     handoff_ms: Stats  # from calling yield to the waiter's acquire returning
     yield_call_ms: Stats  # the yield call alone (holder side)
+    status_call_ms: Stats  # a GetGroupStatus round trip: the SDK -> replica floor (no etcd)
     cpu_seconds: dict[str, float]
     violations: list[str]
 
@@ -183,6 +185,11 @@ async def handoff_latency(
                 holder, waiter = waiter, holder
             cpu = cpu_by_role(cpu0, cpu_seconds(pids))
             await holder.yield_(group)
+            statuses: list[float] = []
+            for _ in range(_STATUS_SAMPLES):
+                t0 = time.perf_counter()
+                await holder.status(group)
+                statuses.append(time.perf_counter() - t0)
         finally:
             await _close_all(clients)
     return HandoffResult(
@@ -190,6 +197,7 @@ async def handoff_latency(
         samples=len(handoffs),
         handoff_ms=Stats.of(handoffs).scaled(1000),
         yield_call_ms=Stats.of(yields).scaled(1000),
+        status_call_ms=Stats.of(statuses).scaled(1000),
         cpu_seconds=cpu,
         violations=_violations(recorder),
     )
@@ -531,6 +539,7 @@ class ProfileResult:
     cycles_per_second: float  # under the profiler (slower than unprofiled)
     profiled_seconds: float
     top: list[ProfileRow]
+    by_area: dict[str, float]  # share of own time by code area (see _AREAS)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -560,8 +569,8 @@ async def profile_orchestrator(
         )
         env = {"PYTHONPATH": path, "TIMESLICE_BENCH_PROFILE": str(prefix)}
         result = await cycle_throughput(groups, 1, seconds=seconds, cluster_kwargs={"env": env})
-        total, rows = await asyncio.to_thread(_rank_profile, work_dir, top)
-    return ProfileResult(groups, result.cycles_per_second, total, rows)
+        total, rows, areas = await asyncio.to_thread(_rank_profile, work_dir, top)
+    return ProfileResult(groups, result.cycles_per_second, total, rows, areas)
 
 
 def _fresh_profile_dir(work_dir: Path) -> Path:
@@ -571,7 +580,28 @@ def _fresh_profile_dir(work_dir: Path) -> Path:
     return work_dir / "replica.prof"
 
 
-def _rank_profile(work_dir: Path, top: int) -> tuple[float, list[ProfileRow]]:
+# Where a function's file lives says which part of the stack its own time belongs to.
+_AREAS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("orchestrator code", ("timeslice_orchestrator/",)),
+    ("etcd client (aetcd, grpcio)", ("/aetcd/", "/grpc/")),
+    ("gRPC server (grpclib, h2)", ("/grpclib/", "/h2/", "/hpack/")),
+    ("protobuf (betterproto2, protobuf)", ("/betterproto2/", "/google/protobuf/",
+                                            "timeslice_proto/")),
+    ("builtins (str, dict, ...)", ("~",)),
+    ("Python stdlib (asyncio, json, ...)", ("/python3.11/",)),
+)
+
+
+def _area(path: str) -> str:
+    for name, markers in _AREAS:
+        if any(m in path if m != "~" else path == "~" for m in markers):
+            return name
+    return "other"
+
+
+def _rank_profile(
+    work_dir: Path, top: int
+) -> tuple[float, list[ProfileRow], dict[str, float]]:
     dumps = sorted(work_dir.glob("replica.prof.*"))
     if not dumps:
         raise RuntimeError(f"the replica wrote no profile under {work_dir}")
@@ -592,4 +622,7 @@ def _rank_profile(work_dir: Path, top: int) -> tuple[float, list[ProfileRow]]:
         )
         for (file, line, func), (_, calls, own, cum, _) in ranked
     ]
-    return total, rows
+    areas: dict[str, float] = {}
+    for (file, _, _), value in table.items():
+        areas[_area(file)] = areas.get(_area(file), 0.0) + value[2] / total
+    return total, rows, dict(sorted(areas.items(), key=lambda kv: -kv[1]))

@@ -95,6 +95,8 @@ def _duty_axes(
                     xytext=(0, -14), ha="center", fontsize=8)
     if log_x:
         ax.set_xscale("symlog", linthresh=1.0)
+    if not log_x:
+        ax.set_xticks(xs)
     ax.set_ylim(0, 1.05)
     ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     ax.set_xlabel(xlabel)
@@ -110,8 +112,8 @@ def duty_vs_jobs_figure(points: Sequence[DutyPoint], path: Path, *, time_scale: 
     return _duty_axes(
         points,
         "jobs sharing one group (1 = a job alone on dedicated accelerators)",
-        f"Duty cycle vs number of jobs, balanced profile\n({SIM_LABEL}; time scale "
-        f"{time_scale:g}; default switch 1.6 s real per 100 s step)",
+        f"Duty cycle vs number of jobs, balanced profile, switch 1.6 s per 100 s step\n"
+        f"({SIM_LABEL}; time scale {time_scale:g})",
         path,
     )
 
@@ -139,7 +141,8 @@ def cycles_figure(results: Sequence[CyclesResult], path: Path) -> Path:
     ax.set_xscale("log")
     ax.set_xlabel("groups (one job each; up to 100 acquires in flight)")
     ax.set_ylabel("acquire/yield cycles per second")
-    ax.set_title("Control-plane throughput (2 cores, no data movement)", fontsize=10)
+    ax.set_title("Acquire/yield throughput, no data movement\n(one 2-core machine runs "
+                 "etcd, the replicas and the load generator)", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
     return _save(fig, path)
@@ -161,7 +164,7 @@ def fanout_figure(results: Sequence[FanoutResult], path: Path) -> Path:
     ax.set_xticks(nodes)
     ax.set_xlabel("nodes in the group (one agent each)")
     ax.set_ylabel("milliseconds per switch")
-    ax.set_title(f"Switch fan-out with free transfers ({SIM_LABEL}, --sim-time-scale 0)",
+    ax.set_title(f"Switch fan-out with free transfers (--sim-time-scale 0)\n({SIM_LABEL})",
                  fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()

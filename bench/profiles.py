@@ -381,6 +381,12 @@ def _builtin() -> dict[str, Profile]:
             "long-tail", "sync GRPO with a long rollout tail (log-normal, p99 = 10x median)",
             balanced, 0.40, spreads={Phase.ROLLOUT: LogNormalTail(10.0)},
         ),
+        # A diagnostic twin of "balanced": every duration exactly its mean, so the jobs
+        # settle into perfect alternation and only switch costs separate duty from its bound.
+        sync_profile(
+            "balanced-fixed", "sync GRPO, balanced, fixed durations (no jitter; diagnostic)",
+            balanced, 0.40, spreads={p: Jitter(0.0) for p in (*balanced, Phase.REWARD)},
+        ),
     ]  # fmt: skip
     return {p.name: p for p in profiles}
 

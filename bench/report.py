@@ -119,7 +119,7 @@ def workload_table(runs: Sequence[RunResult]) -> list[str]:
         rows.append([
             r.label, r.jobs, f"{r.switch_seconds_real:g} s", _pct(r.main_duty),
             _pct(r.analytic_bound), _pct(r.analytic_bound_measured),
-            " / ".join(f"{s - 1:+.1%}" for s in r.slowdown),
+            " / ".join(f"{s - 1:+.1%}" for s in r.slowdown), f"{r.analytic_step_ratio - 1:+.1%}",
             f"{r.phases_per_second:.2f}", r.switches,
             _stats_cells(r.switch_wall_ms), _stats_cells(r.switch_data_ms),
             _stats_cells(r.switch_control_ms), _stats_cells(r.queue_wait_ms),
@@ -127,8 +127,9 @@ def workload_table(runs: Sequence[RunResult]) -> list[str]:
         ])
     return _table(
         ["run", "jobs", "switch (real)", "duty", "bound", "bound (measured switch)",
-         "slowdown per job", "acc. phases/s", "switches", "switch wall p50/p99 ms",
-         "data p50/p99 ms", "control p50/p99 ms", "queue wait p50/p99 ms", "invariants"],
+         "slowdown per job", "least slowdown (model)", "acc. phases/s", "switches",
+         "switch wall p50/p99 ms", "data p50/p99 ms", "control p50/p99 ms",
+         "queue wait p50/p99 ms", "invariants"],
         rows,
     )
 
@@ -199,10 +200,11 @@ def render_summary(
         lines += ["## Handoff latency (yield -> next waiter granted, no data movement)", ""]
         lines += _table(
             ["replicas", "samples", "handoff p50 / p99 / max ms", "yield call p50 / p99 ms",
-             "CPU s (orchestrator / etcd / bench)", "invariants"],
+             "status call p50 / p99 ms", "CPU s (orchestrator / etcd / bench)", "invariants"],
             [[h.replicas, h.samples,
               f"{h.handoff_ms.p50:.2f} / {h.handoff_ms.p99:.2f} / {h.handoff_ms.max:.2f}",
               f"{h.yield_call_ms.p50:.2f} / {h.yield_call_ms.p99:.2f}",
+              f"{h.status_call_ms.p50:.2f} / {h.status_call_ms.p99:.2f}",
               " / ".join(f"{h.cpu_seconds.get(k, 0):.2f}"
                          for k in ("orchestrator", "etcd", "bench")),
               "ok" if not h.violations else "VIOLATION"] for h in handoff],
@@ -250,6 +252,11 @@ def render_summary(
             f"under cProfile: {profile.cycles_per_second:.0f} cycles/s profiled)",
             "",
         ]
+        lines += _table(
+            ["code area", "share of the replica's own CPU time"],
+            [[area, f"{share:.1%}"] for area, share in profile.by_area.items()],
+        )
+        lines.append("")
         lines += _table(
             ["function", "own time share", "own s", "cumulative s", "calls"],
             [[f"`{r.function}`", f"{r.own_share:.1%}", f"{r.own_seconds:.2f}",

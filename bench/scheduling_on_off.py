@@ -25,7 +25,7 @@ for label, args in (
         label=label,
     )
     baseline = baseline or getattr(r, "baseline", None)
-    duty = list(r.duty.values())[0]
+    duty = next(iter(r.duty.values()))
     rows.append(
         {
             "option": label,

@@ -226,7 +226,8 @@ def test_targets_are_judged_against_the_brief() -> None:
         "balanced-n3": _run("balanced-n3", 3, 0.89, [1.2, 1.2, 1.2]),
         "balanced-n2-reference": _run("balanced-n2-reference", 2, 0.55, [1.4, 1.4]),
     }
-    handoff = [HandoffResult(1, 10, fast, fast, {}, []), HandoffResult(3, 10, slow, slow, {}, [])]
+    handoff = [HandoffResult(1, 10, fast, fast, fast, {}, []),
+               HandoffResult(3, 10, slow, slow, slow, {}, [])]
     cycles = [CyclesResult(100, 1, 16, 100, 5.0, 3000, 600.0, fast, {}, {}, []),
               CyclesResult(10, 1, 10, 10, 5.0, 100, 20.0, fast, {}, {}, [])]
     fanout = [FanoutResult(4, 60, slow, fast, Stats(60, 25.0, 40.0, 26.0, 41.0), slow, {}, [])]

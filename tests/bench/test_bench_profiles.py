@@ -32,6 +32,8 @@ STATED = {
     "async": (0.42, {Phase.TRAIN: 0.92, Phase.SYNC: 0.08}),
     "long-tail": (0.40, {Phase.ROLLOUT: 0.60, Phase.LOGPROB: 0.07, Phase.TRAIN: 0.32,
                          Phase.SYNC: 0.01}),
+    "balanced-fixed": (0.40, {Phase.ROLLOUT: 0.60, Phase.LOGPROB: 0.07, Phase.TRAIN: 0.32,
+                              Phase.SYNC: 0.01}),
 }
 
 
@@ -68,6 +70,12 @@ def test_sampled_steps_keep_the_fractions(name: str) -> None:
     else:
         batches = math.fsum(profile.sample_batch(rng) for _ in range(3000))
         assert accelerator / batches == pytest.approx(busy, rel=0.03)
+
+
+def test_fixed_profile_draws_exactly_its_means() -> None:
+    plan = PROFILES["balanced-fixed"].sample_step(random.Random(1))
+    assert plan.accelerator_seconds == pytest.approx(40.0)
+    assert plan.off_seconds == pytest.approx(60.0)
 
 
 def test_the_same_seed_draws_the_same_steps() -> None:
