@@ -167,6 +167,13 @@ def render_summary(
         "Method and meaning of every number: docs/benchmarks.md.",
         "",
     ]
+    end = machine.get("commit_at_end")
+    if end is not None and end != machine.get("commit"):
+        lines += [
+            f"**Warning: the code changed during the suite ({machine.get('commit')} at the "
+            f"start, {end} at the end); benchmarks started after the change ran the new code.**",
+            "",
+        ]
     if errors:
         lines += ["## Errors", ""]
         lines += [f"- `{k}`: {v}" for k, v in errors.items()]

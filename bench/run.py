@@ -1,8 +1,12 @@
-"""Run a benchmark suite and write its results: JSON, ``summary.md`` and PNG figures.
+"""Run a benchmark suite and write its results: JSON, a Markdown summary and PNG figures.
 
-    python -m bench.run --suite full            # about 20 minutes; writes bench/results/
-    python -m bench.run --suite quick           # about 2 minutes; writes bench/results/quick/
+    python -m bench.run --suite full            # about 17 minutes on 2 cores
+    python -m bench.run --suite quick           # about 70 seconds
     python -m bench.run --suite quick --out /tmp/bench
+
+Both write to ``bench/results`` unless ``--out`` says otherwise, without overwriting each
+other: ``full`` writes ``full.json``, ``summary.md`` and ``<figure>.png``; ``quick`` writes
+``quick.json``, ``summary-quick.md`` and ``quick-<figure>.png``.
 
 ``full`` runs every workload profile (dedicated baseline and shared, with the duty cycle
 against the number of jobs and against the switch cost, and the reference's switch costs) and
@@ -179,15 +183,32 @@ def machine_info() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-            cwd=Path(__file__).resolve().parent, check=False,
-        ).stdout.strip()
-        info["commit"] = commit or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        info["commit"] = "unknown"
+    info["commit"] = code_version()
     return info
+
+
+def code_version() -> str:
+    """The commit benchmarked, ``+dirty`` when services/ or libs/ have uncommitted changes.
+
+    Read-only git queries; ``unknown`` outside a checkout. Taken at the start and the end of
+    a suite: services start afresh for every benchmark, so code changed meanwhile would mix
+    versions, and the summary says so.
+    """
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], capture_output=True, text=True, timeout=10, cwd=root, check=False
+        ).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--", "services", "libs")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    if not commit:
+        return "unknown"
+    return commit + ("+dirty" if dirty else "")
 
 
 def _say(text: str) -> None:
@@ -283,33 +304,51 @@ async def _controlplane(cfg: SuiteConfig, results: SuiteResults) -> None:
             100, seconds=cfg.cycle_seconds))
 
 
+def output_name(suite: str, name: str) -> str:
+    """A result file's name: the full suite's as is, other suites' marked with their name.
+
+    ``summary.md`` -> ``summary-quick.md``, ``duty.png`` -> ``quick-duty.png``, so suites
+    can share one results directory.
+    """
+    if suite == "full":
+        return name
+    if name == "summary.md":
+        return f"summary-{suite}.md"
+    return f"{suite}-{name}"
+
+
 def _figures(results: SuiteResults, out: Path) -> list[str]:
     scale = results.config.time_scale
+
+    def at(name: str) -> Path:
+        return out / output_name(results.config.name, name)
+
     made: list[Path] = []
     for label in ("balanced-n2", "balanced-n3", "balanced-n2-reference", "long-tail-n2"):
         run = results.runs.get(label)
         if run is not None:
-            made.append(figures.timeline_figure(run, out / f"timeline-{label}.png"))
+            made.append(figures.timeline_figure(run, at(f"timeline-{label}.png")))
     if len(results.jobs_sweep) > 1:
-        made.append(figures.duty_vs_jobs_figure(results.jobs_sweep, out / "duty-vs-jobs.png",
+        made.append(figures.duty_vs_jobs_figure(results.jobs_sweep, at("duty-vs-jobs.png"),
                                                 time_scale=scale))
     if len(results.switch_sweep) > 1:
         made.append(figures.duty_vs_switch_figure(
-            results.switch_sweep, out / "duty-vs-switch-cost.png", time_scale=scale))
+            results.switch_sweep, at("duty-vs-switch-cost.png"), time_scale=scale))
     if results.cycles:
-        made.append(figures.cycles_figure(results.cycles, out / "cycles-vs-groups.png"))
+        made.append(figures.cycles_figure(results.cycles, at("cycles-vs-groups.png")))
     if results.fanout:
-        made.append(figures.fanout_figure(results.fanout, out / "fanout-vs-nodes.png"))
+        made.append(figures.fanout_figure(results.fanout, at("fanout-vs-nodes.png")))
     return [p.name for p in made]
 
 
 async def run_suite(cfg: SuiteConfig, out: Path) -> SuiteResults:
-    """Run ``cfg`` and write ``<cfg.name>.json``, ``summary.md`` and the figures to ``out``."""
+    """Run ``cfg`` and write its JSON, summary and figures to ``out`` (see :func:`output_name`)."""
     started = time.monotonic()
     results = SuiteResults(cfg, await asyncio.to_thread(machine_info))
     await _workloads(cfg, results)
     await _controlplane(cfg, results)
     results.wall_seconds = time.monotonic() - started
+    results.machine["commit_at_end"] = await asyncio.to_thread(code_version)
     await asyncio.to_thread(_write, results, out)
     return results
 
@@ -338,7 +377,7 @@ def _write(results: SuiteResults, out: Path) -> None:
         errors=results.errors,
         wall_seconds=results.wall_seconds,
     )
-    (out / "summary.md").write_text(summary)
+    (out / output_name(cfg.name, "summary.md")).write_text(summary)
 
 
 def _finite(value: Any) -> Any:
@@ -358,21 +397,20 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--suite", choices=sorted(SUITES), default="quick")
-    parser.add_argument(
-        "--out", type=Path,
-        help="output directory (default bench/results for full, bench/results/quick for quick)",
-    )
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR,
+                        help="output directory (default: bench/results)")
     args = parser.parse_args(argv)
     cfg = SUITES[args.suite]
-    out = args.out or (RESULTS_DIR if cfg.name == "full" else RESULTS_DIR / cfg.name)
+    out: Path = args.out
     _say(f"suite {cfg.name}: profiles {', '.join(sorted(PROFILES))}; results to {out}")
     results = asyncio.run(run_suite(cfg, out))
-    print((out / "summary.md").read_text())
+    summary = out / output_name(cfg.name, "summary.md")
+    print(summary.read_text())
     problems = [*results.errors.values(), *results.violations]
     if problems:
         _say(f"{len(problems)} problem(s): " + "; ".join(problems[:5]))
         return 1
-    _say(f"done in {results.wall_seconds / 60:.1f} min; see {out / 'summary.md'}")
+    _say(f"done in {results.wall_seconds / 60:.1f} min; see {summary}")
     return 0
 
 

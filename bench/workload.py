@@ -214,6 +214,7 @@ class RunResult:
     violations: list[str]
     holds: list[HoldRecord]
     switch_spans: list[tuple[float, float]]  # (start, end) from the run's start, agent clock
+    baseline: Baseline  # reusable by later runs of the same invocation (``baseline=``)
 
     @property
     def main_duty(self) -> float:
@@ -781,5 +782,6 @@ def _result(
             for g in sorted(log.grants, key=lambda g: g.granted_at)
         ],
         switch_spans=[(s.start - t0, s.end - t0) for s in splits],
+        baseline=baseline,
     )
 

@@ -23,7 +23,7 @@ from bench.analysis import (
 from bench.controlplane import CyclesResult, FanoutResult, HandoffResult
 from bench.profiles import Phase
 from bench.report import check_targets, render_summary, workload_table
-from bench.run import _finite
+from bench.run import _finite, output_name
 from bench.workload import REFERENCE_COSTS, Baseline, RunResult, SimCosts, _cluster_kwargs
 from timeslice.dev.timeline import Interval
 from timeslice_agent.journal import JournalEntry
@@ -214,7 +214,7 @@ def _run(label: str, jobs: int, duty: float, slowdown: list[float]) -> RunResult
         shared_step_seconds=[3.0 * x for x in slowdown], slowdown=slowdown,
         steps_per_second=1.0, phases_per_second=4.0, switches=10, switch_wall_ms=s,
         switch_data_ms=s, switch_control_ms=s, queue_wait_ms=s, orchestrator_metrics={},
-        violations=[], holds=[], switch_spans=[],
+        violations=[], holds=[], switch_spans=[], baseline=_baseline(),
     )
 
 
@@ -258,6 +258,13 @@ def test_summary_renders_every_section_and_labels_the_emulation() -> None:
     assert "| balanced-n2 | 2 | 1.6 s | 78.5% |" in text
     assert "boom" in text and "![x.png](x.png)" in text
     assert len(workload_table(list(runs.values()))) == 3
+
+
+def test_suites_share_a_results_directory_without_clobbering() -> None:
+    assert output_name("full", "summary.md") == "summary.md"
+    assert output_name("full", "duty-vs-jobs.png") == "duty-vs-jobs.png"
+    assert output_name("quick", "summary.md") == "summary-quick.md"
+    assert output_name("quick", "duty-vs-jobs.png") == "quick-duty-vs-jobs.png"
 
 
 def test_json_output_has_no_nan() -> None:

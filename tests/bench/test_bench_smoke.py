@@ -1,0 +1,77 @@
+"""Short runs of the benchmark harness against real local clusters (sim backend)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench import controlplane, figures
+from bench.profiles import PROFILES
+from bench.report import workload_table
+from bench.workload import SimCosts, arun_profile
+from timeslice.dev.etcd import EtcdServer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def test_workload_generator_runs_dedicated_then_shared(
+    etcd_server: EtcdServer, tmp_path: Path
+) -> None:
+    # Steps of 0.4 s (time scale 0.004 on 100 s steps); a switch moves 40 GB at 50 GB/s: 6 ms.
+    result = await arun_profile(
+        PROFILES["balanced"],
+        2,
+        time_scale=0.004,
+        steps=4,
+        nodes=1,
+        cluster_kwargs={"etcd_endpoint": etcd_server.endpoint, "base_dir": tmp_path / "c"},
+        sim=SimCosts(),
+    )
+    assert result.violations == []
+    assert result.jobs == 2 and len(result.slowdown) == 2
+    assert list(result.duty) == ["balanced-main"]
+    assert 0.2 < result.main_duty <= 1.0
+    # Sharing can only make a job's steps longer (up to timer noise).
+    assert all(s > 0.9 for s in result.slowdown)
+    assert result.switches >= 2
+    assert result.switch_data_ms.n == result.switches
+    # Data movement includes the modelled 2 x 40 GB / 50 GB/s x 0.004 = 6.4 ms.
+    assert result.switch_data_ms.p50 >= 6.0
+    assert result.orchestrator_metrics['timeslice_switches_total{outcome="committed"}'] >= 2
+    assert {h.job for h in result.holds} == {"balanced-0", "balanced-1"}
+    assert len(workload_table([result])) == 3
+    png = figures.timeline_figure(result, tmp_path / "timeline.png")
+    assert png.stat().st_size > 1000
+
+
+async def test_async_profile_runs_with_its_samplers(
+    etcd_server: EtcdServer, tmp_path: Path
+) -> None:
+    result = await arun_profile(
+        PROFILES["async"],
+        2,
+        time_scale=0.003,
+        steps=4,
+        nodes=1,
+        cluster_kwargs={"etcd_endpoint": etcd_server.endpoint, "base_dir": tmp_path / "c"},
+    )
+    assert result.violations == []
+    # Batches pace the trainer: its steps last about one batch, shared or not.
+    for alone in result.baseline_step_seconds:
+        assert alone == pytest.approx(100 * 0.003, rel=0.35)
+
+
+async def test_control_plane_benchmarks_measure_and_check(etcd_server: EtcdServer) -> None:
+    on_etcd = {"etcd_endpoint": etcd_server.endpoint}
+    handoff = await controlplane.handoff_latency(1, 10, warmup=2, cluster_kwargs=on_etcd)
+    assert handoff.samples == 10 and handoff.violations == []
+    assert 0 < handoff.handoff_ms.p50 < 1000
+    fanout = await controlplane.switch_fanout(2, 6, warmup=2, cluster_kwargs=on_etcd)
+    assert fanout.violations == [] and fanout.switches == 6
+    assert fanout.backend_ms.p50 > 0 and fanout.wall_ms.p50 >= fanout.backend_ms.p50
+    cycles = await controlplane.cycle_throughput(
+        4, 1, seconds=1.0, warmup=0.5, cluster_kwargs=on_etcd
+    )
+    assert cycles.cycles > 0 and cycles.violations == []
+    assert cycles.cpu_ms_per_cycle["orchestrator"] > 0
