@@ -168,7 +168,7 @@ def render_summary(
         "",
     ]
     end = machine.get("commit_at_end")
-    if end is not None and end != machine.get("commit"):
+    if end is not None and not machine.get("same_code", True):
         lines += [
             f"**Warning: the code changed during the suite ({machine.get('commit')} at the "
             f"start, {end} at the end); benchmarks started after the change ran the new code.**",
