@@ -39,6 +39,7 @@ __all__ = [
     "DrawnPhase",
     "Hold",
     "Jitter",
+    "JobDraws",
     "LogNormalTail",
     "OffPhase",
     "Phase",
@@ -46,6 +47,7 @@ __all__ = [
     "Profile",
     "Spread",
     "StepPlan",
+    "draw_job",
     "get_profile",
 ]
 
@@ -313,6 +315,28 @@ class Profile:
         if self.sampler is None:
             raise ValueError(f"profile {self.name} has no sampler")
         return self.sampler.batch_seconds * self.sampler.spread.factor(rng)
+
+
+@dataclass(frozen=True)
+class JobDraws:
+    """Everything random about one job of a run, drawn up front (real seconds)."""
+
+    plans: list[StepPlan]
+    batches: list[float]  # async profiles: each batch's production time
+    offset: float  # before the first step: independent jobs do not start in phase
+
+
+def draw_job(profile: Profile, index: int, steps: int, seed: int) -> JobDraws:
+    """The draws of job ``index``: the same for its dedicated and shared runs (and the model)."""
+    # String seeds are hashed deterministically (sha512), unlike hash() of a tuple.
+    rng = random.Random(f"{seed}:{profile.name}:{index}:steps")
+    offset = rng.uniform(0.0, profile.step_seconds)
+    plans = [profile.sample_step(rng) for _ in range(steps)]
+    batches: list[float] = []
+    if profile.sampler is not None:
+        brng = random.Random(f"{seed}:{profile.name}:{index}:batches")
+        batches = [profile.sample_batch(brng) for _ in range(steps)]
+    return JobDraws(plans, batches, offset)
 
 
 def sync_profile(

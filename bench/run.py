@@ -188,8 +188,10 @@ def machine_info() -> dict[str, Any]:
 
 
 def code_version() -> str:
-    """The commit benchmarked, ``+dirty`` when services/ or libs/ have uncommitted changes.
+    """What code the services run: ``<commit> services:<tree> libs:<tree>`` (+``dirty``).
 
+    The tree hashes of services/ and libs/ change only when that code does (a commit that
+    touches bench/ or docs/ leaves them alone); ``dirty`` marks uncommitted changes there.
     Read-only git queries; ``unknown`` outside a checkout. Taken at the start and the end of
     a suite: services start afresh for every benchmark, so code changed meanwhile would mix
     versions, and the summary says so.
@@ -203,12 +205,20 @@ def code_version() -> str:
 
     try:
         commit = git("rev-parse", "--short", "HEAD")
+        trees = [f"{d}:{git('rev-parse', '--short', f'HEAD:{d}')}" for d in ("services", "libs")]
         dirty = git("status", "--porcelain", "--", "services", "libs")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     if not commit:
         return "unknown"
-    return commit + ("+dirty" if dirty else "")
+    return " ".join([commit, *trees, *(["dirty"] if dirty else [])])
+
+
+def same_code(start: str, end: str) -> bool:
+    """Whether two :func:`code_version` readings name the same service code."""
+    if "dirty" in start.split() or "dirty" in end.split():
+        return start == end
+    return start.split()[1:] == end.split()[1:]
 
 
 def _say(text: str) -> None:
@@ -348,7 +358,9 @@ async def run_suite(cfg: SuiteConfig, out: Path) -> SuiteResults:
     await _workloads(cfg, results)
     await _controlplane(cfg, results)
     results.wall_seconds = time.monotonic() - started
-    results.machine["commit_at_end"] = await asyncio.to_thread(code_version)
+    end = await asyncio.to_thread(code_version)
+    results.machine["commit_at_end"] = end
+    results.machine["same_code"] = same_code(str(results.machine["commit"]), end)
     await asyncio.to_thread(_write, results, out)
     return results
 

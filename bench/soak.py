@@ -17,6 +17,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -147,15 +148,16 @@ async def soak(
         for w in workers:
             w.close()
         entries = [e for p in cluster.agent_journals.values() for e in read_journal(p)]
-    for check, args in (
-        (check_mutual_exclusion, recorder.holds),
-        (check_fifo, recorder.holds),
-        (check_fencing, entries),
-    ):
+    checks: list[tuple[str, Callable[[], None]]] = [
+        ("check_mutual_exclusion", lambda: check_mutual_exclusion(recorder.holds)),
+        ("check_fifo", lambda: check_fifo(recorder.holds)),
+        ("check_fencing", lambda: check_fencing(entries)),
+    ]
+    for name, check in checks:
         try:
-            check(args)  # type: ignore[operator]
+            check()
         except AssertionError as exc:
-            report.violations.append(f"{check.__name__}: {exc}")
+            report.violations.append(f"{name}: {exc}")
     try:
         check_two_phase(entries)
     except AssertionError as exc:

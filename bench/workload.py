@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -53,7 +52,8 @@ from bench.analysis import (
     mean_step_seconds,
     split_switches,
 )
-from bench.profiles import DrawnHold, DrawnOff, Phase, Profile, StepPlan
+from bench.model import ModelOutcome, simulate
+from bench.profiles import DrawnHold, DrawnOff, JobDraws, Phase, Profile, StepPlan, draw_job
 from tests.history import (
     Attempt,
     Hold,
@@ -81,6 +81,7 @@ __all__ = [
 ]
 
 GB = 1_000_000_000
+MODEL_LONG_STEPS = 400
 _MIN_ACQUIRE_TIMEOUT = 60.0
 
 
@@ -200,6 +201,11 @@ class RunResult:
     analytic_bound: float  # with the configured switch cost
     analytic_bound_measured: float  # with the measured mean switch wall time
     analytic_step_ratio: float
+    # The ideal platform (bench.model): zero control plane, the configured switch cost.
+    model_duty: float  # same draws as this run (NaN for multi-group profiles)
+    model_slowdown: list[float]
+    model_long_duty: float  # same profile over MODEL_LONG_STEPS steps: the long-run value
+    model_long_slowdown: list[float]
     baseline_step_seconds: list[float]
     shared_step_seconds: list[float]
     slowdown: list[float]  # shared / dedicated mean step time, per job
@@ -255,11 +261,6 @@ class _JobSpec:
     groups: dict[str, str]  # role -> group
     client: AsyncTimeSliceClient
     acquire_kwargs: Mapping[str, Any]
-
-
-def _job_rng(seed: int, profile: Profile, index: int, purpose: str) -> random.Random:
-    # String seeds are hashed deterministically (sha512), unlike hash() of a tuple.
-    return random.Random(f"{seed}:{profile.name}:{index}:{purpose}")
 
 
 async def _hold(
@@ -400,29 +401,11 @@ async def _async_job(
         tasks.create_task(trainer(), name=f"{spec.job_id}-trainer")
 
 
-@dataclass(frozen=True)
-class _Draws:
-    plans: list[StepPlan]
-    batches: list[float]
-    offset: float  # real seconds before the first step (jobs start out of phase)
-
-
-def _draws(profile: Profile, index: int, steps: int, seed: int) -> _Draws:
-    rng = _job_rng(seed, profile, index, "steps")
-    offset = rng.uniform(0.0, profile.step_seconds)
-    plans = [profile.sample_step(rng) for _ in range(steps)]
-    batches: list[float] = []
-    if profile.sampler is not None:
-        brng = _job_rng(seed, profile, index, "batches")
-        batches = [profile.sample_batch(brng) for _ in range(steps)]
-    return _Draws(plans, batches, offset)
-
-
 async def _run_jobs(
     cluster: LocalCluster,
     profile: Profile,
     job_groups: Sequence[tuple[str, dict[str, str]]],
-    draws: Sequence[_Draws],
+    draws: Sequence[JobDraws],
     time_scale: float,
     client_kwargs: Mapping[str, Any],
     acquire_kwargs: Callable[[int], Mapping[str, Any]],
@@ -546,7 +529,7 @@ async def _baseline_in(
         (f"{profile.name}-{i}-ded", {r: f"{profile.name}-{r}-ded{i}" for r in profile.roles})
         for i in range(jobs)
     ]
-    draws = [_draws(profile, i, steps, seed) for i in range(jobs)]
+    draws = [draw_job(profile, i, steps, seed) for i in range(jobs)]
     log = await _run_jobs(
         cluster, profile, job_groups, draws, time_scale, client_kwargs, acquire_kwargs,
         _acquire_timeout(profile, 1, time_scale, sim),
@@ -631,7 +614,7 @@ async def arun_profile(
             (f"{profile.name}-{i}", {r: f"{profile.name}-{r}" for r in profile.roles})
             for i in range(jobs)
         ]
-        draws = [_draws(profile, i, steps, seed) for i in range(jobs)]
+        draws = [draw_job(profile, i, steps, seed) for i in range(jobs)]
         log = await _run_jobs(
             cluster, profile, job_groups, draws, time_scale, client_kw, acquire_fn,
             _acquire_timeout(profile, jobs, time_scale, sim),
@@ -697,6 +680,21 @@ def run_profile(
     )
 
 
+def _models(
+    profile: Profile, jobs: int, sim: SimCosts, steps: int, seed: int, warmup_steps: int
+) -> tuple[ModelOutcome, ModelOutcome]:
+    """The ideal platform on this run's draws, and over many steps (NaN if not modelled)."""
+    if len(profile.roles) != 1:
+        nan = float("nan")
+        none = ModelOutcome(nan, [nan] * jobs, 0)
+        return none, none
+    same = simulate(profile, jobs, switch_seconds=sim.switch_seconds, steps=steps, seed=seed,
+                    warmup_steps=warmup_steps)
+    long = simulate(profile, jobs, switch_seconds=sim.switch_seconds, steps=MODEL_LONG_STEPS,
+                    seed=seed, warmup_steps=warmup_steps)
+    return same, long
+
+
 def _result(
     label: str,
     profile: Profile,
@@ -736,6 +734,7 @@ def _result(
     mean_wall = math.fsum(g.switch_seconds for g in switch_grants) / max(1, len(switch_grants))
     t0 = min(s.start for s in log.samples)
     violations = list(baseline.violations) + _check_history(log, journal)
+    same, long = _models(profile, jobs, sim, steps, seed, warmup_steps)
     return RunResult(
         label=label,
         profile=profile.name,
@@ -762,6 +761,10 @@ def _result(
         analytic_step_ratio=analytic_step_ratio(
             jobs, profile.busy_fraction, sim.switch_seconds / profile.step_seconds
         ),
+        model_duty=same.duty,
+        model_slowdown=same.slowdown,
+        model_long_duty=long.duty,
+        model_long_slowdown=long.slowdown,
         baseline_step_seconds=list(baseline.step_seconds[:jobs]),
         shared_step_seconds=shared_steps,
         slowdown=slowdown,

@@ -22,8 +22,8 @@ from bench.analysis import (
 )
 from bench.controlplane import CyclesResult, FanoutResult, HandoffResult
 from bench.profiles import Phase
-from bench.report import check_targets, render_summary, workload_table
-from bench.run import _finite, output_name
+from bench.report import check_targets, render_summary, switch_table, workload_table
+from bench.run import _finite, output_name, same_code
 from bench.workload import REFERENCE_COSTS, Baseline, RunResult, SimCosts, _cluster_kwargs
 from timeslice.dev.timeline import Interval
 from timeslice_agent.journal import JournalEntry
@@ -210,7 +210,9 @@ def _run(label: str, jobs: int, duty: float, slowdown: list[float]) -> RunResult
         steps=12, seed=1, sim={}, orchestrator_args=[], busy_fraction=0.4,
         step_seconds_real=100.0, switch_seconds_real=1.6, wall_seconds=1.0, window_seconds=1.0,
         duty={"balanced-main": duty}, analytic_bound=0.787, analytic_bound_measured=0.78,
-        analytic_step_ratio=1.016, baseline_step_seconds=[3.0] * jobs,
+        analytic_step_ratio=1.016, model_duty=0.77, model_slowdown=[1.02] * jobs,
+        model_long_duty=0.776, model_long_slowdown=[1.03] * jobs,
+        baseline_step_seconds=[3.0] * jobs,
         shared_step_seconds=[3.0 * x for x in slowdown], slowdown=slowdown,
         steps_per_second=1.0, phases_per_second=4.0, switches=10, switch_wall_ms=s,
         switch_data_ms=s, switch_control_ms=s, queue_wait_ms=s, orchestrator_metrics={},
@@ -258,6 +260,8 @@ def test_summary_renders_every_section_and_labels_the_emulation() -> None:
     assert "| balanced-n2 | 2 | 1.6 s | 78.5% |" in text
     assert "boom" in text and "![x.png](x.png)" in text
     assert len(workload_table(list(runs.values()))) == 3
+    assert len(switch_table(list(runs.values()))) == 3
+    assert "ideal platform gets 77.0% and +2.0% on the same draws" in text
 
 
 def test_suites_share_a_results_directory_without_clobbering() -> None:
@@ -265,6 +269,14 @@ def test_suites_share_a_results_directory_without_clobbering() -> None:
     assert output_name("full", "duty-vs-jobs.png") == "duty-vs-jobs.png"
     assert output_name("quick", "summary.md") == "summary-quick.md"
     assert output_name("quick", "duty-vs-jobs.png") == "quick-duty-vs-jobs.png"
+
+
+def test_code_changes_are_told_apart_from_other_commits() -> None:
+    a = "abc123 services:111 libs:222"
+    assert same_code(a, "def456 services:111 libs:222")  # a docs or bench commit
+    assert not same_code(a, "def456 services:333 libs:222")
+    assert not same_code(a, "abc123 services:111 libs:222 dirty")
+    assert same_code("unknown", "unknown")
 
 
 def test_json_output_has_no_nan() -> None:

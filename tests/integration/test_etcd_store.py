@@ -100,3 +100,13 @@ async def test_watch_resumes_from_revision_and_reports_compaction(etcd: EtcdClie
         async with asyncio.timeout(5):
             async for _ in etcd.watch_prefix(p, r1):
                 pass
+
+
+async def test_a_lagging_mirror_is_a_typed_unavailable(etcd: EtcdClient) -> None:
+    from timeslice_orchestrator.store.cache import Mirror
+    from timeslice_orchestrator.store.etcd import StoreUnavailable
+    from timeslice_orchestrator.store.keys import Keyspace
+
+    mirror = Mirror(etcd, Keyspace(f"/test/{uuid.uuid4().hex}"))  # never started: never catches up
+    with pytest.raises(StoreUnavailable, match="behind"):
+        await mirror.wait_for_revision(10**9, 0.05)

@@ -230,8 +230,15 @@ class Mirror:
         waiter = asyncio.get_running_loop().create_future()
         self._seq += 1
         heapq.heappush(self._revision_waiters, (revision, self._seq, waiter))
-        async with asyncio.timeout(timeout):
-            await waiter
+        try:
+            async with asyncio.timeout(timeout):
+                await waiter
+        except TimeoutError as exc:
+            # Typed, so callers answer UNAVAILABLE (clients retry elsewhere), never a bare 500.
+            raise StoreUnavailable(
+                f"this replica's view of etcd is more than {timeout:g} s behind "
+                f"(at revision {self.revision}, waiting for {revision})"
+            ) from exc
 
     def _release_revision_waiters(self) -> None:
         while self._revision_waiters and self._revision_waiters[0][0] <= self.revision:
