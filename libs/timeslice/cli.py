@@ -2,7 +2,7 @@
 
 ::
 
-    timeslice dev cluster [--replicas N] [--agents M] [--backend sim|freeze] ...
+    timeslice dev cluster [--replicas N] [--agents M] [--backend sim|freeze|app|cuda] ...
     timeslice orchestrator ARGS...        # exec python -m timeslice_orchestrator ARGS
     timeslice agent ARGS...               # exec python -m timeslice_agent ARGS
     timeslice groups [--target T] [--json]
@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cluster.add_argument("--replicas", type=_count(1), default=1, help="orchestrator replicas")
     cluster.add_argument("--agents", type=_count(0), default=1, help="node agents")
-    cluster.add_argument("--backend", choices=("sim", "freeze"), default="sim")
+    cluster.add_argument("--backend", choices=("sim", "freeze", "app", "cuda"), default="sim")
     cluster.add_argument("--etcd", help="use this etcd (HOST:PORT[,...]) instead of starting one")
     cluster.add_argument("--prefix", help="etcd key prefix (default /timeslice/dev-<random>)")
     cluster.add_argument("--session-ttl", type=_positive_float, default=10.0)

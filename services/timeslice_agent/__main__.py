@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 from prometheus_client import disable_created_metrics
 
+from timeslice_agent.backends import Backend, BackendUnavailable, create_backend
 from timeslice_agent.config import AgentConfig, BackendKind, parse_config
 from timeslice_agent.service import Agent
 
@@ -32,14 +33,14 @@ def configure_logging(config: AgentConfig) -> None:
     logging.getLogger("grpclib").setLevel(logging.WARNING)
 
 
-async def serve(config: AgentConfig) -> int:
+async def serve(config: AgentConfig, backend: Backend | None = None) -> int:
     """Run the agent until SIGTERM/SIGINT; returns the exit status."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     try:
-        return await Agent(config).run(stop)
+        return await Agent(config, backend=backend).run(stop)
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
@@ -58,10 +59,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse options, configure logging, run the agent."""
     config = parse_config(argv)
     configure_logging(config)
+    try:
+        backend = create_backend(config)
+    except BackendUnavailable as exc:
+        # One line, no traceback: the operator must see at once what this node lacks. There is
+        # no fallback to another backend, least of all to the sim emulation.
+        print(
+            f"timeslice-agent: cannot start the {config.backend.value} backend: {exc}",
+            file=sys.stderr,
+        )
+        return 2
     # The *_created series only add noise to scrapes of a per-process registry.
     disable_created_metrics()  # type: ignore[no-untyped-call]
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        return runner.run(serve(config))
+        return runner.run(serve(config, backend))
 
 
 if __name__ == "__main__":

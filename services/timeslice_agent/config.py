@@ -30,6 +30,25 @@ class BackendKind(enum.Enum):
 
     SIM = "sim"
     FREEZE = "freeze"
+    CUDA = "cuda"
+    APP = "app"
+
+
+class CudaPath(enum.Enum):
+    """How the ``cuda`` backend reaches the driver's checkpoint support."""
+
+    AUTO = "auto"  # the driver API, else the cuda-checkpoint binary if it is on PATH
+    DRIVER = "driver"  # cuCheckpointProcess* through cuda-bindings, in the agent process
+    CLI = "cli"  # the cuda-checkpoint binary (--toggle --pid), one process per toggle
+
+
+class Discovery(enum.Enum):
+    """How the agent finds a job's processes besides explicit registrations."""
+
+    AUTO = "auto"  # nvml where NVML works, else procfs; off for the sim and freeze backends
+    NVML = "nvml"  # NVML's running compute processes, labelled by their environment
+    PROCFS = "procfs"  # every process whose environment names a job (no NVML needed)
+    OFF = "off"
 
 
 @dataclass(frozen=True)
@@ -53,6 +72,23 @@ class SimSettings:
     default_state_bytes: int
     time_scale: float
     faults: tuple[InjectedFault, ...] = ()
+
+
+@dataclass(frozen=True)
+class CudaSettings:
+    """Parameters of the ``cuda`` backend."""
+
+    path: CudaPath = CudaPath.AUTO
+    lock_timeout_ms: int = 10_000
+    binary: str = "cuda-checkpoint"
+
+
+@dataclass(frozen=True)
+class DeviceCheckSettings:
+    """The NVML checks around real moves (see :mod:`timeslice_agent.devmem`)."""
+
+    release_wait: float = 10.0
+    app_residual_bytes: int = 2048 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -98,6 +134,18 @@ class AgentConfig:
     journal: Path | None = None
     host_reserve_gb: float = 2.0
     host_memory_gb: float = 0.0
+    cuda: CudaSettings = CudaSettings()
+    discovery: Discovery = Discovery.AUTO
+    device_check: DeviceCheckSettings = DeviceCheckSettings()
+
+    @property
+    def effective_discovery(self) -> Discovery:
+        """``discovery`` with AUTO resolved by backend (NVML vs procfs is decided at start)."""
+        if self.discovery is not Discovery.AUTO:
+            return self.discovery
+        if self.backend in (BackendKind.CUDA, BackendKind.APP):
+            return Discovery.AUTO
+        return Discovery.OFF
 
 
 def parse_endpoint(text: str, *, allow_port_zero: bool = False) -> Endpoint:
@@ -166,6 +214,18 @@ def _backend(text: str) -> BackendKind:
         raise InvalidArgument(f"backend {text!r} is not one of {choices}") from None
 
 
+def _choice(kind: type[enum.Enum], option: str) -> Callable[[str], enum.Enum]:
+    def convert(text: str) -> enum.Enum:
+        try:
+            return kind(text.strip().lower())
+        except ValueError:
+            choices = ", ".join(str(k.value) for k in kind)
+            raise InvalidArgument(f"{option} {text!r} is not one of {choices}") from None
+
+    convert.__name__ = option.lstrip("-")
+    return convert
+
+
 def _env_name(option: str) -> str:
     return ENV_PREFIX + option.lstrip("-").replace("-", "_").upper()
 
@@ -195,7 +255,49 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         metavar="TARGETS",
     )
     add("--node", None, "node name (default: the hostname)", metavar="NAME")
-    add("--backend", "sim", "sim | freeze (default sim)", type=_argtype(_backend))
+    add(
+        "--backend",
+        "sim",
+        "cuda | app | freeze | sim (default sim: an emulation that moves nothing)",
+        type=_argtype(_backend),
+    )
+    add(
+        "--cuda-path",
+        "auto",
+        "cuda: driver (checkpoint API in-process) | cli (cuda-checkpoint binary) | auto",
+        type=_argtype(_choice(CudaPath, "--cuda-path")),
+    )
+    add(
+        "--cuda-lock-timeout-ms",
+        "10000",
+        "cuda: how long a lock waits for a process's in-flight CUDA work, in ms",
+        type=_argtype(_number(1, inclusive=True)),
+    )
+    add(
+        "--cuda-checkpoint-bin",
+        "cuda-checkpoint",
+        "cuda: the cuda-checkpoint binary for the cli path",
+        metavar="PATH",
+    )
+    add(
+        "--discover",
+        "auto",
+        "find job processes by TIMESLICE_JOB_ID/TIMESLICE_GROUP in their environment: "
+        "nvml | procfs | off | auto (nvml, else procfs, for cuda and app; off otherwise)",
+        type=_argtype(_choice(Discovery, "--discover")),
+    )
+    add(
+        "--release-wait",
+        "10",
+        "cuda/app: seconds a checkpoint waits for NVML to show the job's memory freed",
+        type=_argtype(_number(0, inclusive=True)),
+    )
+    add(
+        "--app-residual-mib",
+        "2048",
+        "app: device memory a process may keep after its release (CUDA context), in MiB",
+        type=_argtype(_number(0, inclusive=True)),
+    )
     add(
         "--worker-socket",
         str(DEFAULT_WORKER_SOCKET),
@@ -321,4 +423,14 @@ def parse_config(
         journal=Path(ns.journal) if ns.journal else None,
         host_reserve_gb=ns.host_reserve_gb,
         host_memory_gb=ns.host_memory_gb,
+        cuda=CudaSettings(
+            path=ns.cuda_path,
+            lock_timeout_ms=int(ns.cuda_lock_timeout_ms),
+            binary=ns.cuda_checkpoint_bin,
+        ),
+        discovery=ns.discover,
+        device_check=DeviceCheckSettings(
+            release_wait=ns.release_wait,
+            app_residual_bytes=int(ns.app_residual_mib * 1024 * 1024),
+        ),
     )

@@ -41,6 +41,8 @@ from timeslice_agent.backends.base import (
     ResidentJob,
     SavedJob,
 )
+from timeslice_agent.devmem import MemoryCheck
+from timeslice_agent.discovery import foreign_pids
 from timeslice_agent.hostmem import HostMemory
 from timeslice_agent.jobs import Job, JobState, Residency
 from timeslice_agent.journal import DirectiveJournal, JournalEntry
@@ -116,6 +118,8 @@ class DirectiveExecutor:
         journal: DirectiveJournal | None = None,
         tracer: Tracer | None = None,
         host_memory: HostMemory | None = None,
+        memory_check: MemoryCheck | None = None,
+        rescan: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._node = node
         self._backend = backend
@@ -127,6 +131,10 @@ class DirectiveExecutor:
         self._journal = journal
         self._tracer = tracer or trace.NoOpTracer()
         self._host_memory = host_memory
+        # Only for backends that free device memory; None without NVML (the checks are then
+        # the backend's word, and the log said so at start).
+        self.memory_check = memory_check if backend.frees_device_memory else None
+        self._rescan = rescan
         self._jobs: dict[str, Job] = {}
         self._epochs: dict[str, int] = {}
         self._acks: OrderedDict[str, DirectiveAck] = OrderedDict()
@@ -549,7 +557,30 @@ class DirectiveExecutor:
         parked = sum(j.saved_bytes for j in self._jobs.values() if j.state is JobState.SAVED)
         return self._host_memory.refusal(self._backend.checkpoint_bytes(ctx), parked)
 
+    def _foreign(self, ctx: JobContext) -> _Outcome | None:
+        foreign = foreign_pids(ctx.job_id, ctx.pids)
+        if not foreign:
+            return None
+        self._metrics.refused.labels("foreign_process").inc()
+        reason = (
+            f"refusing to move pids {foreign} for job {ctx.job_id}: their environment names "
+            "another job"
+        )
+        log.warning("%s", reason)
+        return _Outcome(AckStatus.REFUSED, reason)
+
+    async def _refresh_processes(self) -> None:
+        if self._rescan is None:
+            return
+        try:
+            await self._rescan()
+        except Exception as exc:
+            # The periodic scan keeps trying; this directive acts on what is already known.
+            log.warning("process discovery failed before a directive: %r", exc)
+
     async def _checkpoint(self, d: Directive, clock: _Clock) -> _Outcome:
+        # A process started since the last periodic scan must move with the rest of its job.
+        await self._refresh_processes()
         workers = self._registry.workers_of(d.job_id)
         job = self._jobs.get(d.job_id)
         if job is None:
@@ -566,6 +597,9 @@ class DirectiveExecutor:
         if not workers:
             return _OK_NOTHING
         ctx = self._context(job, workers)
+        foreign = self._foreign(ctx)
+        if foreign is not None:
+            return foreign
         try:
             self._backend.admit_checkpoint(ctx)
         except BackendRefused as exc:
@@ -579,20 +613,41 @@ class DirectiveExecutor:
         hooks_sent = any(w.app_callbacks for w in workers)
         hooks_done = False
 
+        check = self.memory_check
+
         async def action() -> int:
             nonlocal hooks_done
+            measured = await check.measure(ctx.pids) if check is not None else 0
             hook_bytes = await self._registry.run_hooks(
                 d.job_id, d.group_id, HookKind.BEFORE_CHECKPOINT, self._hook_timeout
             )
             hooks_done = True
             transfer = await self._backend.checkpoint(ctx)
-            total = transfer.bytes_moved + hook_bytes
+            if check is not None:
+                measured -= await self._confirm_released(check, ctx)
+            # NVML's measurement is the truth where there is one; announced bytes otherwise.
+            total = measured if measured > 0 else transfer.bytes_moved + hook_bytes
             job.settle_saved(total, ctx.pids)
             return total
 
         return await self._guarded(
             job, clock, action, hooks_acted=lambda: hooks_sent and hooks_done
         )
+
+    async def _confirm_released(self, check: MemoryCheck, ctx: JobContext) -> int:
+        """Fail the checkpoint if NVML still sees the job's memory, undoing the backend's move.
+
+        The app's own hooks are undone by the rollback RESTORE the orchestrator sends next:
+        it finds the job FAULTED on the device and re-runs the after-restore hooks.
+        """
+        try:
+            return await check.confirm_released(ctx.job_id, ctx.pids)
+        except BackendError:
+            try:
+                await self._backend.restore(ctx)
+            except BackendError as exc:
+                log.error("could not undo the checkpoint of %s: %s", ctx.job_id, exc.reason)
+            raise
 
     async def _restore(self, d: Directive, clock: _Clock) -> _Outcome:
         job = self._jobs.get(d.job_id)
@@ -617,13 +672,22 @@ class DirectiveExecutor:
             return await self._guarded(job, clock, rerun_hooks, hooks_acted=lambda: False)
 
         ctx = self._context(job, workers)
+        foreign = self._foreign(ctx)
+        if foreign is not None:
+            return foreign
         try:
             self._backend.admit_restore(ctx)
         except BackendRefused as exc:
             self._metrics.refused.labels("backend").inc()
             return _Outcome(AckStatus.REFUSED, exc.reason)
+        check = self.memory_check
 
         async def action() -> int:
+            residual = 0
+            if check is not None:
+                # Refused before anything moves: the executor keeps the job SAVED.
+                await check.admit_restore(ctx.job_id, ctx.saved_bytes)
+                residual = await check.measure(ctx.pids)
             transfer = await self._backend.restore(ctx)
             # The state is back on the device even if a hook fails below.
             job.residency = Residency.DEVICE
@@ -631,7 +695,8 @@ class DirectiveExecutor:
             job.saved_pids = ()
             hook_bytes = await after_restore_hooks()
             job.transition(JobState.RUNNING)
-            return transfer.bytes_moved + hook_bytes
+            measured = await check.measure(ctx.pids) - residual if check is not None else 0
+            return measured if measured > 0 else transfer.bytes_moved + hook_bytes
 
         return await self._guarded(job, clock, action, hooks_acted=lambda: False)
 

@@ -20,18 +20,20 @@ _BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 class AgentMetrics:
     """Every metric the agent exports."""
 
-    def __init__(self, *, node: str, backend: str, emulated: bool) -> None:
+    def __init__(self, *, node: str, backend: str, emulated: bool, mechanism: str = "") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._backend = backend
         self._emulated = "true" if emulated else "false"
         r = self.registry
         self.info = Gauge(
             "timeslice_agent_info",
-            "Constant 1; labels describe this agent.",
-            ["node", "backend", "emulated", "version"],
+            "Constant 1; labels describe this agent (mechanism: the path the backend runs, "
+            "driver-api or cli for cuda; discovery: nvml, procfs or off).",
+            ["node", "backend", "emulated", "version", "mechanism", "discovery"],
             registry=r,
         )
-        self.info.labels(node, backend, self._emulated, __version__).set(1)
+        self._node = node
+        self.describe(mechanism or backend, "off")
         self.directives = Counter(
             "timeslice_agent_directives",
             "Directives answered, by kind and ack status.",
@@ -92,6 +94,13 @@ class AgentMetrics:
         for state in JobState:
             self.jobs.labels(state.value).set(0)
         self.refused.labels("stale_epoch")
+
+    def describe(self, mechanism: str, discovery: str) -> None:
+        """(Re)label ``timeslice_agent_info`` once the backend path and discovery are known."""
+        self.info.clear()
+        self.info.labels(
+            self._node, self._backend, self._emulated, __version__, mechanism, discovery
+        ).set(1)
 
     def observe_directive(self, kind: str, status: str, seconds: float, nbytes: int) -> None:
         """Record one answered directive."""

@@ -21,13 +21,15 @@ from opentelemetry.sdk.trace import TracerProvider
 from timeslice.tracing import provider_from_env, tracer_for
 from timeslice_agent import __version__
 from timeslice_agent.backends import Backend, create_backend
-from timeslice_agent.config import AgentConfig, BackendKind, Endpoint
+from timeslice_agent.config import AgentConfig, BackendKind, Discovery, Endpoint
+from timeslice_agent.devmem import MemoryCheck
+from timeslice_agent.discovery import ProcessFinder
 from timeslice_agent.executor import DirectiveExecutor
 from timeslice_agent.hostmem import GB, HostMemory
 from timeslice_agent.http import HttpServer
 from timeslice_agent.journal import DirectiveJournal
 from timeslice_agent.metrics import AgentMetrics
-from timeslice_agent.nvml import discover_devices
+from timeslice_agent.nvml import DeviceMemory, discover_devices, open_device_memory
 from timeslice_agent.statefile import StateFileError, load_state
 from timeslice_agent.stream import OrchestratorLink
 from timeslice_agent.tasks import Supervisor
@@ -37,6 +39,7 @@ from timeslice_proto.timeslice.v1 import AgentHello, Device, DirectiveAck, Worke
 log = logging.getLogger(__name__)
 
 DRAIN_SECONDS = 5.0
+DISCOVERY_INTERVAL_SECONDS = 2.0
 CLOSE_SECONDS = 5.0
 _MAX_UNIX_PATH = 107
 
@@ -104,7 +107,10 @@ class Agent:
         self.tracing = tracing if tracing is not None else provider_from_env("timeslice-agent")
         self.backend = backend or create_backend(config)
         self.metrics = AgentMetrics(
-            node=config.node, backend=self.backend.name, emulated=self.backend.emulated
+            node=config.node,
+            backend=self.backend.name,
+            emulated=self.backend.emulated,
+            mechanism=self.backend.mechanism,
         )
         self.supervisor = Supervisor(self.metrics)
         self.registry = WorkerRegistry(
@@ -125,6 +131,7 @@ class Agent:
                 reserve_bytes=int(config.host_reserve_gb * GB),
                 modelled_bytes=int(_modelled_host_gb(config) * GB),
             ),
+            rescan=self._rescan,
         )
         self.link = OrchestratorLink(
             node=config.node,
@@ -135,6 +142,8 @@ class Agent:
             metrics=self.metrics,
         )
         self.devices: list[Device] = []
+        self.memory: DeviceMemory | None = None
+        self.finder: ProcessFinder | None = None
         self.http_address: Endpoint | None = None
         self._grpc: Server | None = None
         self._http: HttpServer | None = None
@@ -159,6 +168,49 @@ class Agent:
     def _send_ack(self, ack: DirectiveAck) -> None:
         self.link.send_ack(ack)
 
+    async def _rescan(self) -> None:
+        if self.finder is not None:
+            self.registry.set_discovered(await self.finder.scan())
+
+    async def _discover_forever(self) -> None:
+        while True:
+            try:
+                await self._rescan()
+            except Exception as exc:
+                # NVML or procfs hiccups are retried; the directive path rescans on its own.
+                log.warning("process discovery failed: %r", exc)
+            await asyncio.sleep(DISCOVERY_INTERVAL_SECONDS)
+
+    async def _open_device_checks(self) -> None:
+        """NVML for the memory checks and discovery; fails the start where it is required."""
+        cfg = self.config
+        discovery = cfg.effective_discovery
+        if self.backend.frees_device_memory or discovery in (Discovery.AUTO, Discovery.NVML):
+            self.memory = await asyncio.to_thread(open_device_memory)
+        if discovery is Discovery.NVML and self.memory is None:
+            raise AgentStartError("--discover nvml: NVML is not available on this machine")
+        if self.backend.frees_device_memory:
+            if self.memory is None:
+                log.warning(
+                    "backend %s: NVML is not available, so checkpoints are NOT verified to free "
+                    "device memory and reported bytes are the workers' announcements",
+                    self.backend.name,
+                )
+            else:
+                self.executor.memory_check = MemoryCheck(
+                    self.memory,
+                    release_wait=cfg.device_check.release_wait,
+                    residual_per_process=self.backend.residual_bytes_per_process,
+                )
+        if discovery is not Discovery.OFF:
+            self.finder = ProcessFinder(
+                node=cfg.node, memory=self.memory if discovery is not Discovery.PROCFS else None
+            )
+        source = self.finder.source if self.finder is not None else "off"
+        self.metrics.describe(self.backend.mechanism, source)
+        log.info("backend %s runs %s; process discovery: %s", self.backend.name,
+                 self.backend.mechanism, source)
+
     def _hello(self) -> AgentHello:
         return AgentHello(
             node=self.config.node,
@@ -171,6 +223,8 @@ class Agent:
             agent_version=__version__,
             capacity_bytes=self.backend.capacity_bytes,
             default_state_bytes=self.backend.default_state_bytes,
+            backend_mechanism=self.backend.mechanism,
+            discovery=self.finder.source if self.finder is not None else "off",
         )
 
     # ----- life cycle ------------------------------------------------------------------------
@@ -190,6 +244,8 @@ class Agent:
         if not await self.executor.persist():
             raise AgentStartError(f"cannot write the state file {cfg.state_file}")
         self.devices = self.backend.devices(await discover_devices())
+        await self._open_device_checks()
+        await self._rescan()
         log.info(
             "node %s backend %s%s, %d device(s), state file %s",
             cfg.node,
@@ -210,6 +266,10 @@ class Agent:
         self.supervisor.spawn(
             self.registry.sweep_forever(), name="worker-sweep", kind="sweep", critical=True
         )
+        if self.finder is not None:
+            self.supervisor.spawn(
+                self._discover_forever(), name="process-discovery", kind="sweep", critical=True
+            )
         self._link_task = self.supervisor.spawn(
             self.link.run_forever(), name="orchestrator-link", kind="link", critical=True
         )
@@ -260,6 +320,8 @@ class Agent:
         await self.supervisor.cancel_all(CLOSE_SECONDS)
         if self._state_owned:
             await self.executor.persist()
+        if self.memory is not None:
+            self.memory.close()
         self._remove_socket()
         if self.tracing is not None:
             await asyncio.to_thread(self.tracing.shutdown)  # flush queued spans

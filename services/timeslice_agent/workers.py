@@ -23,8 +23,9 @@ import grpclib.const
 import grpclib.server
 from grpclib.exceptions import GRPCError
 
-from timeslice.errors import InvalidArgument, NotFound, TimeSliceError
+from timeslice.errors import InvalidArgument, NotFound, PermissionDenied, TimeSliceError
 from timeslice.ids import validate_group_id, validate_job_id
+from timeslice_agent.discovery import labels_of
 from timeslice_agent.procs import pid_exists
 from timeslice_proto.timeslice.v1 import (
     CommandResult,
@@ -97,6 +98,7 @@ class WorkerRegistry:
         self._check = check
         self._ids = itertools.count(1)
         self._registrations: dict[int, Registration] = {}
+        self._discovered: dict[tuple[str, int], WorkerInfo] = {}
         self._waiters: dict[str, _Waiter] = {}
 
     def __len__(self) -> int:
@@ -108,6 +110,12 @@ class WorkerRegistry:
         validate_group_id(info.group_id)
         if info.pid <= 0:
             raise InvalidArgument(f"pid must be > 0, got {info.pid}")
+        labels = labels_of(info.pid)
+        if labels is not None and labels.job_id != info.job_id:
+            raise PermissionDenied(
+                f"pid {info.pid} belongs to job {labels.job_id} by its environment "
+                f"(TIMESLICE_JOB_ID); it cannot be registered for job {info.job_id}"
+            )
         for other in self._registrations.values():
             if other.info.job_id == info.job_id and other.info.group_id != info.group_id:
                 raise InvalidArgument(
@@ -149,13 +157,40 @@ class WorkerRegistry:
         self._on_change(reg.info.job_id)
 
     def workers(self) -> list[WorkerInfo]:
-        """Current workers, one per (job, pid): a re-registration replaces the older entry."""
+        """Current workers, one per (job, pid): a re-registration replaces the older entry.
+
+        Discovered processes (see :meth:`set_discovered`) follow the registered ones; a
+        registration of the same (job, pid) wins, since it may carry app callbacks.
+        """
         latest: dict[tuple[str, int], Registration] = {}
         for reg in self._registrations.values():
             key = (reg.info.job_id, reg.info.pid)
             if key not in latest or latest[key].reg_id < reg.reg_id:
                 latest[key] = reg
-        return [r.info for r in sorted(latest.values(), key=lambda r: r.reg_id)]
+        registered = [r.info for r in sorted(latest.values(), key=lambda r: r.reg_id)]
+        found = [w for key, w in sorted(self._discovered.items()) if key not in latest]
+        return registered + found
+
+    def set_discovered(self, found: list[WorkerInfo]) -> None:
+        """Replace the discovered processes; notifies each job whose set changed."""
+        fresh: dict[tuple[str, int], WorkerInfo] = {}
+        for info in found:
+            try:
+                if self._check is not None:
+                    self._check(info)
+            except InvalidArgument as exc:
+                log.warning("ignoring discovered pid %d: %s", info.pid, exc.message)
+                continue
+            fresh[info.job_id, info.pid] = info
+        changed = {job for job, _ in fresh.keys() ^ self._discovered.keys()}
+        if not changed:
+            return
+        for job, pid in sorted(fresh.keys() - self._discovered.keys()):
+            log.info("process discovered: job %s group %s pid %d", job, fresh[job, pid].group_id,
+                     pid)
+        self._discovered = fresh
+        for job_id in sorted(changed):
+            self._on_change(job_id)
 
     def workers_of(self, job_id: str) -> list[WorkerInfo]:
         return [w for w in self.workers() if w.job_id == job_id]

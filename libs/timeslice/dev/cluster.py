@@ -35,8 +35,8 @@ from timeslice.dev.etcd import EtcdServer
 
 __all__ = ["Backend", "ClusterError", "LocalCluster", "ServiceProcess"]
 
-Backend = Literal["sim", "freeze"]
-BACKENDS: tuple[Backend, ...] = ("sim", "freeze")
+Backend = Literal["sim", "freeze", "app", "cuda"]
+BACKENDS: tuple[Backend, ...] = ("sim", "freeze", "app", "cuda")
 
 # Unix socket paths are limited to 108 bytes on Linux; leave room for the agent's own suffixes.
 _MAX_SOCKET_PATH = 100
@@ -86,7 +86,8 @@ class LocalCluster:
 
     Parameters:
         replicas, agents: how many of each to run (``agents`` may be 0).
-        backend: the agents' backend (``sim`` models data movement, ``freeze`` SIGSTOPs workers).
+        backend: the agents' backend (``sim`` models data movement, ``freeze`` SIGSTOPs workers,
+            ``app`` lets workers move their own state, ``cuda`` checkpoints GPU processes).
         etcd_endpoint: ``HOST:PORT[,HOST:PORT]`` of an etcd to use; None starts a private one in
             ``base_dir/etcd`` (stopped with the cluster).
         prefix: the etcd key prefix; default ``/timeslice/dev-<random>`` so clusters sharing an

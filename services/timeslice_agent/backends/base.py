@@ -21,6 +21,13 @@ class BackendError(Exception):
         self.reason = reason
 
 
+class BackendUnavailable(Exception):
+    """The backend cannot run on this machine (no driver, no binary); the message says why.
+
+    The agent then refuses to start (exit status 2): it never falls back to another backend.
+    """
+
+
 class BackendRefused(BackendError):
     """The backend declined before acting (admission, safety); acked REFUSED, nothing changed."""
 
@@ -79,10 +86,22 @@ class Backend(abc.ABC):
 
     ``emulated`` is True when nothing is really moved (the sim backend); it is reported with
     every hello, ack, log line and metric so modelled numbers are never mistaken for real ones.
+    ``frees_device_memory`` is True for backends whose checkpoint must leave the job's
+    processes without device memory; the agent then verifies that with NVML
+    (:mod:`timeslice_agent.devmem`), allowing each process ``residual_bytes_per_process``.
+    ``mechanism`` names the path that really runs (``driver-api`` or ``cli`` for cuda); it is
+    logged, sent in the hello and exported as a metric label.
     """
 
     name: str
     emulated: bool
+    frees_device_memory: bool = False
+    residual_bytes_per_process: int = 0
+
+    @property
+    def mechanism(self) -> str:
+        """The path that moves state (defaults to the backend's name)."""
+        return self.name
 
     def admit_checkpoint(self, job: JobContext) -> None:
         """Raise :class:`BackendRefused` if a checkpoint of ``job`` must not even start.

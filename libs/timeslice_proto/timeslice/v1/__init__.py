@@ -384,6 +384,16 @@ class AgentHello(betterproto2.Message):
     The device bytes of a job whose workers announced no state_bytes.
     """
 
+    backend_mechanism: "str" = betterproto2.field(11, betterproto2.TYPE_STRING)
+    """
+    The path the backend really runs: "driver-api" or "cli" for cuda, else the backend name.
+    """
+
+    discovery: "str" = betterproto2.field(12, betterproto2.TYPE_STRING)
+    """
+    How the agent finds job processes besides registrations: "nvml", "procfs" or "off".
+    """
+
 
 default_message_pool.register_message("timeslice.v1", "AgentHello", AgentHello)
 

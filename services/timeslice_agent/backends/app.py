@@ -1,0 +1,65 @@
+"""The ``app`` backend: the workers move their own device state, through their app hooks.
+
+Each worker of the job registered with app callbacks (``timeslice.worker.register`` with
+``on_checkpoint``/``on_restore``, or one of the SDK adapters: ``timeslice.offload`` for
+PyTorch, ``timeslice.engines`` for vLLM and SGLang). The executor sends BEFORE_CHECKPOINT
+before a checkpoint and AFTER_RESTORE after a restore; the hooks report the bytes they moved.
+This backend itself moves nothing: it refuses a job none of whose workers can move anything,
+and it declares that device memory must be free afterwards, so the agent checks it with NVML
+(each process may keep ``residual_bytes_per_process``: its CUDA context outlives a release).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from timeslice_agent.backends.base import (
+    Backend,
+    BackendRefused,
+    JobContext,
+    SavedJob,
+    Transfer,
+)
+from timeslice_agent.procs import pid_exists
+from timeslice_proto.timeslice.v1 import Device
+
+log = logging.getLogger(__name__)
+
+
+class AppBackend(Backend):
+    """Workers offload and restore their own state (see the module docstring)."""
+
+    name = "app"
+    emulated = False
+    frees_device_memory = True
+
+    def __init__(self, *, residual_bytes_per_process: int = 2048 * 1024 * 1024) -> None:
+        self.residual_bytes_per_process = residual_bytes_per_process
+
+    def admit_checkpoint(self, job: JobContext) -> None:
+        if not any(w.app_callbacks for w in job.workers):
+            raise BackendRefused(
+                f"job {job.job_id}: the app backend needs a worker registered with app "
+                "callbacks (timeslice.offload, timeslice.engines or register(on_checkpoint=...)); "
+                "none of its workers has one, so nothing would move"
+            )
+
+    async def checkpoint(self, job: JobContext) -> Transfer:
+        # The BEFORE_CHECKPOINT hooks have already moved the state; their bytes are counted
+        # by the executor.
+        return Transfer(bytes_moved=0, elapsed_seconds=0.0)
+
+    async def restore(self, job: JobContext) -> Transfer:
+        return Transfer(bytes_moved=0, elapsed_seconds=0.0)
+
+    async def reconcile(self, job: SavedJob) -> str | None:
+        # The parked state lives in the workers' own host memory: it survives the agent only
+        # as long as they do.
+        gone = [p for p in job.saved_pids if not pid_exists(p)]
+        if gone:
+            return f"worker processes {gone} holding the parked state exited"
+        log.info("re-adopted job %s: its workers still hold its parked state", job.job_id)
+        return None
+
+    def devices(self, discovered: list[Device]) -> list[Device]:
+        return discovered

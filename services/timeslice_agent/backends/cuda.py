@@ -1,0 +1,415 @@
+"""The ``cuda`` backend: whole-process device state through NVIDIA's driver checkpoint API.
+
+A checkpoint moves everything a process holds on its GPUs (allocations, contexts, streams)
+into host memory that the driver manages, and frees the devices; a restore brings it back to
+the same virtual addresses. Two paths reach the driver:
+
+- ``driver-api``: ``cuCheckpointProcess{Lock,Checkpoint,Restore,Unlock,GetState}`` called
+  through NVIDIA's ``cuda-bindings`` from the agent process (no process spawned per toggle).
+  Needs a driver with CUDA 12.8 support (r570 or newer). The agent calls ``cuInit`` once at
+  start, which the driver requires of a process that restores others.
+- ``cli``: the ``cuda-checkpoint`` binary (``--toggle --pid``, ``--get-state``), used when the
+  API is missing and the binary is on ``PATH``; it pays a process start per toggle.
+
+**All of a job's processes move together, in two steps** (a job whose ranks talk over NCCL
+must never have one rank frozen while another runs): lock every pid, then checkpoint every
+pid; restore every pid, then unlock every pid. Each step runs for all pids concurrently.
+**Nothing is left half-done**: if any pid fails a step, the pids that already passed it, and
+every pid for the steps before it, are put back in reverse order, and the directive fails
+naming the pid, the CUDA error and the step. A directive deadline that cancels the move waits
+for the calls in flight (driver calls cannot be interrupted), then rolls back the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import os
+import shutil
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from timeslice_agent.backends.base import (
+    Backend,
+    BackendError,
+    BackendRefused,
+    BackendUnavailable,
+    JobContext,
+    SavedJob,
+    Transfer,
+)
+from timeslice_agent.config import CudaPath, CudaSettings
+from timeslice_proto.timeslice.v1 import Device
+
+log = logging.getLogger(__name__)
+
+# cuCheckpointProcess* arrived with CUDA 12.8 (driver r570); cuDriverGetVersion says 12080.
+MIN_DRIVER_API_VERSION = 12080
+_CLI_SECONDS = 300.0
+
+
+class CudaUnavailable(BackendUnavailable):
+    """The cuda backend cannot run on this machine; the message names what is missing."""
+
+
+class ProcessState(enum.Enum):
+    """A process's checkpoint state, as the driver reports it."""
+
+    RUNNING = "running"
+    LOCKED = "locked"
+    CHECKPOINTED = "checkpointed"
+    FAILED = "failed"
+    CHECKPOINTING = "checkpointing"
+    RESTORING = "restoring"
+
+
+class CudaCallError(Exception):
+    """One driver call failed for one pid."""
+
+    def __init__(self, step: str, pid: int, error: str) -> None:
+        super().__init__(f"{step} of pid {pid} failed: {error}")
+        self.step = step
+        self.pid = pid
+        self.error = error
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a move, applied to every pid at once, and how to take it back."""
+
+    name: str
+    do: Callable[[int], Awaitable[None]]
+    undo: Callable[[int], Awaitable[None]]
+
+
+class CheckpointDriver(Protocol):
+    """The narrow interface the backend needs from the driver (a fake in unit tests)."""
+
+    mechanism: str
+
+    def checkpoint_steps(self, lock_timeout_ms: int) -> Sequence[Step]:
+        """The steps that take running processes to checkpointed."""
+
+    def restore_steps(self, lock_timeout_ms: int) -> Sequence[Step]:
+        """The steps that take checkpointed processes back to running."""
+
+    async def state(self, pid: int) -> ProcessState:
+        """The process's state; raises :class:`CudaCallError` if the driver cannot tell."""
+
+
+# ----- the driver API through cuda-bindings ---------------------------------------------------
+
+
+class DriverApi:
+    """``cuCheckpointProcess*`` through cuda-bindings, each call in a worker thread."""
+
+    mechanism = "driver-api"
+
+    def __init__(self) -> None:
+        try:
+            from cuda.bindings import driver
+        except ImportError:
+            raise CudaUnavailable(
+                "cuda-bindings is not installed (pip install 'timeslice[cuda]')"
+            ) from None
+        try:
+            (err,) = driver.cuInit(0)
+        except RuntimeError as exc:  # cuda.pathfinder's DynamicLibNotFoundError
+            raise CudaUnavailable(f"libcuda.so.1 not found ({_first_line(exc)})") from None
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise CudaUnavailable(f"cuInit failed: {_error_name(err)}")
+        err, version = driver.cuDriverGetVersion()
+        if err != driver.CUresult.CUDA_SUCCESS or version < MIN_DRIVER_API_VERSION:
+            raise CudaUnavailable(
+                f"the NVIDIA driver supports CUDA {version // 1000}.{version % 1000 // 10}; the "
+                "checkpoint API needs CUDA 12.8 (driver r570 or newer)"
+            )
+        self._driver: Any = driver
+        self.driver_version = version
+
+    async def _call(self, step: str, pid: int, func: Callable[[], tuple[Any, ...]]) -> Any:
+        result = await asyncio.to_thread(func)
+        err = result[0]
+        if err != self._driver.CUresult.CUDA_SUCCESS:
+            raise CudaCallError(step, pid, _error_name(err))
+        return result[1] if len(result) > 1 else None
+
+    async def lock(self, pid: int, timeout_ms: int) -> None:
+        args = self._driver.CUcheckpointLockArgs()
+        args.timeoutMs = timeout_ms
+        await self._call("lock", pid, lambda: self._driver.cuCheckpointProcessLock(pid, args))
+
+    async def checkpoint(self, pid: int) -> None:
+        d = self._driver
+        await self._call("checkpoint", pid, lambda: d.cuCheckpointProcessCheckpoint(pid, None))
+
+    async def restore(self, pid: int) -> None:
+        d = self._driver
+        await self._call("restore", pid, lambda: d.cuCheckpointProcessRestore(pid, None))
+
+    async def unlock(self, pid: int) -> None:
+        d = self._driver
+        await self._call("unlock", pid, lambda: d.cuCheckpointProcessUnlock(pid, None))
+
+    async def state(self, pid: int) -> ProcessState:
+        d = self._driver
+        value = await self._call("get-state", pid, lambda: d.cuCheckpointProcessGetState(pid))
+        return _STATE_BY_NAME[value.name.removeprefix("CU_PROCESS_STATE_")]
+
+    async def restore_thread_id(self, pid: int) -> int:
+        """The thread the driver restores ``pid`` on (diagnostics; CRIU users need it)."""
+        d = self._driver
+        tid = await self._call(
+            "get-restore-thread-id", pid, lambda: d.cuCheckpointProcessGetRestoreThreadId(pid)
+        )
+        return int(tid)
+
+    def checkpoint_steps(self, lock_timeout_ms: int) -> Sequence[Step]:
+        async def lock(pid: int) -> None:
+            await self.lock(pid, lock_timeout_ms)
+
+        return (Step("lock", lock, self.unlock), Step("checkpoint", self.checkpoint, self.restore))
+
+    def restore_steps(self, lock_timeout_ms: int) -> Sequence[Step]:
+        async def relock(pid: int) -> None:
+            await self.lock(pid, lock_timeout_ms)
+
+        return (Step("restore", self.restore, self.checkpoint), Step("unlock", self.unlock, relock))
+
+
+_STATE_BY_NAME = {s.name: s for s in ProcessState}
+
+
+def _error_name(err: Any) -> str:
+    name = getattr(err, "name", None)
+    return str(name) if name else f"CUresult {int(err)}"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+# ----- the cuda-checkpoint binary -------------------------------------------------------------
+
+
+class CheckpointCli:
+    """The ``cuda-checkpoint`` binary: one toggle moves a process between running and saved."""
+
+    mechanism = "cli"
+
+    def __init__(self, binary: str) -> None:
+        found = shutil.which(binary)
+        if found is None:
+            raise CudaUnavailable(f"{binary} not found on PATH")
+        self.binary = found
+
+    async def _run(self, step: str, pid: int, *args: str) -> str:
+        proc = await asyncio.create_subprocess_exec(
+            self.binary,
+            *args,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            async with asyncio.timeout(_CLI_SECONDS):
+                out, err = await proc.communicate()
+        except BaseException:
+            if proc.returncode is None:
+                # Let the toggle finish rather than kill it midway: a killed toggle leaves the
+                # process in a state nobody knows. Wait for it, then report.
+                out, err = await asyncio.shield(proc.communicate())
+            raise
+        if proc.returncode != 0:
+            detail = (err or out).decode(errors="replace").strip() or f"exit {proc.returncode}"
+            raise CudaCallError(step, pid, f"cuda-checkpoint: {detail.splitlines()[-1]}")
+        return out.decode(errors="replace").strip()
+
+    async def state(self, pid: int) -> ProcessState:
+        text = await self._run("get-state", pid, "--get-state", "--pid", str(pid))
+        try:
+            return ProcessState(text.split()[-1].lower())
+        except (ValueError, IndexError):
+            raise CudaCallError("get-state", pid, f"unexpected output {text!r}") from None
+
+    async def _toggle_to(self, pid: int, want: ProcessState, step: str) -> None:
+        if await self.state(pid) is want:
+            return  # idempotent: a retried toggle must not flip the process back
+        await self._run(step, pid, "--toggle", "--pid", str(pid))
+
+    async def suspend(self, pid: int) -> None:
+        await self._toggle_to(pid, ProcessState.CHECKPOINTED, "toggle")
+
+    async def resume(self, pid: int) -> None:
+        await self._toggle_to(pid, ProcessState.RUNNING, "toggle")
+
+    def checkpoint_steps(self, lock_timeout_ms: int) -> Sequence[Step]:
+        return (Step("toggle", self.suspend, self.resume),)
+
+    def restore_steps(self, lock_timeout_ms: int) -> Sequence[Step]:
+        return (Step("toggle", self.resume, self.suspend),)
+
+
+def open_driver(settings: CudaSettings) -> CheckpointDriver:
+    """The driver path ``settings`` asks for; raises :class:`CudaUnavailable` naming the gap."""
+    if settings.path is CudaPath.CLI:
+        return CheckpointCli(settings.binary)
+    try:
+        return DriverApi()
+    except CudaUnavailable as exc:
+        if settings.path is CudaPath.DRIVER:
+            raise
+        try:
+            cli = CheckpointCli(settings.binary)
+        except CudaUnavailable as cli_exc:
+            raise CudaUnavailable(f"{exc}; and {cli_exc}") from None
+        log.warning("cuda: driver API unavailable (%s); using %s", exc, cli.binary)
+        return cli
+
+
+# ----- the backend ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Outcome:
+    step: Step
+    done: list[int]
+    failure: CudaCallError | None
+
+
+class CudaBackend(Backend):
+    """Whole-process checkpoint of every process of a job (see the module docstring)."""
+
+    name = "cuda"
+    emulated = False
+    frees_device_memory = True
+
+    def __init__(self, driver: CheckpointDriver, *, lock_timeout_ms: int = 10_000) -> None:
+        self._driver = driver
+        self._lock_timeout_ms = lock_timeout_ms
+        self._own_pid = os.getpid()
+
+    @property
+    def mechanism(self) -> str:
+        return self._driver.mechanism
+
+    def _pids(self, job: JobContext) -> tuple[int, ...]:
+        for pid in job.pids:
+            if pid <= 1 or pid == self._own_pid:
+                raise BackendRefused(f"job {job.job_id}: refusing to checkpoint pid {pid}")
+        return job.pids
+
+    def admit_checkpoint(self, job: JobContext) -> None:
+        self._pids(job)
+
+    def admit_restore(self, job: JobContext) -> None:
+        self._pids(job)
+
+    async def checkpoint(self, job: JobContext) -> Transfer:
+        return await self._move(
+            job, "checkpoint", self._driver.checkpoint_steps(self._lock_timeout_ms)
+        )
+
+    async def restore(self, job: JobContext) -> Transfer:
+        return await self._move(job, "restore", self._driver.restore_steps(self._lock_timeout_ms))
+
+    async def _move(self, job: JobContext, what: str, steps: Sequence[Step]) -> Transfer:
+        pids = self._pids(job)
+        started = time.monotonic()
+        finished: list[_Outcome] = []
+        try:
+            for step in steps:
+                outcome = await _apply(step, pids, finished)
+                if outcome.failure is not None:
+                    raise outcome.failure
+        except CudaCallError as exc:
+            await _roll_back(finished)
+            raise BackendError(
+                f"cuda {what} of job {job.job_id} failed at step {exc.step} for pid {exc.pid}: "
+                f"{exc.error}; {_rolled_back(finished)} [{self.mechanism}]"
+            ) from None
+        except asyncio.CancelledError:
+            # The deadline ended the move: _apply already waited for the calls in flight.
+            await asyncio.shield(_roll_back(finished))
+            raise
+        elapsed = time.monotonic() - started
+        log.info(
+            "cuda %s of job %s: pids %s in %.3f s [%s]",
+            what,
+            job.job_id,
+            list(pids),
+            elapsed,
+            self.mechanism,
+        )
+        # The API does not say how many bytes moved; the agent measures them with NVML.
+        return Transfer(bytes_moved=job.state_bytes, elapsed_seconds=elapsed)
+
+    async def reconcile(self, job: SavedJob) -> str | None:
+        for pid in job.saved_pids:
+            try:
+                state = await self._driver.state(pid)
+            except CudaCallError as exc:
+                return f"cannot read the checkpoint state of pid {pid}: {exc.error}"
+            if state is not ProcessState.CHECKPOINTED:
+                return f"pid {pid} is {state.value}, not checkpointed"
+        return None
+
+    def devices(self, discovered: list[Device]) -> list[Device]:
+        return discovered
+
+
+async def _apply(step: Step, pids: Sequence[int], finished: list[_Outcome]) -> _Outcome:
+    """Run ``step`` for every pid concurrently and append the outcome to ``finished``.
+
+    Cancellation does not interrupt the calls (a driver call cannot be); it waits for them,
+    records which pids passed, and re-raises so the caller rolls back.
+    """
+    tasks: dict[asyncio.Future[None], int] = {
+        asyncio.ensure_future(step.do(pid)): pid for pid in pids
+    }
+    try:
+        await asyncio.wait(tasks)
+    except asyncio.CancelledError:
+        await asyncio.shield(asyncio.wait(tasks))
+        finished.append(_collect(step, tasks))
+        raise
+    outcome = _collect(step, tasks)
+    finished.append(outcome)
+    return outcome
+
+
+def _collect(step: Step, tasks: dict[asyncio.Future[None], int]) -> _Outcome:
+    done: list[int] = []
+    failure: CudaCallError | None = None
+    for task, pid in tasks.items():
+        exc = task.exception()
+        if exc is None:
+            done.append(pid)
+        elif failure is None:
+            failure = (
+                exc if isinstance(exc, CudaCallError) else CudaCallError(step.name, pid, repr(exc))
+            )
+    return _Outcome(step, sorted(done), failure)
+
+
+async def _roll_back(finished: list[_Outcome]) -> None:
+    """Undo, newest step first, every pid each finished step moved; log what cannot be undone."""
+    for outcome in reversed(finished):
+        if not outcome.done:
+            continue
+        results = await asyncio.gather(
+            *(outcome.step.undo(pid) for pid in outcome.done), return_exceptions=True
+        )
+        for pid, result in zip(outcome.done, results, strict=True):
+            if isinstance(result, BaseException):
+                log.error(
+                    "cuda: rolling back %s of pid %d failed: %r", outcome.step.name, pid, result
+                )
+
+
+def _rolled_back(finished: list[_Outcome]) -> str:
+    moved = sorted({pid for o in finished for pid in o.done})
+    return f"rolled back pids {moved}" if moved else "no pid had moved"
