@@ -74,7 +74,7 @@ def test_installed_entry_point_runs() -> None:
         (("acquire", "g", "--job", "j", "--hold", "-1"), "'-1' must not be negative"),
         (("acquire", "g", "--job", "j", "--timeout", "0"), "'0' must be positive"),
         (("dev", "cluster", "--replicas", "0"), "'0' must be at least 1"),
-        (("dev", "cluster", "--backend", "cuda"), "invalid choice: 'cuda'"),
+        (("dev", "cluster", "--backend", "tpu"), "invalid choice: 'tpu'"),
         (("status", "bad group"), "group_id 'bad group' is not valid"),
         (("acquire", "g", "--job", "../x", "--hold", "0"), "job_id '../x' is not valid"),
         (("status", "g", "--target", "nonsense"), "target 'nonsense' is not HOST:PORT"),

@@ -140,7 +140,7 @@ def test_a_service_that_fails_to_start_raises_with_its_log(tmp_path: Path) -> No
     [
         {"replicas": 0},
         {"agents": -1},
-        {"backend": "cuda"},
+        {"backend": "tpu"},
         {"session_ttl": 0},
         {"prefix": "no-slash"},
         {"prefix": "/a/../b"},

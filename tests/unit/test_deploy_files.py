@@ -7,6 +7,7 @@ kustomization names files that exist, and every patch path exists in what it pat
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,15 @@ from timeslice_agent.config import parse_config
 from timeslice_orchestrator.config import parse_args
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+_COMPOSE_VAR = re.compile(r"\$\$|\$\{[A-Za-z_][A-Za-z0-9_]*(?::?-([^}]*))?\}")
+
+
+def _interpolate(text: str) -> str:
+    """Expand ``${VAR:-default}``, ``${VAR-default}``, ``${VAR}`` and ``$$`` as compose does
+    with every variable unset: the command a plain ``docker compose up`` runs."""
+    return _COMPOSE_VAR.sub(lambda m: "$" if m.group(0) == "$$" else m.group(1) or "", text)
 
 
 def _env(container: dict[str, Any]) -> dict[str, str]:
@@ -42,7 +52,7 @@ def test_compose_services_start_with_valid_arguments(monkeypatch: pytest.MonkeyP
     compose = yaml.safe_load((ROOT / "compose" / "docker-compose.yml").read_text())
     services = compose["services"]
     kinds = {
-        name: _check_command([str(a) for a in svc["command"]], _env(svc), monkeypatch)
+        name: _check_command([_interpolate(str(a)) for a in svc["command"]], _env(svc), monkeypatch)
         for name, svc in services.items()
         if name.startswith(("orchestrator", "agent"))
     }

@@ -431,6 +431,10 @@ class LocalCluster:
             "--state-file", str(self.agent_state_files[service.name]),
             "--http", service.http,
             "--journal", str(self.agent_journals[service.name]),
+            # Agents of a dev cluster share one host's processes, so discovery by environment
+            # cannot tell their nodes apart unless processes carry TIMESLICE_NODE: opt in with
+            # agent_args=["--discover", "procfs"] (a later option wins).
+            "--discover", "off",
             *self._agent_args,
             *self._node_args.get(service.name, []),
         ]  # fmt: skip
