@@ -1,0 +1,641 @@
+"""PyTorch adapter for the ``app`` backend: a worker moves its own torch state off the device.
+
+:class:`TorchOffloader` tracks modules (parameters, their gradients and buffers), optimizers
+(their ``state`` tensors, looked up at each offload because optimizers create state lazily at
+their first step) and loose tensors. :meth:`TorchOffloader.offload` copies every device
+storage they use into host memory (pinned when the storage is on CUDA) and then frees it;
+:meth:`TorchOffloader.restore` re-allocates each storage and copies the bytes back::
+
+    from timeslice.offload import TorchOffloader
+
+    offloader = TorchOffloader()
+    offloader.add_module(model)
+    offloader.add_optimizer(optimizer)
+    registration = offloader.register("trainer-group")   # hooks: offload / restore
+
+How it works, and what follows from it:
+
+* It works on storages, not tensors, deduplicated by storage identity: tied weights, views,
+  non-contiguous tensors and every dtype move as raw bytes, and come back bit-exact into the
+  *same* storage objects (``untyped_storage().resize_(0)`` to free, ``resize_(nbytes)`` and a
+  copy to restore). Every tensor, view, optimizer and other Python reference stays valid.
+* Because the storages are freed and re-allocated, their device addresses change across a
+  cycle: captured CUDA graphs and raw data pointers (``data_ptr()`` handed to a C library)
+  do **not** survive an offload/restore. A mechanism that keeps the virtual addresses (CUDA
+  virtual memory management, as the ``torch-memory-saver`` package on PyPI does) would; it
+  could sit behind this same interface, but is not implemented here.
+* Copies run in chunks of at most ``chunk_bytes`` spread over ``num_streams`` CUDA streams.
+  All copies finish before any device storage is freed, so a failed offload changes nothing;
+  a failed restore frees again what it re-allocated and stays offloaded, so it can be retried.
+* Each tracked object carries a tag; each tag has an :class:`OffloadMode`. ``DISCARD`` tags
+  (a KV cache, say) are freed without a copy and come back zeroed (then handed to an
+  optional ``recreate`` callback). ``offload`` / ``restore`` can act on chosen tags only.
+* A storage shared by two tags moves with the tag offloaded first. Storages that are already
+  empty (size 0) or on the ``meta`` device are skipped.
+
+The same code runs on CPU tensors (the tests do): there the "device" copy is a plain,
+synchronous copy into a separate host buffer. ``torch`` is an optional dependency
+(``timeslice[torch]``); ``import timeslice`` does not import this module.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from timeslice import worker
+from timeslice.errors import InvalidArgument
+
+log = logging.getLogger("timeslice.offload")
+
+DEFAULT_TAG = "default"
+DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024
+DEFAULT_NUM_STREAMS = 4
+
+# Host offsets of storages are aligned like device allocations, which the copy engines favour.
+_ALIGN = 512
+
+RecreateFn = Callable[[torch.Tensor], None]
+"""Re-fills a discarded tensor after its storage came back (zeroed) on restore."""
+
+
+class OffloadMode(enum.Enum):
+    """What happens to a tag's storages on offload."""
+
+    OFFLOAD = "offload"
+    """Copied to host memory, freed, and copied back on restore."""
+    DISCARD = "discard"
+    """Freed without a copy; on restore re-allocated, zeroed and passed to ``recreate``."""
+
+
+@dataclass(frozen=True)
+class CycleStats:
+    """What the last :meth:`TorchOffloader.offload` or :meth:`TorchOffloader.restore` did."""
+
+    copied_bytes: int
+    """Device bytes copied out (offload) or back in (restore); what the call returned."""
+    discarded_bytes: int
+    """Device bytes of ``DISCARD`` tags freed (offload) or re-allocated and zeroed (restore)."""
+    storages: int
+    """Storages freed or re-allocated."""
+    seconds: float
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One chunk copy: ``length`` bytes at ``start`` of a storage <-> a host slice."""
+
+    start: int
+    host: torch.Tensor  # a uint8 view into one host buffer; keeps it alive
+    lane: int  # which of the CUDA streams carries the copy
+
+
+@dataclass
+class _Slot:
+    """A storage freed by an offload: what is needed to bring it back."""
+
+    storage: torch.UntypedStorage
+    nbytes: int
+    pieces: list[_Piece]  # empty for a discarded storage
+
+
+@dataclass
+class _Parked:
+    """The offloaded state of one tag."""
+
+    slots: list[_Slot]
+    discarded: list[torch.Tensor]  # tracked tensors of a DISCARD tag, for ``recreate``
+
+
+@dataclass
+class _Tag:
+    mode: OffloadMode = OffloadMode.OFFLOAD
+    recreate: RecreateFn | None = None
+    modules: list[nn.Module] = field(default_factory=list)
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    buffers: list[torch.Tensor] = field(default_factory=list)  # host buffers (uint8)
+    parked: _Parked | None = None
+
+    def collect(self) -> Iterator[torch.Tensor]:
+        """Every tensor of the tag as of now (optimizer state and gradients come and go)."""
+        for module in self.modules:
+            for param in module.parameters():
+                yield param
+                if param.grad is not None:
+                    yield param.grad
+            yield from module.buffers()
+        for optimizer in self.optimizers:
+            for state in optimizer.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        yield value
+        yield from self.tensors
+
+
+@dataclass
+class _Plan:
+    """One tag's part of an offload in progress: nothing is committed before it succeeds."""
+
+    name: str
+    tag: _Tag
+    slots: list[_Slot]
+    buffers: list[torch.Tensor]
+    discarded: list[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class _Copy:
+    dst: torch.Tensor
+    src: torch.Tensor
+    device: torch.device  # the non-host side
+    lane: int
+
+
+class TorchOffloader:
+    """Moves a worker's torch state off the device and back (see the module docstring).
+
+    Args:
+        chunk_bytes: the largest single copy, and the size of each host buffer.
+        num_streams: CUDA streams the chunk copies are spread over (per device).
+        keep_pinned: keep the host buffers after a restore and reuse them on the next
+            offload. That saves re-pinning (slow, for many GiB) on every cycle, at the cost of
+            holding the host memory all the time. By default they are freed after a restore.
+
+    All methods are thread-safe: one lock serialises them, so the agent's hooks (which run in
+    a worker thread) can not interleave with each other or with the trainer's own calls.
+    """
+
+    def __init__(
+        self,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        num_streams: int = DEFAULT_NUM_STREAMS,
+        keep_pinned: bool = False,
+    ) -> None:
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+            raise InvalidArgument(f"chunk_bytes must be an int >= 1, got {chunk_bytes!r}")
+        if isinstance(num_streams, bool) or not isinstance(num_streams, int) or num_streams < 1:
+            raise InvalidArgument(f"num_streams must be an int >= 1, got {num_streams!r}")
+        self.chunk_bytes = chunk_bytes
+        self.num_streams = num_streams
+        self.keep_pinned = keep_pinned
+        self._lock = threading.Lock()
+        self._tags: dict[str, _Tag] = {}
+        self._streams: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
+        self._last: CycleStats | None = None
+
+    # ------------------------------------------------------------------ tracking
+
+    def add_module(self, module: nn.Module, *, tag: str = DEFAULT_TAG) -> None:
+        """Track a module's parameters (and their ``.grad``) and buffers under ``tag``."""
+        if not isinstance(module, nn.Module):
+            raise InvalidArgument(f"expected a torch.nn.Module, got {type(module).__name__}")
+        with self._lock:
+            self._open(tag).modules.append(module)
+
+    def add_optimizer(self, optimizer: torch.optim.Optimizer, *, tag: str = DEFAULT_TAG) -> None:
+        """Track an optimizer's ``state`` tensors under ``tag`` (not its parameters: track the
+        module for those)."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise InvalidArgument(
+                f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        with self._lock:
+            self._open(tag).optimizers.append(optimizer)
+
+    def add_tensors(self, *tensors: torch.Tensor, tag: str = DEFAULT_TAG) -> None:
+        """Track loose tensors under ``tag``; a view brings its whole storage along."""
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor):
+                raise InvalidArgument(f"expected torch.Tensor, got {type(tensor).__name__}")
+        with self._lock:
+            self._open(tag).tensors.extend(tensors)
+
+    def set_mode(
+        self, tag: str, mode: OffloadMode, *, recreate: RecreateFn | None = None
+    ) -> None:
+        """Set what offload does with ``tag`` (default :attr:`OffloadMode.OFFLOAD`).
+
+        ``recreate`` (``DISCARD`` only) is called on restore with each tracked tensor of the
+        tag, after its storage was re-allocated and zeroed.
+        """
+        if not isinstance(mode, OffloadMode):
+            raise InvalidArgument(f"mode must be an OffloadMode, got {mode!r}")
+        if recreate is not None and mode is not OffloadMode.DISCARD:
+            raise InvalidArgument("recreate only applies to OffloadMode.DISCARD")
+        if recreate is not None and not callable(recreate):
+            raise InvalidArgument(f"recreate must be callable, got {recreate!r}")
+        with self._lock:
+            state = self._open(tag)
+            state.mode = mode
+            state.recreate = recreate
+            if mode is OffloadMode.DISCARD:
+                state.buffers = []  # nothing will be copied
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        """Every tag known so far, in the order first used."""
+        with self._lock:
+            return tuple(self._tags)
+
+    @property
+    def offloaded_tags(self) -> frozenset[str]:
+        """The tags currently offloaded."""
+        with self._lock:
+            return frozenset(name for name, tag in self._tags.items() if tag.parked is not None)
+
+    @property
+    def offloaded(self) -> bool:
+        """True while any tag is offloaded."""
+        return bool(self.offloaded_tags)
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of the tracked storages now allocated (each shared storage counted once)."""
+        with self._lock:
+            seen: set[int] = set()
+            total = 0
+            for tag in self._tags.values():
+                for storage in _storages(tag.collect(), seen):
+                    total += storage.nbytes()
+            return total
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of host buffers held: the parked copies, plus kept buffers (``keep_pinned``)."""
+        with self._lock:
+            return sum(b.numel() for tag in self._tags.values() for b in tag.buffers)
+
+    @property
+    def last_stats(self) -> CycleStats | None:
+        """What the last offload or restore that moved anything did; ``None`` before."""
+        with self._lock:
+            return self._last
+
+    def release_host_buffers(self) -> int:
+        """Free the host buffers kept (``keep_pinned``) by tags that are not offloaded.
+
+        Returns the bytes released.
+        """
+        with self._lock:
+            released = 0
+            for tag in self._tags.values():
+                if tag.parked is None:
+                    released += sum(b.numel() for b in tag.buffers)
+                    tag.buffers = []
+            if released:
+                _empty_host_cache()
+            return released
+
+    # ------------------------------------------------------------------ offload / restore
+
+    def offload(self, tags: str | Iterable[str] | None = None) -> int:
+        """Move the state of ``tags`` (default: all) off the device.
+
+        Copies every ``OFFLOAD`` storage to host memory, waits for the copies, then frees
+        those storages and the ``DISCARD`` ones. Tags already offloaded are left alone, so a
+        second call is a no-op returning 0. On failure nothing is freed and the error is
+        re-raised.
+
+        Returns:
+            The device bytes copied to the host. Bytes freed without a copy (``DISCARD``) are
+            not included; :attr:`last_stats` has them as ``discarded_bytes``.
+        """
+        with self._lock:
+            started = time.perf_counter()
+            pending = [n for n in self._select(tags) if self._tags[n].parked is None]
+            # A tag with nothing allocated stays as it is (not "offloaded").
+            plans = [plan for plan in self._plan(pending) if plan.slots]
+            if not plans:
+                return 0
+            self._run([
+                _Copy(dst=piece.host, src=_bytes_of(slot.storage, piece),
+                      device=slot.storage.device, lane=piece.lane)
+                for plan in plans for slot in plan.slots for piece in slot.pieces
+            ])  # a failure here leaves every storage as it was
+            # Storages with a host copy go first: if freeing fails half-way, those can be
+            # brought back unchanged.
+            order = sorted((s for p in plans for s in p.slots), key=lambda s: not s.pieces)
+            freed: list[_Slot] = []
+            try:
+                for slot in order:
+                    _resize(slot.storage, 0)
+                    freed.append(slot)
+            except BaseException:
+                # Unreachable for resizable storages (checked above), but should it happen: put
+                # back what was freed (copied ones unchanged; discarded ones come back zeroed).
+                self._bring_back(freed, [])
+                raise
+            for plan in plans:
+                plan.tag.parked = _Parked(plan.slots, plan.discarded)
+                plan.tag.buffers = plan.buffers
+            if any(slot.storage.device.type == "cuda" for slot in order):
+                # Hand the freed blocks back to the driver, or other processes can not use them.
+                torch.cuda.empty_cache()
+            return self._finish("offloaded", [p.name for p in plans], order, started)
+
+    def restore(self, tags: str | Iterable[str] | None = None) -> int:
+        """Bring the state of ``tags`` (default: all) back to the device, bit-exact.
+
+        Each storage is re-allocated in place and its bytes copied back (``DISCARD`` tags:
+        zeroed, then ``recreate``). Tags not offloaded are left alone, so a second call is a
+        no-op returning 0. On failure whatever was re-allocated is freed again, the tags stay
+        offloaded (a retry can succeed) and the error is re-raised.
+
+        Returns:
+            The device bytes copied back from the host.
+        """
+        with self._lock:
+            started = time.perf_counter()
+            names = [n for n in self._select(tags) if self._tags[n].parked is not None]
+            if not names:
+                return 0
+            slots: list[_Slot] = []
+            recreates: list[tuple[RecreateFn, list[torch.Tensor]]] = []
+            for name in names:
+                tag = self._tags[name]
+                assert tag.parked is not None
+                slots.extend(tag.parked.slots)
+                if tag.recreate is not None:
+                    recreates.append((tag.recreate, tag.parked.discarded))
+            self._bring_back(slots, recreates)
+            released = False
+            for name in names:
+                tag = self._tags[name]
+                tag.parked = None
+                if not self.keep_pinned:
+                    released = released or bool(tag.buffers)
+                    tag.buffers = []
+            if released:
+                _empty_host_cache()
+            return self._finish("restored", names, slots, started)
+
+    def register(
+        self,
+        group_id: str,
+        *,
+        job_id: str | None = None,
+        pid: int | None = None,
+        state_bytes: int | None = None,
+        socket: str | None = None,
+        acquirer: bool = False,
+        timeout: float = 10.0,
+    ) -> worker.WorkerRegistration:
+        """Register this process with the node agent, with :meth:`offload` / :meth:`restore`
+        as its checkpoint / restore hooks.
+
+        ``state_bytes`` defaults to :attr:`device_bytes` now; the other arguments are those of
+        :func:`timeslice.worker.register`.
+        """
+        return worker.register(
+            group_id,
+            job_id=job_id,
+            pid=pid,
+            state_bytes=self.device_bytes if state_bytes is None else state_bytes,
+            socket=socket,
+            on_checkpoint=self.offload,
+            on_restore=self.restore,
+            acquirer=acquirer,
+            timeout=timeout,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"TorchOffloader(tags={list(self.tags)!r}, offloaded={sorted(self.offloaded_tags)!r}, "
+            f"chunk_bytes={self.chunk_bytes}, num_streams={self.num_streams}, "
+            f"keep_pinned={self.keep_pinned})"
+        )
+
+    # ------------------------------------------------------------------ internals
+
+    def _open(self, tag: str) -> _Tag:
+        if not isinstance(tag, str) or not tag:
+            raise InvalidArgument(f"tag must be a non-empty str, got {tag!r}")
+        state = self._tags.setdefault(tag, _Tag())
+        if state.parked is not None:
+            # The parked record would not cover the new objects, nor could restore undo it.
+            raise InvalidArgument(f"tag {tag!r} is offloaded; restore it before changing it")
+        return state
+
+    def _select(self, tags: str | Iterable[str] | None) -> list[str]:
+        if tags is None:
+            return list(self._tags)
+        names = [tags] if isinstance(tags, str) else list(dict.fromkeys(tags))
+        unknown = [n for n in names if n not in self._tags]
+        if unknown:
+            raise InvalidArgument(f"unknown tags {unknown!r}; known: {list(self._tags)!r}")
+        return names
+
+    def _plan(self, names: list[str]) -> list[_Plan]:
+        """Lay out the host copies of the tags' storages; allocates host buffers only."""
+        seen: set[int] = set()
+        plans: list[_Plan] = []
+        lane = 0
+        for name in names:
+            tag = self._tags[name]
+            tensors = list(tag.collect())
+            storages = list(_storages(tensors, seen))
+            for storage in storages:
+                if not storage.resizable():
+                    raise InvalidArgument(
+                        f"tag {name!r}: a {storage.nbytes()}-byte storage on {storage.device} "
+                        "can not be resized (memory borrowed from numpy or DLPack?), so it "
+                        "can not be offloaded"
+                    )
+            if tag.mode is OffloadMode.DISCARD:
+                keys = {s._cdata for s in storages}
+                mine = {id(t): t for t in tensors if _storage_key(t) in keys}
+                discarded = list(mine.values())
+                slots = [_Slot(s, s.nbytes(), []) for s in storages]
+                plans.append(_Plan(name, tag, slots, [], discarded))
+                continue
+            slots, buffers = self._lay_out(storages, tag.buffers, lane)
+            lane += len(buffers)
+            plans.append(_Plan(name, tag, slots, buffers, []))
+        return plans
+
+    def _lay_out(
+        self, storages: list[torch.UntypedStorage], kept: list[torch.Tensor], lane: int
+    ) -> tuple[list[_Slot], list[torch.Tensor]]:
+        """Pack the storages one after another into host buffers of ``chunk_bytes`` each.
+
+        Equal, large buffers (rather than one per storage) keep the number of pinned
+        allocations small and reusable: torch's pinned allocator rounds sizes up to a power
+        of two, so a buffer per storage could cost up to twice the host memory.
+        """
+        chunk = self.chunk_bytes
+        # Only align when it can not leave a whole buffer empty.
+        align = _ALIGN if chunk % _ALIGN == 0 else 1
+        placed: list[tuple[torch.UntypedStorage, list[tuple[int, int, int, int]]]] = []
+        offset = end = 0
+        for storage in storages:
+            nbytes = storage.nbytes()
+            spans = []
+            start = 0
+            while start < nbytes:
+                index, within = divmod(offset, chunk)
+                length = min(nbytes - start, chunk - within)
+                spans.append((start, index, within, length))
+                start += length
+                offset += length
+            placed.append((storage, spans))
+            end = offset
+            offset = -(-offset // align) * align
+        pin = torch.cuda.is_available() and any(s.device.type == "cuda" for s in storages)
+        buffers: list[torch.Tensor] = []
+        for index in range(-(-end // chunk)):
+            need = min(chunk, end - index * chunk)
+            old = kept[index] if index < len(kept) else None
+            if old is not None and old.numel() >= need and (not pin or old.is_pinned()):
+                buffers.append(old)
+            else:
+                buffers.append(torch.empty(need, dtype=torch.uint8, pin_memory=pin))
+        slots = [
+            _Slot(storage, storage.nbytes(), [
+                _Piece(start, buffers[b][w:w + n], (lane + b) % self.num_streams)
+                for start, b, w, n in spans
+            ])
+            for storage, spans in placed
+        ]
+        return slots, buffers
+
+    def _bring_back(
+        self, slots: list[_Slot], recreates: list[tuple[RecreateFn, list[torch.Tensor]]]
+    ) -> None:
+        """Re-allocate the slots' storages and fill them; on failure free them again."""
+        allocated: list[_Slot] = []
+        try:
+            for slot in slots:
+                _resize(slot.storage, slot.nbytes)
+                allocated.append(slot)
+            self._run([
+                _Copy(dst=_bytes_of(slot.storage, piece), src=piece.host,
+                      device=slot.storage.device, lane=piece.lane)
+                for slot in slots for piece in slot.pieces
+            ])
+            with torch.no_grad():
+                for slot in slots:
+                    if not slot.pieces:
+                        _whole(slot.storage).zero_()
+                for recreate, tensors in recreates:
+                    for tensor in tensors:
+                        recreate(tensor)
+            for device in {slot.storage.device for slot in slots} - {torch.device("cpu")}:
+                if device.type == "cuda":
+                    # Zeroing and recreate ran on this thread's stream; the job may use another.
+                    torch.cuda.synchronize(device)
+        except BaseException:
+            for slot in allocated:
+                try:
+                    _resize(slot.storage, 0)
+                except Exception:  # keep going: the others must be freed too
+                    log.exception("could not free a %d-byte storage again", slot.nbytes)
+            if any(slot.storage.device.type == "cuda" for slot in allocated):
+                torch.cuda.empty_cache()
+            raise
+
+    def _run(self, copies: list[_Copy]) -> None:
+        """Run the copies and wait for all of them, also when one fails."""
+        used: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
+        try:
+            with torch.no_grad():
+                for copy in copies:
+                    if copy.device.type != "cuda":
+                        _copy(copy.dst, copy.src, non_blocking=False)
+                        continue
+                    key = (copy.device, copy.lane)
+                    if key not in used:
+                        if all(device != copy.device for device, _ in used):
+                            # Hooks run in their own thread while the job is paused: whatever
+                            # any of its streams still has queued on these storages (or, on
+                            # restore, on the memory just allocated) must finish first.
+                            torch.cuda.synchronize(copy.device)
+                        used[key] = self._stream(key)
+                    with torch.cuda.stream(used[key]):
+                        _copy(copy.dst, copy.src, non_blocking=True)
+        finally:
+            # Nothing may be freed, nor a failure reported, while a copy is still in flight.
+            for stream in used.values():
+                stream.synchronize()
+
+    def _stream(self, key: tuple[torch.device, int]) -> torch.cuda.Stream:
+        stream = self._streams.get(key)
+        if stream is None:
+            # torch leaves Stream's constructor untyped.
+            stream = torch.cuda.Stream(key[0])  # type: ignore[no-untyped-call]
+            self._streams[key] = stream
+        return stream
+
+    def _finish(self, verb: str, names: list[str], slots: list[_Slot], started: float) -> int:
+        """Record and log a completed cycle; returns the bytes copied."""
+        copied = sum(slot.nbytes for slot in slots if slot.pieces)
+        discarded = sum(slot.nbytes for slot in slots if not slot.pieces)
+        seconds = time.perf_counter() - started
+        self._last = CycleStats(copied, discarded, len(slots), seconds)
+        log.info("%s tags %s: %d bytes copied, %d discarded, %d storages in %.3fs",
+                 verb, names, copied, discarded, len(slots), seconds)
+        return copied
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    key: int = tensor.untyped_storage()._cdata
+    return key
+
+
+def _storages(
+    tensors: Iterable[torch.Tensor], seen: set[int]
+) -> Iterator[torch.UntypedStorage]:
+    """The distinct, allocated, non-meta storages of ``tensors`` not yet in ``seen``."""
+    for tensor in tensors:
+        if tensor.device.type == "meta":
+            continue
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError) as exc:
+            raise InvalidArgument(
+                f"a {tensor.layout} tensor of shape {tuple(tensor.shape)} has no plain "
+                f"storage to offload: {exc}"
+            ) from exc
+        key: int = storage._cdata
+        if key in seen or storage.nbytes() == 0:
+            continue
+        seen.add(key)
+        yield storage
+
+
+def _whole(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A flat uint8 tensor over all of ``storage``: byte copies are exact for every dtype."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _bytes_of(storage: torch.UntypedStorage, piece: _Piece) -> torch.Tensor:
+    return _whole(storage)[piece.start:piece.start + piece.host.numel()]
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool) -> None:
+    """One chunk copy (a function of its own so tests can make it fail)."""
+    dst.copy_(src, non_blocking=non_blocking)
+
+
+def _resize(storage: torch.UntypedStorage, nbytes: int) -> None:
+    """Free (``nbytes=0``) or re-allocate a storage in place (tests make this fail)."""
+    storage.resize_(nbytes)
+
+
+def _empty_host_cache() -> None:
+    # torch caches freed pinned buffers for reuse; without this "freed" host memory stays
+    # pinned in this process. The call is missing from CPU-only builds.
+    if torch.cuda.is_available():
+        empty = getattr(torch._C, "_host_emptyCache", None)
+        if empty is not None:
+            empty()
