@@ -518,6 +518,7 @@ class SwitchDriver:
             session=entry.session,
             request_id=entry.request_id,
             attempt=entry.attempt,
+            ticket=head.revision,
             granted_at=now,
             waited_seconds=max(0.0, now - entry.enqueued_at),
             restored=restored,

@@ -184,7 +184,7 @@ class GroupStore:
                     )
                     if not taken.succeeded:
                         return None
-                    return Enqueued(taken.revision, 0, attempt, b"", reattached=True)
+                    return Enqueued(taken.revision, held.ticket, attempt, b"", reattached=True)
                 raise AlreadyExists(f"job {job} already holds group {group}")
         entry = QueueRecord(
             session=session_id,

@@ -71,6 +71,10 @@ class HolderRecord(_Record):
     switch_seconds: float = 0.0
     request_id: str = ""
     attempt: str = ""
+    # The create revision of the queue entry this grant served: the waiter's place in line.
+    # Kept so a client that re-attaches to its grant (after a replica died mid-delivery)
+    # learns the same ticket as if the grant had reached it the first time.
+    ticket: int = 0
 
 
 @dataclass(slots=True)
