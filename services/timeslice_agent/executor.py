@@ -20,6 +20,7 @@ Every directive received gets exactly one ack:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -48,7 +49,7 @@ from timeslice_agent.jobs import Job, JobState, Residency
 from timeslice_agent.journal import DirectiveJournal, JournalEntry
 from timeslice_agent.metrics import AgentMetrics
 from timeslice_agent.statefile import AgentState, StateStore, StateWriteError
-from timeslice_agent.tasks import Supervisor
+from timeslice_agent.tasks import Supervisor, run_to_completion
 from timeslice_agent.workers import HookFailed, WorkerRegistry
 from timeslice_proto.timeslice.v1 import (
     AckStatus,
@@ -557,8 +558,9 @@ class DirectiveExecutor:
         parked = sum(j.saved_bytes for j in self._jobs.values() if j.state is JobState.SAVED)
         return self._host_memory.refusal(self._backend.checkpoint_bytes(ctx), parked)
 
-    def _foreign(self, ctx: JobContext) -> _Outcome | None:
-        foreign = foreign_pids(ctx.job_id, ctx.pids)
+    async def _foreign(self, ctx: JobContext) -> _Outcome | None:
+        # procfs reads take the target's mmap lock: off the loop, a stuck process cannot stall it.
+        foreign = await asyncio.to_thread(foreign_pids, ctx.job_id, ctx.pids)
         if not foreign:
             return None
         self._metrics.refused.labels("foreign_process").inc()
@@ -597,7 +599,7 @@ class DirectiveExecutor:
         if not workers:
             return _OK_NOTHING
         ctx = self._context(job, workers)
-        foreign = self._foreign(ctx)
+        foreign = await self._foreign(ctx)
         if foreign is not None:
             return foreign
         try:
@@ -623,31 +625,37 @@ class DirectiveExecutor:
             )
             hooks_done = True
             transfer = await self._backend.checkpoint(ctx)
+            moved = transfer.moved_pids if transfer.moved_pids is not None else ctx.pids
             if check is not None:
-                measured -= await self._confirm_released(check, ctx)
+                try:
+                    measured -= await check.confirm_released(ctx.job_id, ctx.pids)
+                except BaseException:
+                    # Memory still held, NVML failing, or the deadline: the backend's move
+                    # must not stay half-acknowledged.
+                    await self._undo_checkpoint(job, dataclasses.replace(ctx, saved_pids=moved))
+                    raise
             # NVML's measurement is the truth where there is one; announced bytes otherwise.
             total = measured if measured > 0 else transfer.bytes_moved + hook_bytes
-            job.settle_saved(total, ctx.pids)
+            job.settle_saved(total, moved)
             return total
 
         return await self._guarded(
             job, clock, action, hooks_acted=lambda: hooks_sent and hooks_done
         )
 
-    async def _confirm_released(self, check: MemoryCheck, ctx: JobContext) -> int:
-        """Fail the checkpoint if NVML still sees the job's memory, undoing the backend's move.
+    async def _undo_checkpoint(self, job: Job, ctx: JobContext) -> None:
+        """Put back what the backend moved, after the checkpoint failed its NVML check.
 
-        The app's own hooks are undone by the rollback RESTORE the orchestrator sends next:
-        it finds the job FAULTED on the device and re-runs the after-restore hooks.
+        The app's own hooks are undone by the rollback RESTORE the orchestrator sends next: it
+        finds the job FAULTED on the device and re-runs the after-restore hooks. If the undo
+        fails too, the state is parked on the host, and the job is recorded so, so that a
+        later restore brings it back rather than assuming it is on the device.
         """
         try:
-            return await check.confirm_released(ctx.job_id, ctx.pids)
-        except BackendError:
-            try:
-                await self._backend.restore(ctx)
-            except BackendError as exc:
-                log.error("could not undo the checkpoint of %s: %s", ctx.job_id, exc.reason)
-            raise
+            await run_to_completion(self._backend.restore(ctx))
+        except BackendError as exc:
+            log.error("could not undo the checkpoint of %s: %s", ctx.job_id, exc.reason)
+            job.settle_saved(ctx.saved_bytes, ctx.saved_pids)
 
     async def _restore(self, d: Directive, clock: _Clock) -> _Outcome:
         job = self._jobs.get(d.job_id)
@@ -672,7 +680,7 @@ class DirectiveExecutor:
             return await self._guarded(job, clock, rerun_hooks, hooks_acted=lambda: False)
 
         ctx = self._context(job, workers)
-        foreign = self._foreign(ctx)
+        foreign = await self._foreign(ctx)
         if foreign is not None:
             return foreign
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Collection
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
 from timeslice_proto.timeslice.v1 import Device
@@ -108,19 +109,25 @@ class NvmlDeviceMemory:
         except Exception as exc:  # NVMLError subclasses vary by driver.
             raise NvmlUnavailable(f"NVML is not available: {exc}") from None
         self._nvml = pynvml
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvml")
         self._handles = [
             pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(int(pynvml.nvmlDeviceGetCount()))
         ]
 
     def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
         try:
             self._nvml.nvmlShutdown()
         except Exception as exc:
             log.debug("nvml: shutdown failed: %s", exc)
 
     async def _call(self, func: Callable[[], _T]) -> _T:
+        # One thread of NVML's own: a hung GPU blocks NVML calls for good, and a call given
+        # up on keeps its thread, so they must not pile up in the loop's shared pool (state
+        # file writes and driver calls run there).
+        future = asyncio.get_running_loop().run_in_executor(self._thread, func)
         try:
-            return await asyncio.wait_for(asyncio.to_thread(func), _NVML_CALL_SECONDS)
+            return await asyncio.wait_for(future, _NVML_CALL_SECONDS)
         except TimeoutError:
             raise TimeoutError(f"NVML did not answer within {_NVML_CALL_SECONDS:g} s") from None
 

@@ -27,9 +27,11 @@ from timeslice_agent.discovery import ProcessFinder
 from timeslice_agent.executor import DirectiveExecutor
 from timeslice_agent.hostmem import GB, HostMemory
 from timeslice_agent.http import HttpServer
+from timeslice_agent.jobs import Residency
 from timeslice_agent.journal import DirectiveJournal
 from timeslice_agent.metrics import AgentMetrics
 from timeslice_agent.nvml import DeviceMemory, discover_devices, open_device_memory
+from timeslice_agent.procs import pid_exists
 from timeslice_agent.statefile import StateFileError, load_state
 from timeslice_agent.stream import OrchestratorLink
 from timeslice_agent.tasks import Supervisor
@@ -144,6 +146,7 @@ class Agent:
         self.devices: list[Device] = []
         self.memory: DeviceMemory | None = None
         self.finder: ProcessFinder | None = None
+        self._scan_lock = asyncio.Lock()
         self.http_address: Endpoint | None = None
         self._grpc: Server | None = None
         self._http: HttpServer | None = None
@@ -169,8 +172,30 @@ class Agent:
         self.link.send_ack(ack)
 
     async def _rescan(self) -> None:
-        if self.finder is not None:
-            self.registry.set_discovered(await self.finder.scan())
+        if self.finder is None:
+            return
+        # One scan at a time: an older result must never overwrite a newer one.
+        async with self._scan_lock:
+            found = await self.finder.scan()
+            self.registry.set_discovered(found + await self._parked(found))
+
+    async def _parked(self, found: list[WorkerInfo]) -> list[WorkerInfo]:
+        """Processes of jobs parked on the host, which NVML no longer lists.
+
+        A checkpointed process holds no device context, so NVML stops reporting it; it is
+        still the job's, and the orchestrator must keep seeing the job on this node, or it
+        would grant the job again without restoring it here.
+        """
+        seen = {(w.job_id, w.pid) for w in found}
+        candidates = [
+            WorkerInfo(job_id=job.job_id, group_id=job.group_id, pid=pid)
+            for job in self.executor.jobs.values()
+            if job.residency is Residency.HOST
+            for pid in job.saved_pids
+            if (job.job_id, pid) not in seen
+        ]
+        alive = await asyncio.to_thread(lambda: [w for w in candidates if pid_exists(w.pid)])
+        return alive
 
     async def _discover_forever(self) -> None:
         while True:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
 
 from timeslice_agent.metrics import AgentMetrics
@@ -81,3 +81,26 @@ class Supervisor:
                 log.error(
                     "task %s did not stop within %g s of cancellation", task.get_name(), timeout
                 )
+
+
+async def run_to_completion(work: Awaitable[T]) -> T:
+    """Await ``work`` to its end even if the caller is cancelled meanwhile (once or more).
+
+    For steps that must not stop halfway, such as putting processes back after a failed
+    checkpoint: a cancellation that arrives meanwhile is held back and re-raised once the work
+    has finished (so a deadline still ends the caller, as a TimeoutError, afterwards).
+    """
+    task = asyncio.ensure_future(work)
+    interrupted = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.cancelled():
+                raise
+            interrupted = True
+    if interrupted:
+        if not task.cancelled():
+            task.exception()  # observed: the caller is told of the cancellation instead
+        raise asyncio.CancelledError
+    return task.result()

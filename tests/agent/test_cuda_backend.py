@@ -45,6 +45,7 @@ class FakeDriver:
     mechanism: str = "driver-api"
     calls: list[tuple[str, int]] = field(default_factory=list)
     fail: dict[tuple[str, int], str] = field(default_factory=dict)
+    no_cuda: set[int] = field(default_factory=set)
     hang: set[tuple[str, int]] = field(default_factory=set)
     hang_seconds: float = 0.3
     states: dict[int, ProcessState] = field(default_factory=dict)
@@ -85,15 +86,26 @@ class FakeDriver:
         )
 
     async def state(self, pid: int) -> ProcessState:
+        if pid in self.no_cuda:
+            raise CudaCallError("get-state", pid, "CUDA_ERROR_NOT_INITIALIZED")
         return self.states.get(pid, ProcessState.RUNNING)
 
 
 PIDS = (1001, 1002, 1003)
 
 
-def job(pids: Sequence[int] = PIDS, state_bytes: int = 3 << 30) -> JobContext:
+def job(
+    pids: Sequence[int] = PIDS, state_bytes: int = 3 << 30, saved: Sequence[int] | None = None
+) -> JobContext:
+    """A job of ``pids``; ``saved``: the pids its last checkpoint moved (default: all)."""
     workers = tuple(WorkerInfo(job_id="j1", group_id="g1", pid=p) for p in pids)
-    return JobContext(job_id="j1", group_id="g1", workers=workers, state_bytes=state_bytes)
+    return JobContext(
+        job_id="j1",
+        group_id="g1",
+        workers=workers,
+        state_bytes=state_bytes,
+        saved_pids=tuple(pids if saved is None else saved),
+    )
 
 
 def steps_of(calls: list[tuple[str, int]]) -> list[str]:
@@ -125,6 +137,20 @@ async def test_restore_restores_every_pid_before_unlocking_any() -> None:
     await backend.restore(job())
     assert steps_of(driver.calls) == ["restore", "unlock"]
     assert all(driver.states[p] is ProcessState.RUNNING for p in PIDS)
+
+
+async def test_checkpoint_leaves_processes_without_cuda_state_alone() -> None:
+    # The acquirer (or any helper process) of a job has no CUDA context: locking it would
+    # fail the whole job, so it is not moved, and the restore brings back only what moved.
+    driver = FakeDriver(no_cuda={1002})
+    backend = CudaBackend(driver)
+    transfer = await backend.checkpoint(job())
+    assert transfer.moved_pids == (1001, 1003)
+    assert {pid for _, pid in driver.calls} == {1001, 1003}
+    driver.calls.clear()
+    # A process that joined the job while it was parked is running: it is not "restored".
+    await backend.restore(job(pids=(*PIDS, 1004), saved=transfer.moved_pids))
+    assert {pid for _, pid in driver.calls} == {1001, 1003}
 
 
 async def test_steps_run_concurrently_across_pids() -> None:
@@ -185,6 +211,20 @@ async def test_deadline_waits_for_calls_in_flight_then_rolls_back() -> None:
     assert sorted(c for c in driver.calls if c[0] == "restore") == [("restore", p) for p in PIDS]
 
 
+async def test_rollback_finishes_even_when_cancelled_again_and_again() -> None:
+    # Shutdown cancels running directives, then the event loop's teardown cancels again:
+    # neither may cut the rollback short and leave a rank locked or checkpointed.
+    driver = FakeDriver(hang={("checkpoint", 1002), ("restore", 1001)}, hang_seconds=0.3)
+    task = asyncio.ensure_future(CudaBackend(driver).checkpoint(job()))
+    await asyncio.sleep(0.1)
+    for _ in range(3):
+        task.cancel()
+        await asyncio.sleep(0.15)
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert all(driver.states[p] is ProcessState.RUNNING for p in PIDS), driver.states
+
+
 async def test_refuses_the_agent_itself_and_pid_1() -> None:
     backend = CudaBackend(FakeDriver())
     with pytest.raises(BackendRefused, match="pid 1"):
@@ -209,7 +249,7 @@ set -e
 dir="$FAKE_CUDA_CHECKPOINT_DIR"
 action="$1"; pid="$3"
 state=$(cat "$dir/$pid" 2>/dev/null || echo running)
-if [ -e "$dir/fail-$pid" ]; then
+if [ -e "$dir/fail-$pid" ] && [ "$action" = --toggle ]; then
   echo "Could not toggle: CUDA_ERROR_NOT_SUPPORTED" >&2; exit 1
 fi
 case "$action" in

@@ -246,3 +246,78 @@ async def test_agent_discovers_and_freezes_a_process_nobody_registered(
         lambda w: late.pid in {x.pid for x in w.workers}, timeout=10.0
     )
     assert {x.pid for x in changed.workers} == {worker.pid, late.pid}
+
+
+# ----- a failure after the backend moved the job is undone -----------------------------------
+
+
+class FlakyMemory(FakeDeviceMemory):
+    """NVML that stops answering once the job's processes were checkpointed."""
+
+    async def held_by(self, pids: Collection[int]) -> int:
+        if self.queries >= 1:
+            raise TimeoutError("NVML did not answer within 10 s")
+        return await super().held_by(pids)
+
+
+@pytest.fixture
+def sleeper(procs: list[subprocess.Popen[bytes]]) -> int:
+    proc = subprocess.Popen(["sleep", "60"])
+    procs.append(proc)
+    return proc.pid
+
+
+async def test_a_failed_check_after_a_cuda_checkpoint_puts_the_processes_back(
+    tmp_path: Path, sleeper: int
+) -> None:
+    from test_cuda_backend import FakeDriver
+
+    from timeslice_agent.backends import CudaBackend
+    from timeslice_agent.backends.cuda import ProcessState
+
+    driver = FakeDriver()
+    rig = Rig(tmp_path, backend=CudaBackend(driver))
+    rig.executor.memory_check = MemoryCheck(FlakyMemory(held={sleeper: GIB}), release_wait=0.2)
+    try:
+        rig.registry.register(WorkerInfo(job_id="j1", group_id="g1", pid=sleeper))
+        ack = await rig.run("d1", CKPT, "j1", 1)
+        assert ack.status == AckStatus.FAILED and "NVML did not answer" in ack.error
+        # Locked, checkpointed, then (NVML failing) restored and unlocked again.
+        assert [step for step, _ in driver.calls] == ["lock", "checkpoint", "restore", "unlock"]
+        assert driver.states[sleeper] is ProcessState.RUNNING
+        assert rig.executor.jobs["j1"].on_device
+
+        # If the undo fails too, the job is recorded as parked, so a restore brings it back.
+        driver.calls.clear()
+        driver.fail[("restore", sleeper)] = "CUDA_ERROR_OUT_OF_MEMORY"
+        rig.executor.memory_check = MemoryCheck(FlakyMemory(held={sleeper: GIB}), release_wait=0.2)
+        ack = await rig.run("d2", CKPT, "j1", 2)
+        assert ack.status == AckStatus.FAILED
+        job = rig.executor.jobs["j1"]
+        assert not job.on_device and job.saved_pids == (sleeper,)
+        assert driver.states[sleeper] is ProcessState.CHECKPOINTED
+        del driver.fail[("restore", sleeper)]
+        rig.executor.memory_check = None
+        ack = await rig.run("d3", REST, "j1", 2)
+        assert ack.status == AckStatus.OK, ack.error
+        assert driver.states[sleeper] is ProcessState.RUNNING
+    finally:
+        await rig.close()
+
+
+async def test_agent_keeps_parked_processes_that_nvml_no_longer_lists(
+    tmp_path: Path, sleeper: int
+) -> None:
+    from timeslice_agent.config import parse_config
+    from timeslice_agent.jobs import Job, Residency
+    from timeslice_agent.service import Agent
+
+    argv = ["--orchestrator", "127.0.0.1:1", "--node", "n1", "--backend", "app"]
+    config = parse_config([*argv, "--worker-socket", str(tmp_path / "a.sock")], {})
+    agent = Agent(config, tracing=None)
+    agent.executor.jobs["j1"] = Job(
+        "j1", "g1", JobState.SAVED, Residency.HOST, saved_bytes=GIB, saved_pids=(sleeper, 999999)
+    )
+    parked = await agent._parked([])
+    assert [(w.job_id, w.group_id, w.pid) for w in parked] == [("j1", "g1", sleeper)]
+    assert await agent._parked(parked) == []  # already listed by the scan

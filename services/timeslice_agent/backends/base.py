@@ -65,10 +65,15 @@ class JobContext:
 
 @dataclass(frozen=True)
 class Transfer:
-    """The result of one backend move."""
+    """The result of one backend move.
+
+    ``moved_pids``: the processes a checkpoint really moved, when the backend chose among the
+    job's pids (None: all of them). They are the ones a restore brings back.
+    """
 
     bytes_moved: int
     elapsed_seconds: float
+    moved_pids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from timeslice_agent.backends.base import (
     Transfer,
 )
 from timeslice_agent.config import CudaPath, CudaSettings
+from timeslice_agent.tasks import run_to_completion
 from timeslice_proto.timeslice.v1 import Device
 
 log = logging.getLogger(__name__)
@@ -308,16 +309,45 @@ class CudaBackend(Backend):
     def admit_restore(self, job: JobContext) -> None:
         self._pids(job)
 
-    async def checkpoint(self, job: JobContext) -> Transfer:
-        return await self._move(
-            job, "checkpoint", self._driver.checkpoint_steps(self._lock_timeout_ms)
+    async def _cuda_pids(self, job: JobContext) -> tuple[int, ...]:
+        """The job's processes that have CUDA state to checkpoint.
+
+        A registered process without a CUDA context (the one that calls acquire, a helper)
+        has nothing to move and would fail the lock; the driver tells them apart. Should the
+        driver wrongly skip a process that holds memory, the NVML check after the checkpoint
+        still fails the directive.
+        """
+        pids = self._pids(job)
+        states = await asyncio.gather(
+            *(self._driver.state(p) for p in pids), return_exceptions=True
         )
+        chosen = []
+        for pid, state in zip(pids, states, strict=True):
+            if isinstance(state, CudaCallError):
+                log.info("cuda: pid %d of job %s has no CUDA state (%s); left alone",
+                         pid, job.job_id, state.error)
+            elif isinstance(state, BaseException):
+                raise state
+            else:
+                chosen.append(pid)
+        return tuple(chosen)
+
+    async def checkpoint(self, job: JobContext) -> Transfer:
+        pids = await self._cuda_pids(job)
+        steps = self._driver.checkpoint_steps(self._lock_timeout_ms)
+        transfer = await self._move(job, "checkpoint", pids, steps)
+        return Transfer(transfer.bytes_moved, transfer.elapsed_seconds, moved_pids=pids)
 
     async def restore(self, job: JobContext) -> Transfer:
-        return await self._move(job, "restore", self._driver.restore_steps(self._lock_timeout_ms))
+        # Only what the checkpoint moved: a process that joined the job since is running.
+        pids = job.saved_pids
+        self._pids(job)
+        steps = self._driver.restore_steps(self._lock_timeout_ms)
+        return await self._move(job, "restore", pids, steps)
 
-    async def _move(self, job: JobContext, what: str, steps: Sequence[Step]) -> Transfer:
-        pids = self._pids(job)
+    async def _move(
+        self, job: JobContext, what: str, pids: tuple[int, ...], steps: Sequence[Step]
+    ) -> Transfer:
         started = time.monotonic()
         finished: list[_Outcome] = []
         try:
@@ -326,14 +356,15 @@ class CudaBackend(Backend):
                 if outcome.failure is not None:
                     raise outcome.failure
         except CudaCallError as exc:
-            await _roll_back(finished)
+            await run_to_completion(_roll_back(finished))
             raise BackendError(
                 f"cuda {what} of job {job.job_id} failed at step {exc.step} for pid {exc.pid}: "
                 f"{exc.error}; {_rolled_back(finished)} [{self.mechanism}]"
             ) from None
         except asyncio.CancelledError:
-            # The deadline ended the move: _apply already waited for the calls in flight.
-            await asyncio.shield(_roll_back(finished))
+            # The deadline ended the move: _apply waited for the calls in flight; put every
+            # process back before the cancellation goes on, however often it is repeated.
+            await run_to_completion(_roll_back(finished))
             raise
         elapsed = time.monotonic() - started
         log.info(
@@ -371,14 +402,11 @@ async def _apply(step: Step, pids: Sequence[int], finished: list[_Outcome]) -> _
         asyncio.ensure_future(step.do(pid)): pid for pid in pids
     }
     try:
-        await asyncio.wait(tasks)
-    except asyncio.CancelledError:
-        await asyncio.shield(asyncio.wait(tasks))
+        if tasks:
+            await run_to_completion(asyncio.wait(tasks))
+    finally:
         finished.append(_collect(step, tasks))
-        raise
-    outcome = _collect(step, tasks)
-    finished.append(outcome)
-    return outcome
+    return finished[-1]
 
 
 def _collect(step: Step, tasks: dict[asyncio.Future[None], int]) -> _Outcome:
