@@ -552,11 +552,17 @@ class DirectiveExecutor:
             self._count_jobs()
         return _Outcome(AckStatus.OK, bytes_moved=nbytes)
 
-    def _host_refusal(self, ctx: JobContext) -> str | None:
+    def _host_refusal(self, ctx: JobContext, measured: int) -> str | None:
+        """Why the checkpoint would not fit in host memory; ``measured``: NVML's bytes (or 0).
+
+        Discovered processes announce nothing, so NVML's measurement, where there is one, is
+        what the host must take.
+        """
         if self._host_memory is None:
             return None
         parked = sum(j.saved_bytes for j in self._jobs.values() if j.state is JobState.SAVED)
-        return self._host_memory.refusal(self._backend.checkpoint_bytes(ctx), parked)
+        needed = max(self._backend.checkpoint_bytes(ctx), measured)
+        return self._host_memory.refusal(needed, parked)
 
     async def _foreign(self, ctx: JobContext) -> _Outcome | None:
         # procfs reads take the target's mmap lock: off the loop, a stuck process cannot stall it.
@@ -607,7 +613,9 @@ class DirectiveExecutor:
         except BackendRefused as exc:
             self._metrics.refused.labels("backend").inc()
             return _Outcome(AckStatus.REFUSED, exc.reason)
-        refusal = self._host_refusal(ctx)
+        check = self.memory_check
+        measured = await check.measure(ctx.pids) if check is not None else 0
+        refusal = self._host_refusal(ctx, measured)
         if refusal is not None:
             log.warning("checkpoint of %s refused: %s", d.job_id, refusal)
             self._metrics.refused.labels("host_memory").inc()
@@ -615,11 +623,8 @@ class DirectiveExecutor:
         hooks_sent = any(w.app_callbacks for w in workers)
         hooks_done = False
 
-        check = self.memory_check
-
         async def action() -> int:
-            nonlocal hooks_done
-            measured = await check.measure(ctx.pids) if check is not None else 0
+            nonlocal hooks_done, measured
             hook_bytes = await self._registry.run_hooks(
                 d.job_id, d.group_id, HookKind.BEFORE_CHECKPOINT, self._hook_timeout
             )

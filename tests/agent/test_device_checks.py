@@ -321,3 +321,18 @@ async def test_agent_keeps_parked_processes_that_nvml_no_longer_lists(
     parked = await agent._parked([])
     assert [(w.job_id, w.group_id, w.pid) for w in parked] == [("j1", "g1", sleeper)]
     assert await agent._parked(parked) == []  # already listed by the scan
+
+
+async def test_host_admission_counts_what_nvml_measured_not_what_was_announced(
+    app_rig: Rig,
+) -> None:
+    from timeslice_agent.hostmem import HostMemory
+
+    # The worker announced 1 GB, but NVML sees 6 GiB on the device: that is what the host
+    # would have to take, and a 4 GB host cannot.
+    app_rig.executor._host_memory = HostMemory(reserve_bytes=0, modelled_bytes=4_000_000_000)
+    reg = app_rig.worker("j1", gb=1.0, app_callbacks=True)
+    ack = await app_rig.run("d1", CKPT, "j1", 1)
+    assert ack.status == AckStatus.REFUSED and "host memory admission" in ack.error
+    assert "6.44 GB" in ack.error
+    assert reg.commands.empty()  # refused before any hook was asked to move anything
