@@ -26,7 +26,10 @@ GB = 1_000_000_000
 
 
 class BackendKind(enum.Enum):
-    """The data-movement backends this agent can run."""
+    """The data-movement backends this agent can run: the one list of them.
+
+    Each value names a module of :mod:`timeslice_agent.backends` that has a ``create``.
+    """
 
     SIM = "sim"
     FREEZE = "freeze"
@@ -137,15 +140,6 @@ class AgentConfig:
     cuda: CudaSettings = CudaSettings()
     discovery: Discovery = Discovery.AUTO
     device_check: DeviceCheckSettings = DeviceCheckSettings()
-
-    @property
-    def effective_discovery(self) -> Discovery:
-        """``discovery`` with AUTO resolved by backend (NVML vs procfs is decided at start)."""
-        if self.discovery is not Discovery.AUTO:
-            return self.discovery
-        if self.backend in (BackendKind.CUDA, BackendKind.APP):
-            return Discovery.AUTO
-        return Discovery.OFF
 
 
 def parse_endpoint(text: str, *, allow_port_zero: bool = False) -> Endpoint:
@@ -258,7 +252,8 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     add(
         "--backend",
         "sim",
-        "cuda | app | freeze | sim (default sim: an emulation that moves nothing)",
+        f"{' | '.join(k.value for k in BackendKind)} (default sim: an emulation that moves "
+        "nothing)",
         type=_argtype(_backend),
     )
     add(
@@ -283,7 +278,8 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "--discover",
         "auto",
         "find job processes by TIMESLICE_JOB_ID/TIMESLICE_GROUP in their environment: "
-        "nvml | procfs | off | auto (nvml, else procfs, for cuda and app; off otherwise)",
+        "nvml | procfs | off | auto (nvml, else procfs, for backends that free device "
+        "memory, cuda and app; off otherwise)",
         type=_argtype(_choice(Discovery, "--discover")),
     )
     add(
