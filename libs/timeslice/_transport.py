@@ -147,6 +147,10 @@ class Transport:
         while True:
             remaining = deadline - loop.time()
             if remaining <= 0:
+                # Only after a failed attempt and its backoff (a sleep may overshoot the
+                # deadline under load): report the outage if that is what it was.
+                if problems and isinstance(list(problems.values())[-1], Unavailable):
+                    raise self._unreachable(what, problems, budget)
                 raise Timeout(f"{what}: no answer within {budget:g}s")
             target, stub = self.stub()
             try:
