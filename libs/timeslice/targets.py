@@ -121,6 +121,8 @@ def parse_address(
         if default_port is None:
             raise _bad(what, text, "no port")
         return HostPort(host, default_port)
+    if not port_text:
+        raise _bad(what, text, "no port after ':'")
     low = 0 if port_zero else 1
     if not (port_text.isascii() and port_text.isdigit()) or not low <= int(port_text) <= 65535:
         raise _bad(what, text, f"the port must be a number from {low} to 65535")
