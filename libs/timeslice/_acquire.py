@@ -211,4 +211,3 @@ class AcquireCall:
             self.events += 1
             if event.state == AcquireState.GRANTED:
                 self.granted = event
-

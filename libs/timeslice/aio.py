@@ -359,9 +359,7 @@ class AsyncTimeSliceClient:
         if self._closed:
             raise Cancelled(f"the timeslice client of job {self._job_id} was closed")
 
-    async def _unary(
-        self, what: str, call: Callable[[TimeSliceStub, float], Awaitable[T]]
-    ) -> T:
+    async def _unary(self, what: str, call: Callable[[TimeSliceStub, float], Awaitable[T]]) -> T:
         self._check_open()
         return await self._transport.unary(what, call, budget=self._call_timeout)
 
@@ -561,4 +559,3 @@ class AsyncTimeSliceClient:
             await session.close(budget=min(self._call_timeout, _CLOSE_BUDGET))
         await self._tasks.cancel_all(timeout=1.0)
         self._transport.close()
-

@@ -45,9 +45,7 @@ def register(commands: Commands) -> None:
     add_target_option(groups)
     groups.add_argument("--json", action="store_true", help="print JSON")
 
-    status = commands.add(
-        "status", cmd_status, help="a group's status (all groups without GROUP)"
-    )
+    status = commands.add("status", cmd_status, help="a group's status (all groups without GROUP)")
     status.add_argument("group", nargs="?", metavar="GROUP")
     add_target_option(status)
     status.add_argument("--json", action="store_true", help="print JSON")
