@@ -1,7 +1,7 @@
 """Pure maths of the benchmarks: windows, duty cycles, slowdowns, switch splits, bounds.
 
 Everything here is a function of recorded samples (no I/O, no clocks), unit-tested on known
-inputs (tests/bench). Interval and duty-cycle arithmetic is :mod:`timeslice.dev.timeline`'s;
+inputs (tests/bench). Interval and duty-cycle arithmetic is :mod:`timeslice_tools.dev.timeline`'s;
 percentiles are :func:`tests.history.percentile` (nearest rank), so the benchmarks and the
 invariant checks agree on what p99 means.
 """
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from bench.profiles import Phase
 from tests.history import percentile
-from timeslice.dev.timeline import Interval, duty_cycle
 from timeslice_agent.journal import JournalEntry
+from timeslice_tools.dev.timeline import Interval, duty_cycle
 
 __all__ = [
     "GrantSample",

@@ -1,6 +1,6 @@
 """Control-plane benchmarks: handoff latency, acquire/yield throughput, memory, switch fan-out.
 
-Every benchmark starts its own :class:`~timeslice.dev.cluster.LocalCluster` (real etcd,
+Every benchmark starts its own :class:`~timeslice_tools.dev.cluster.LocalCluster` (real etcd,
 orchestrator replicas and agents as processes, loopback gRPC) and drives it through the SDK
 from this process, so the client side's CPU is part of what is measured: on a 2-core
 machine the load generator, etcd, the replicas and the agents compete for the same cores.

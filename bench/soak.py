@@ -33,8 +33,8 @@ from tests.history import (
     wait_times,
 )
 from timeslice import AsyncTimeSliceClient, register
-from timeslice.dev.cluster import LocalCluster
 from timeslice_agent.journal import read_journal
+from timeslice_tools.dev.cluster import LocalCluster
 
 
 @dataclass

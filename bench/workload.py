@@ -1,6 +1,6 @@
 """The workload generator: synthetic RL jobs through the real SDK against a real LocalCluster.
 
-:func:`run_profile` starts a :class:`~timeslice.dev.cluster.LocalCluster` (etcd, orchestrator
+:func:`run_profile` starts a :class:`~timeslice_tools.dev.cluster.LocalCluster` (etcd, orchestrator
 replicas and sim agents as processes), then runs ``jobs`` copies of a profile twice with the
 same random draws:
 
@@ -64,8 +64,8 @@ from tests.history import (
     check_two_phase,
 )
 from timeslice import AsyncTimeSliceClient, Grant
-from timeslice.dev.cluster import LocalCluster
 from timeslice_agent.journal import JournalEntry, read_journal
+from timeslice_tools.dev.cluster import LocalCluster
 
 __all__ = [
     "DEFAULT_COSTS",

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from timeslice.errors import InvalidArgument
 from timeslice.ids import validate_node
+from timeslice.targets import parse_address
 
 ENV_PREFIX = "TIMESLICE_AGENT_"
 DEFAULT_WORKER_SOCKET = Path("/run/timeslice/agent.sock")
@@ -144,21 +145,7 @@ class AgentConfig:
 
 def parse_endpoint(text: str, *, allow_port_zero: bool = False) -> Endpoint:
     """Parse ``HOST:PORT`` (IPv6 hosts in brackets); raise :class:`InvalidArgument` if malformed."""
-    value = text.strip()
-    host, sep, port_text = value.rpartition(":")
-    if not sep or not host:
-        raise InvalidArgument(f"address {text!r} must be HOST:PORT")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not host:
-        raise InvalidArgument(f"address {text!r} has an empty host")
-    try:
-        port = int(port_text)
-    except ValueError:
-        raise InvalidArgument(f"address {text!r} has a non-numeric port") from None
-    low = 0 if allow_port_zero else 1
-    if not low <= port <= 65535:
-        raise InvalidArgument(f"address {text!r}: port must be in {low}..65535")
+    host, port = parse_address(text, port_zero=allow_port_zero)
     return Endpoint(host, port)
 
 

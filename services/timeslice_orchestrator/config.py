@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from timeslice.targets import HostPort, parse_address
 from timeslice_orchestrator.policy import Policy
 
 
@@ -19,13 +20,12 @@ class Address:
 
     @classmethod
     def parse(cls, text: str) -> Address:
-        host, sep, port = text.rpartition(":")
-        if not sep or not port.isdigit():
-            raise ValueError(f"expected HOST:PORT, got {text!r}")
-        return cls(host or "0.0.0.0", int(port))
+        # InvalidArgument is a ValueError; ":PORT" listens on every interface.
+        host, port = parse_address(text, default_host="0.0.0.0", port_zero=True)
+        return cls(host, port)
 
     def __str__(self) -> str:
-        return f"{self.host}:{self.port}"
+        return str(HostPort(self.host, self.port))
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, StatusCode, Tracer
 
+from timeslice.backoff import Backoff
 from timeslice.tracing import carrier_of
 from timeslice_orchestrator.hub import AgentGone, AgentTimeout, AgentUnavailable
 from timeslice_orchestrator.metrics import Metrics
@@ -207,7 +208,7 @@ class SwitchDriver:
 
     async def _loop(self, group: str) -> None:
         event = self._kicks[group]
-        backoff = self._config.retry_backoff
+        backoff = Backoff(self._config.retry_backoff, self._config.max_backoff, jitter=False)
         while not self._stopping:
             event.clear()
             try:
@@ -216,13 +217,13 @@ class SwitchDriver:
                 log.warning("group %s: etcd unavailable (%s); retrying", group, exc)
                 step = Next.LATER
             if step is Next.AGAIN:
-                backoff = self._config.retry_backoff
+                backoff.reset()
                 continue
-            wait = backoff if step is Next.LATER else self._config.idle_recheck
             if step is Next.LATER:
-                backoff = min(backoff * 2, self._config.max_backoff)
+                wait = backoff.next_delay()
             else:
-                backoff = self._config.retry_backoff
+                wait = self._config.idle_recheck
+                backoff.reset()
             try:
                 async with asyncio.timeout(wait):
                     await event.wait()

@@ -16,6 +16,7 @@ import base64
 import functools
 import logging
 
+from timeslice.backoff import Backoff
 from timeslice_orchestrator.hub import AgentGone, AgentHub, AgentTimeout, AgentUnavailable
 from timeslice_orchestrator.store.cache import Mirror
 from timeslice_orchestrator.store.etcd import StoreUnavailable
@@ -122,7 +123,7 @@ class DirectiveRouter:
         # etcd may be briefly away (a restart): keep trying until the driver's deadline.
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        delay = 0.05
+        backoff = Backoff(jitter=False)
         while True:
             posted = self._mirror.get(f"relay/{node}/{directive_id}")
             if posted is None:
@@ -131,8 +132,8 @@ class DirectiveRouter:
                 await self._relay.answer(node, directive_id, posted, _encode(ack))
                 return
             except StoreUnavailable as exc:
+                delay = backoff.next_delay()
                 if loop.time() + delay > deadline:
                     raise
                 log.warning("answering relayed %s: %s; retrying", directive_id, exc)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)

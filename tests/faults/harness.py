@@ -13,9 +13,9 @@ from pathlib import Path
 
 from tests.history import Attempt, Hold, Recorder
 from timeslice import AsyncTimeSliceClient
-from timeslice.dev.cluster import LocalCluster
 from timeslice_agent.journal import JournalEntry, read_journal
 from timeslice_proto.timeslice.v1 import GroupStatus
+from timeslice_tools.dev.cluster import LocalCluster
 
 REPORT = Path(os.environ.get("TIMESLICE_FAULT_REPORT", ".timeslice/fault-recovery.jsonl"))
 

@@ -7,7 +7,6 @@ import uuid
 
 import pytest
 
-from timeslice.dev.etcd import EtcdServer
 from timeslice_orchestrator.store.etcd import (
     Delete,
     EtcdClient,
@@ -21,6 +20,7 @@ from timeslice_orchestrator.store.etcd import (
     absent,
     prefix_end,
 )
+from timeslice_tools.dev.etcd import EtcdServer
 
 
 @pytest.fixture

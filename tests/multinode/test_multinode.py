@@ -21,9 +21,9 @@ from tests.history import (
     check_two_phase,
 )
 from timeslice import AsyncTimeSliceClient, register
-from timeslice.dev.cluster import LocalCluster
 from timeslice.errors import GroupFaulted
 from timeslice.worker import WorkerRegistration
+from timeslice_tools.dev.cluster import LocalCluster
 
 # 0.5 GB at 50 GB/s: 10 ms per node and phase, long enough to see the nodes overlap.
 SIM = ["--sim-state-gb", "0.5", "--sim-bandwidth-gbps", "50"]

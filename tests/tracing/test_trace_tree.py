@@ -18,13 +18,13 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from timeslice import AsyncTimeSliceClient, register
-from timeslice.dev._procs import free_ports
-from timeslice.dev.etcd import EtcdServer
 from timeslice.tracing import provider_from_env, tracing_requested
 from timeslice_agent.config import parse_config
 from timeslice_agent.service import Agent
 from timeslice_orchestrator.app import Orchestrator
 from timeslice_orchestrator.config import parse_args
+from timeslice_tools.dev._procs import free_ports
+from timeslice_tools.dev.etcd import EtcdServer
 
 NODES = [f"node-{i}" for i in range(4)]
 

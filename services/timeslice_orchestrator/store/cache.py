@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from timeslice.backoff import Backoff
 from timeslice_orchestrator.store.etcd import (
     EtcdClient,
     EventType,
@@ -250,13 +251,13 @@ class Mirror:
 
     async def run(self) -> None:
         """List, then watch from the next revision; re-list on compaction, resume on errors."""
-        backoff = 0.05
+        backoff = Backoff(jitter=False)
         while True:
             try:
                 if not self.synced.is_set():
                     await self._relist()
                 async for batch in self._etcd.watch_prefix(self._keys.root, self.revision + 1):
-                    backoff = 0.05
+                    backoff.reset()
                     await self._apply(batch.revision, batch.events)
             except WatchCompacted as exc:
                 log.warning("watch compacted (%s); re-listing", exc)
@@ -264,8 +265,7 @@ class Mirror:
             except StoreUnavailable as exc:
                 self.reconnects += 1
                 log.warning("etcd watch interrupted (%s); resuming from %d", exc, self.revision + 1)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 1.0)
+                await asyncio.sleep(backoff.next_delay())
 
     async def _relist(self) -> None:
         revision, kvs = await self._etcd.get_prefix(self._keys.root)

@@ -30,8 +30,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Literal
 
-from timeslice.dev import _procs
-from timeslice.dev.etcd import EtcdServer
+from timeslice_tools.dev import _procs
+from timeslice_tools.dev.etcd import EtcdServer
 
 __all__ = ["Backend", "ClusterError", "LocalCluster", "ServiceProcess"]
 
