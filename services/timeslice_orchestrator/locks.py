@@ -28,8 +28,9 @@ from timeslice.errors import (
 from timeslice.ids import validate_group_id, validate_job_id, validate_node
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.policy import Policy, order
-from timeslice_orchestrator.store.cache import GroupView, Mirror
-from timeslice_orchestrator.store.groups import GroupStore, lease_of
+from timeslice_orchestrator.store.cache import GroupView, Mirror, group_topic
+from timeslice_orchestrator.store.groups import EnqueueRequest, GroupStore, Hold, lease_of
+from timeslice_orchestrator.store.records import Hint
 
 log = logging.getLogger(__name__)
 
@@ -124,18 +125,10 @@ class LockService:
         if len(request_id) > 64:
             raise InvalidArgument("request_id must be at most 64 characters")
         attempt = uuid.uuid4().hex[:16]
-        enqueued = await self._store.enqueue(
-            session,
-            session_id,
-            group,
-            priority,
-            request_id,
-            attempt,
-            holder_hint=self._mirror.get(f"groups/{group}/holder"),
-            hint_given=True,
-        )
+        request = EnqueueRequest(session, session_id, group, priority, request_id, attempt)
+        enqueued = await self._store.enqueue(request, Hint(self._mirror.holder(group)))
         await self._mirror.wait_for_revision(enqueued.revision, MIRROR_LAG_TIMEOUT)
-        topic = f"group:{group}"
+        topic = group_topic(group)
         granted = False
         last: tuple[Stage, int] | None = None
         self._metrics.waiters.inc()
@@ -159,7 +152,7 @@ class LockService:
         finally:
             self._metrics.waiters.dec()
             if not granted and not self.draining:
-                await _shielded(self._store.withdraw(group, job, session_id, enqueued))
+                await _shielded(self._store.withdraw(enqueued))
 
     def _progress(
         self, view: GroupView, session_id: str, job: str, entry_revision: int
@@ -199,7 +192,7 @@ class LockService:
         if self.draining:
             return  # the client re-attaches elsewhere and gets this grant back
         try:
-            await _shielded(self._store.release(group, job, epoch, session_id))
+            await _shielded(self._store.release(Hold(group, job, epoch, session_id)))
             log.info("released undelivered grant of %s on %s (epoch %d)", job, group, epoch)
         except Exception:
             log.exception("could not release undelivered grant of %s on %s", job, group)
@@ -211,9 +204,11 @@ class LockService:
             lease_of(session_id)
         if epoch <= 0:
             raise InvalidArgument("epoch must be the positive fencing token of the grant")
-        hint = self._mirror.get(f"groups/{group}/holder")
-        usage = self._mirror.get(f"groups/{group}/usage")
-        await self._store.release(group, job, epoch, session_id, hint, usage)
+        await self._store.release(
+            Hold(group, job, epoch, session_id),
+            Hint(self._mirror.holder(group)),
+            Hint(self._mirror.usage(group)),
+        )
 
     async def set_members(self, group: str, nodes: list[str]) -> None:
         validate_group_id(group)
