@@ -210,6 +210,54 @@ def _txn_to_pb(txn: Txn) -> pb.TxnRequest:
     )
 
 
+class _LeaseStream:
+    """One LeaseKeepAlive stream, reused by every refresh of one lease.
+
+    etcd's keepalive is a bidirectional stream: a request per refresh, a reply per request.
+    Opening a stream per refresh costs an HTTP/2 stream set-up and tear-down each time; the
+    etcd Go client keeps its streams open, and so do we. Refreshes of the lease take turns.
+    """
+
+    def __init__(self, stub: pb_grpc.LeaseStub, lease_id: int) -> None:
+        self.lease_id = lease_id
+        self.expires_at = 0.0  # loop time past which the lease is gone unless refreshed
+        self._call = stub.LeaseKeepAlive()
+        self._turn = asyncio.Lock()
+        self.used = False  # a refresh went through it: it may have broken since
+
+    async def refresh(self) -> int:
+        """One refresh: the TTL etcd granted (0 or less: the lease is gone)."""
+        async with self._turn:
+            if self._call.done():
+                raise _StreamBroken("the lease keepalive stream has ended")
+            try:
+                await self._call.write(pb.LeaseKeepAliveRequest(ID=self.lease_id))
+                reply = await self._call.read()
+            except grpc.aio.AioRpcError as exc:
+                raise _StreamBroken(f"lease keepalive stream failed: {exc.code().name}") from exc
+            except asyncio.InvalidStateError as exc:  # it ended between the check and the write
+                raise _StreamBroken("the lease keepalive stream has ended") from exc
+            if reply is grpc.aio.EOF:
+                raise _StreamBroken("etcd closed the lease keepalive stream")
+            self.used = True
+            return int(reply.TTL)
+
+    @property
+    def busy(self) -> bool:
+        return self._turn.locked()
+
+    def close(self) -> None:
+        self._call.cancel()
+
+
+class _StreamBroken(StoreUnavailable):
+    """A keepalive stream failed (etcd restarted, the connection broke): open another."""
+
+
+# How often, at most, the keepalive streams of leases nobody refreshes any more are closed.
+_SWEEP_EVERY = 1.0
+
+
 class EtcdClient:
     """One gRPC channel to an etcd cluster; endpoints are tried in order on failure."""
 
@@ -218,7 +266,8 @@ class EtcdClient:
             raise ValueError("at least one etcd endpoint is required")
         self._endpoints = list(endpoints)
         self._timeout = timeout
-        # grpc's own name resolution spreads calls over the endpoints and fails over.
+        # With several endpoints, grpc's default policy (pick_first) uses the first one that
+        # answers and moves on to the next when it fails; calls are not spread over them.
         target = (
             self._endpoints[0] if len(self._endpoints) == 1 else "ipv4:" + ",".join(self._endpoints)
         )
@@ -235,12 +284,17 @@ class EtcdClient:
         self._kv = pb_grpc.KVStub(self._channel)
         self._lease = pb_grpc.LeaseStub(self._channel)
         self._watch = pb_grpc.WatchStub(self._channel)
+        self._keepalives: dict[int, _LeaseStream] = {}
+        self._swept_at = 0.0
 
     @property
     def endpoints(self) -> list[str]:
         return list(self._endpoints)
 
     async def close(self) -> None:
+        for stream in self._keepalives.values():
+            stream.close()
+        self._keepalives.clear()
         await self._channel.close()
 
     async def _call(self, coro: object) -> object:
@@ -296,25 +350,60 @@ class EtcdClient:
         return int(resp.ID)  # type: ignore[attr-defined]
 
     async def revoke_lease(self, lease_id: int) -> None:
+        self._drop_stream(lease_id)
         try:
             await self._call(self._lease.LeaseRevoke(pb.LeaseRevokeRequest(ID=lease_id)))
         except LeaseExpired:
             pass
 
     async def keepalive_once(self, lease_id: int) -> int:
-        """Refresh a lease once; returns the TTL granted, raises LeaseExpired if it is gone."""
+        """Refresh a lease once; returns the TTL granted, raises LeaseExpired if it is gone.
 
-        async def once() -> int:
-            call = self._lease.LeaseKeepAlive(iter([pb.LeaseKeepAliveRequest(ID=lease_id)]))
-            async for reply in call:
-                return int(reply.TTL)
-            raise StoreUnavailable("lease keepalive stream ended without a reply")
+        Every refresh of a lease goes over the one keepalive stream this client keeps for it
+        (opened on the first refresh, closed when the lease is revoked, expires, or is no
+        longer refreshed here). A stream found broken is replaced once, so the first refresh
+        after etcd comes back succeeds, as a fresh stream would.
+        """
+        loop = asyncio.get_running_loop()
+        self._sweep(loop.time())
+        while True:
+            stream = self._keepalives.get(lease_id)
+            if stream is None:
+                stream = self._keepalives[lease_id] = _LeaseStream(self._lease, lease_id)
+            reused = stream.used
+            try:
+                ttl = await self._call(stream.refresh())
+            except _StreamBroken:
+                self._drop_stream(lease_id, stream)
+                if reused:
+                    continue  # it broke while idle: try once on a fresh stream
+                raise
+            except BaseException:
+                # A timeout or a cancellation leaves a reply in flight: never reuse the stream.
+                self._drop_stream(lease_id, stream)
+                raise
+            assert isinstance(ttl, int)
+            if ttl <= 0:
+                self._drop_stream(lease_id, stream)
+                raise LeaseExpired(f"lease {lease_id:x} expired")
+            stream.expires_at = loop.time() + ttl
+            return ttl
 
-        ttl = await self._call(once())
-        assert isinstance(ttl, int)
-        if ttl <= 0:
-            raise LeaseExpired(f"lease {lease_id:x} expired")
-        return ttl
+    def _drop_stream(self, lease_id: int, stream: _LeaseStream | None = None) -> None:
+        current = self._keepalives.get(lease_id)
+        if current is not None and (stream is None or current is stream):
+            del self._keepalives[lease_id]
+            current.close()
+
+    def _sweep(self, now: float) -> None:
+        """Close the streams of leases not refreshed here within their TTL (closed sessions,
+        sessions now kept alive through another replica): they would otherwise stay open."""
+        if now - self._swept_at < _SWEEP_EVERY:
+            return
+        self._swept_at = now
+        for lease_id, stream in list(self._keepalives.items()):
+            if stream.used and not stream.busy and now > stream.expires_at:
+                self._drop_stream(lease_id, stream)
 
     async def lease_ttl(self, lease_id: int) -> int:
         """Remaining TTL of a lease, -1 if it does not exist."""
@@ -360,7 +449,8 @@ class EtcdClient:
 
 
 class LeaseKeeper:
-    """Keeps one lease alive in the background (every ttl/3) and reports its loss.
+    """Keeps one lease alive in the background (every ttl/3, over one keepalive stream) and
+    reports its loss.
 
     ``lost`` is set when etcd says the lease is gone, or when it could not be refreshed
     for longer than its TTL; the owner must then stop acting on it.
