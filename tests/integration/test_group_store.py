@@ -30,17 +30,22 @@ from timeslice_orchestrator.store.etcd import EtcdClient, KeyValue
 from timeslice_orchestrator.store.groups import (
     Authority,
     EnqueueRequest,
+    FreeGroup,
     GroupStore,
     Hold,
     lease_of,
 )
 from timeslice_orchestrator.store.records import (
     FaultRecord,
+    GroupStats,
     Hint,
     HolderRecord,
+    Phase,
     QueueRecord,
+    ResidentRecord,
     SessionRecord,
     Stored,
+    SwitchRecord,
     UsageRecord,
 )
 
@@ -347,3 +352,100 @@ async def test_release_loses_to_a_hold_that_changed_underneath(store: GroupStore
 
 def _fields(record: HolderRecord) -> dict[str, object]:
     return {name: getattr(record, name) for name in HolderRecord.__dataclass_fields__}
+
+
+# -- a free group, granted in the Acquire transaction -------------------------------------------
+
+
+def _free(
+    ticket: int,
+    *,
+    resident_revision: int = 0,
+    stats_revision: int = 0,
+    members_revision: int = 0,
+    grants: int = 1,
+) -> FreeGroup:
+    return FreeGroup(
+        ticket=ticket,
+        resident=ResidentRecord({"n0": ["a"]}),
+        resident_revision=resident_revision,
+        stats=GroupStats(grants=grants),
+        stats_revision=stats_revision,
+        members_revision=members_revision,
+    )
+
+
+async def test_a_free_group_is_granted_in_one_transaction(store: GroupStore) -> None:
+    session = await open_session(store, "a")
+    await store.etcd.put(store.keys.fault("g", "a"), FaultRecord("old", 1.0).encode())
+    seen = await store.etcd.put(store.keys.fault("g", "x"), FaultRecord("other", 1.0).encode())
+    request = EnqueueRequest(session, sid(session), "g", 0, "r1", "t1")
+    taken = await store.take_free(request, _free(seen))
+    assert taken is not None
+    assert taken.epoch == taken.revision  # one write: the grant is the transaction
+    assert taken.entry_revision == seen < taken.epoch
+    keys = await snapshot(store)
+    hold = keys["groups/g/holder"]
+    assert hold.create_revision == taken.epoch
+    assert hold.lease == session.lease
+    record = HolderRecord.decode(hold.value)
+    assert (record.job, record.session, record.request_id, record.attempt, record.ticket) == (
+        "a",
+        sid(session),
+        "r1",
+        "t1",
+        seen,
+    )
+    assert (record.waited_seconds, record.restored, record.previous_job) == (0.0, False, "")
+    assert ResidentRecord.decode(keys["groups/g/resident"].value).nodes == {"n0": ["a"]}
+    assert GroupStats.decode(keys["groups/g/stats"].value).grants == 1
+    assert "groups/g/meta" in keys
+    assert "groups/g/faulted/a" not in keys and "groups/g/faulted/x" in keys
+    assert not any(name.startswith("groups/g/queue/") for name in keys)
+    # It is a grant like any other: yielded with its epoch, re-attached to by a retry.
+    again = await enqueue(store, session, request_id="r1", attempt="t2")
+    assert again.reattached and again.entry_revision == seen
+    await store.release(Hold("g", "a", taken.epoch, sid(session)))
+    assert "groups/g/holder" not in await snapshot(store)
+
+
+async def test_a_group_no_longer_as_seen_is_not_taken(store: GroupStore) -> None:
+    """Every compare of the one-transaction grant, each failing alone."""
+    a, b = await open_session(store, "a"), await open_session(store, "b")
+    auth = await driver(store)
+    await enqueue(store, b)
+    revision = await store.etcd.put(store.keys.meta("g"), b"{}")
+    request = EnqueueRequest(a, sid(a), "g", 0)
+    assert await store.take_free(request, _free(revision)) is None, "taken with b waiting"
+    assert await grant(store, auth, "b") is not None
+    keys = await snapshot(store)
+    current = {
+        "resident_revision": keys["groups/g/resident"].mod_revision,
+        "stats_revision": keys["groups/g/stats"].mod_revision,
+        "members_revision": 0,
+    }
+    assert await store.take_free(request, _free(revision, **current)) is None, "from a holder"
+    hold = await holder(store)
+    assert hold is not None
+    await store.release(Hold("g", "b", hold.create_revision))  # leaves both as they are
+    for name in current:  # a stale copy of the residency, the stats or the pinned members
+        stale = {**current, name: current[name] - 1 if current[name] else 1}
+        assert await store.take_free(request, _free(revision, **stale)) is None, name
+    members = await store.set_members("g", ["n9"])
+    assert await store.take_free(request, _free(revision, **current)) is None
+    current["members_revision"] = members
+    switch = await store.begin_switch(
+        "g",
+        auth,
+        SwitchRecord("s1", "g", "a", 1, [], Phase.CHECKPOINT, "r1", 0.0),
+        current["resident_revision"],
+    )
+    assert switch is not None
+    assert await store.take_free(request, _free(revision, **current)) is None, "mid-switch"
+    await store.etcd.delete(store.keys.switch("g"))
+    await store.close_session(sid(a))
+    assert await store.take_free(request, _free(revision, **current)) is None, "no session"
+    assert "groups/g/holder" not in await snapshot(store)
+    live = await open_session(store, "a")
+    fresh = EnqueueRequest(live, sid(live), "g", 0)
+    assert await store.take_free(fresh, _free(revision, **current)) is not None

@@ -72,6 +72,8 @@ class GroupView:
     stats: GroupStats = field(default_factory=GroupStats)
     static_members: list[str] = field(default_factory=list)
     usage: Stored[UsageRecord] | None = None
+    stats_revision: int = 0  # mod revisions of the stats and members keys (0: absent)
+    members_revision: int = 0
 
     def queued(self, job: str) -> QueuedJob | None:
         return next((q for q in self.queue if q.job == job), None)
@@ -179,6 +181,7 @@ class Mirror:
         stats = GroupStats()
         members: list[str] = []
         usage: Stored[UsageRecord] | None = None
+        stats_revision = members_revision = 0
         keys = self._topics.get(group_topic(group), {})
         for ref, kv in keys.items():
             match ref.kind:
@@ -191,9 +194,10 @@ class Mirror:
                 case Kind.DRIVER:
                     driver, driver_lease = kv.value.decode(), kv.lease
                 case Kind.STATS:
-                    stats = GroupStats.decode(kv.value)
+                    stats, stats_revision = GroupStats.decode(kv.value), kv.mod_revision
                 case Kind.MEMBERS:
                     members = MembersRecord.decode(kv.value).nodes
+                    members_revision = kv.mod_revision
                 case Kind.USAGE:
                     usage = Stored.of(kv, UsageRecord.decode(kv.value))
                 case Kind.QUEUE:
@@ -215,6 +219,8 @@ class Mirror:
             stats,
             members,
             usage,
+            stats_revision,
+            members_revision,
         )
 
     def _store(self, ref: KeyRef, kv: KeyValue) -> None:

@@ -13,6 +13,7 @@ import enum
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from aetcd.rpc import rpc_pb2 as pb
@@ -91,9 +92,14 @@ class Compare:
     target: CompareTarget
     op: CompareOp
     value: int | bytes
+    # With a range end, every key in [key, range_end) must pass; an empty range compares as
+    # one absent key (version, revisions and lease 0), so it passes ``absent``.
+    range_end: bytes = b""
 
     def to_pb(self) -> pb.Compare:
-        msg = pb.Compare(key=self.key, target=self.target.value, result=self.op.value)
+        msg = pb.Compare(
+            key=self.key, target=self.target.value, result=self.op.value, range_end=self.range_end
+        )
         if self.target is CompareTarget.VALUE:
             assert isinstance(self.value, bytes)
             msg.value = self.value
@@ -110,6 +116,11 @@ class Compare:
 
 def absent(key: bytes) -> Compare:
     return Compare(key, CompareTarget.VERSION, CompareOp.EQUAL, 0)
+
+
+def none_under(prefix: bytes) -> Compare:
+    """No key starts with ``prefix``."""
+    return Compare(prefix, CompareTarget.VERSION, CompareOp.EQUAL, 0, prefix_end(prefix))
 
 
 def present(key: bytes) -> Compare:
@@ -173,6 +184,14 @@ def prefix_end(prefix: bytes) -> bytes:
             end[i] += 1
             return bytes(end[: i + 1])
     return b"\0"
+
+
+def _typed(exc: grpc.aio.AioRpcError, timeout: float) -> StoreError:
+    if exc.code() == grpc.StatusCode.NOT_FOUND and "lease" in (exc.details() or ""):
+        return LeaseExpired(exc.details() or "lease not found")
+    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return StoreUnavailable(f"etcd did not answer within {timeout} s")
+    return StoreUnavailable(f"etcd: {exc.code().name}: {exc.details()}")
 
 
 def _kv(msg: object) -> KeyValue:
@@ -298,61 +317,66 @@ class EtcdClient:
         await self._channel.close()
 
     async def _call(self, coro: object) -> object:
+        """Await a stream step within the client's timeout, errors made typed."""
         try:
             return await asyncio.wait_for(coro, self._timeout)  # type: ignore[arg-type]
         except TimeoutError as exc:
             raise StoreUnavailable(f"etcd did not answer within {self._timeout} s") from exc
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND and "lease" in (exc.details() or ""):
-                raise LeaseExpired(exc.details() or "lease not found") from exc
-            raise StoreUnavailable(f"etcd: {exc.code().name}: {exc.details()}") from exc
+            raise _typed(exc, self._timeout) from exc
+
+    async def _unary(self, method: object, request: object) -> Any:
+        """One unary call; its deadline is gRPC's own, which costs no extra task."""
+        try:
+            return await method(request, timeout=self._timeout)  # type: ignore[operator]
+        except grpc.aio.AioRpcError as exc:
+            raise _typed(exc, self._timeout) from exc
 
     async def get(self, key: bytes) -> KeyValue | None:
-        resp = await self._call(self._kv.Range(pb.RangeRequest(key=key)))
-        kvs = resp.kvs  # type: ignore[attr-defined]
+        resp = await self._unary(self._kv.Range, pb.RangeRequest(key=key))
+        kvs = resp.kvs
         return _kv(kvs[0]) if kvs else None
 
     async def get_prefix(self, prefix: bytes) -> tuple[int, list[KeyValue]]:
         """All keys under ``prefix`` and the store revision they were read at."""
-        resp = await self._call(
-            self._kv.Range(pb.RangeRequest(key=prefix, range_end=prefix_end(prefix)))
-        )
-        return resp.header.revision, [_kv(kv) for kv in resp.kvs]  # type: ignore[attr-defined]
+        request = pb.RangeRequest(key=prefix, range_end=prefix_end(prefix))
+        resp = await self._unary(self._kv.Range, request)
+        return resp.header.revision, [_kv(kv) for kv in resp.kvs]
 
     async def put(self, key: bytes, value: bytes, *, lease: int = 0) -> int:
-        resp = await self._call(self._kv.Put(pb.PutRequest(key=key, value=value, lease=lease)))
-        return int(resp.header.revision)  # type: ignore[attr-defined]
+        resp = await self._unary(self._kv.Put, pb.PutRequest(key=key, value=value, lease=lease))
+        return int(resp.header.revision)
 
     async def delete(self, key: bytes, *, prefix: bool = False) -> int:
         req = pb.DeleteRangeRequest(key=key)
         if prefix:
             req.range_end = prefix_end(key)
-        resp = await self._call(self._kv.DeleteRange(req))
-        return int(resp.deleted)  # type: ignore[attr-defined]
+        resp = await self._unary(self._kv.DeleteRange, req)
+        return int(resp.deleted)
 
     async def txn(self, txn: Txn) -> TxnResult:
-        resp = await self._call(self._kv.Txn(_txn_to_pb(txn)))
+        resp = await self._unary(self._kv.Txn, _txn_to_pb(txn))
         result = TxnResult(
-            succeeded=bool(resp.succeeded),  # type: ignore[attr-defined]
-            revision=int(resp.header.revision),  # type: ignore[attr-defined]
+            succeeded=bool(resp.succeeded),
+            revision=int(resp.header.revision),
         )
-        for r in resp.responses:  # type: ignore[attr-defined]
+        for r in resp.responses:
             if r.WhichOneof("response") == "response_range":
                 result.reads.append([_kv(kv) for kv in r.response_range.kvs])
         return result
 
     async def compact(self, revision: int) -> None:
         """Drop history before ``revision`` (operators and tests; etcd usually auto-compacts)."""
-        await self._call(self._kv.Compact(pb.CompactionRequest(revision=revision, physical=True)))
+        await self._unary(self._kv.Compact, pb.CompactionRequest(revision=revision, physical=True))
 
     async def grant_lease(self, ttl: int) -> int:
-        resp = await self._call(self._lease.LeaseGrant(pb.LeaseGrantRequest(TTL=ttl)))
-        return int(resp.ID)  # type: ignore[attr-defined]
+        resp = await self._unary(self._lease.LeaseGrant, pb.LeaseGrantRequest(TTL=ttl))
+        return int(resp.ID)
 
     async def revoke_lease(self, lease_id: int) -> None:
         self._drop_stream(lease_id)
         try:
-            await self._call(self._lease.LeaseRevoke(pb.LeaseRevokeRequest(ID=lease_id)))
+            await self._unary(self._lease.LeaseRevoke, pb.LeaseRevokeRequest(ID=lease_id))
         except LeaseExpired:
             pass
 
@@ -407,8 +431,10 @@ class EtcdClient:
 
     async def lease_ttl(self, lease_id: int) -> int:
         """Remaining TTL of a lease, -1 if it does not exist."""
-        resp = await self._call(self._lease.LeaseTimeToLive(pb.LeaseTimeToLiveRequest(ID=lease_id)))
-        return int(resp.TTL)  # type: ignore[attr-defined]
+        resp = await self._unary(
+            self._lease.LeaseTimeToLive, pb.LeaseTimeToLiveRequest(ID=lease_id)
+        )
+        return int(resp.TTL)
 
     async def watch_prefix(self, prefix: bytes, start_revision: int) -> AsyncIterator[WatchBatch]:
         """Stream changes under ``prefix`` from ``start_revision`` (inclusive).

@@ -15,7 +15,13 @@ Directives relayed between replicas have their own store, :class:`.relay.RelaySt
 from __future__ import annotations
 
 from timeslice_orchestrator.store.members import MemberStore
-from timeslice_orchestrator.store.queue import Enqueued, EnqueueRequest, Hold, QueueStore
+from timeslice_orchestrator.store.queue import (
+    Enqueued,
+    EnqueueRequest,
+    FreeGroup,
+    Hold,
+    QueueStore,
+)
 from timeslice_orchestrator.store.sessions import SessionStore, lease_of, session_id_of
 from timeslice_orchestrator.store.switches import (
     Authority,
@@ -30,6 +36,7 @@ __all__ = [
     "EnqueueRequest",
     "Enqueued",
     "Fault",
+    "FreeGroup",
     "Grant",
     "GroupStore",
     "Hold",

@@ -30,13 +30,16 @@ from timeslice_orchestrator.store.etcd import (
     Txn,
     absent,
     modified_at,
+    none_under,
     present,
     value_is,
 )
 from timeslice_orchestrator.store.records import (
+    GroupStats,
     Hint,
     HolderRecord,
     QueueRecord,
+    ResidentRecord,
     SessionRecord,
     Stored,
     UsageRecord,
@@ -71,12 +74,29 @@ class Enqueued:
     request: EnqueueRequest
     revision: int  # the store revision after the enqueue
     entry_revision: int  # create revision of the queue entry: the job's place in line
-    entry_value: bytes  # the entry as this attempt wrote it (b"" when re-attached to a grant)
+    entry_value: bytes  # the entry as this attempt wrote it (b"" when it wrote none)
     reattached: bool
+    epoch: int = 0  # granted in the same transaction: the hold's epoch
 
     @property
     def attempt(self) -> str:
         return self.request.attempt
+
+
+@dataclass(frozen=True, slots=True)
+class FreeGroup:
+    """A group this replica's mirror saw free with nobody waiting, and the grant it calls for.
+
+    The revisions are compared, so the grant lands only if the group is still as seen; the
+    records are what the group looks like after the grant.
+    """
+
+    ticket: int  # the revision the group was seen free at: the grant's place in line
+    resident: ResidentRecord  # the residency after the grant (the job's nodes most recent)
+    resident_revision: int  # mod revisions as seen (0: the key is absent)
+    stats: GroupStats  # the counters after the grant
+    stats_revision: int
+    members_revision: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +182,52 @@ class QueueStore(StoreBase):
         revision, value = stamped
         return Enqueued(req, revision, current.create_revision, value, reattached=True)
 
+    async def take_free(self, request: EnqueueRequest, free: FreeGroup) -> Enqueued | None:
+        """Acquire a free group nobody waits for in one transaction: the grant the driver
+        would make for a lone waiter whose state needs no moving, without the queue entry
+        and the hop to the driver. Creates the group on first use.
+
+        None when the group is no longer as seen (the caller enqueues instead). The ticket is
+        the revision the group was seen free at: no grant since (every grant writes the
+        stats), so it is above every earlier grant's ticket and below every later waiter's.
+        """
+        k = self.keys
+        group, job = request.group, request.job
+        now = time.time()
+        holder = HolderRecord(
+            job=job,
+            session=request.session_id,
+            granted_at=now,
+            request_id=request.request_id,
+            attempt=request.attempt,
+            ticket=free.ticket,
+        )
+        result = await self.etcd.txn(
+            Txn(
+                compare=[
+                    present(k.session(request.session_id)),
+                    absent(k.holder(group)),
+                    absent(k.switch(group)),
+                    none_under(k.queue(group)),
+                    modified_at(k.resident(group), free.resident_revision),
+                    modified_at(k.stats(group), free.stats_revision),
+                    modified_at(k.members(group), free.members_revision),
+                ],
+                success=[
+                    Put(k.holder(group), holder.encode(), lease=request.session.lease),
+                    Put(k.resident(group), free.resident.encode()),
+                    Put(k.stats(group), free.stats.encode()),
+                    Delete(k.fault(group, job)),
+                    self._create_group(group),
+                ],
+            )
+        )
+        if not result.succeeded:
+            return None
+        return Enqueued(
+            request, result.revision, free.ticket, b"", reattached=False, epoch=result.revision
+        )
+
     async def _reattach_to_grant(
         self, req: EnqueueRequest, holder: Stored[HolderRecord]
     ) -> Enqueued | None:
@@ -225,12 +291,13 @@ class QueueStore(StoreBase):
         hold: Hold,
         holder: Hint[Stored[HolderRecord]] | None = None,
         usage: Hint[Stored[UsageRecord]] | None = None,
-    ) -> None:
+    ) -> int:
         """Yield: compare-and-delete the holder key. Moves no data (lazy switching).
 
         The hold's time goes into the group's usage ledger in the same transaction.
         ``holder`` and ``usage`` save reads: the holder hint only when it is the hold of
         ``hold.epoch``; the compares on both keys' mod revisions keep the delete exact.
+        Returns the store revision of the release.
         """
         k = self.keys
         group, job, epoch = hold.group, hold.job, hold.epoch
@@ -266,7 +333,7 @@ class QueueStore(StoreBase):
             )
         )
         if result.succeeded:
-            return
+            return result.revision
         now = result.reads[0]
         if now and now[0].mod_revision == current.mod_revision:
             # Only the ledger moved (a stale copy): read it afresh and try once more.
