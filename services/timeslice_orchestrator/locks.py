@@ -10,7 +10,6 @@ back a grant that raced the exit, so no waiter is lost and no grant leaks.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import enum
 import logging
@@ -31,7 +30,6 @@ from timeslice.ids import validate_group_id, validate_job_id, validate_node
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.policy import Policy, order
 from timeslice_orchestrator.store.cache import GroupView, Mirror, group_topic
-from timeslice_orchestrator.store.etcd import StoreUnavailable
 from timeslice_orchestrator.store.groups import (
     Enqueued,
     EnqueueRequest,
@@ -45,7 +43,8 @@ from timeslice_orchestrator.store.records import AgentRecord, Hint, ResidentReco
 log = logging.getLogger(__name__)
 
 MIRROR_LAG_TIMEOUT = 10.0
-YIELD_SETTLE_TIMEOUT = 1.0
+# Groups whose last yield here the mirror may not show yet, kept at most (then pruned).
+_RELEASED_KEPT = 1024
 MAX_TTL = 3600
 
 
@@ -86,6 +85,11 @@ class LockService:
         # Set while the replica shuts down: its waiters are about to re-attach elsewhere,
         # so their streams ending is no reason to give up their places or grants.
         self.draining = False
+        # The revision of the last yield of each group through this replica: an Acquire of
+        # the group here first lets the mirror catch up with it, so that a client taking
+        # its group back at once finds it free (and takes it in one transaction) instead of
+        # queueing behind its own hold.
+        self._released: dict[str, int] = {}
 
     async def open_session(self, job: str, ttl: int, host: str, pid: int) -> tuple[str, int]:
         validate_job_id(job)
@@ -175,6 +179,9 @@ class LockService:
         """Grant at once when the group is free and nobody waits: one transaction instead of
         a queue entry, a hop to the driver and its grant. None when the driver has work to
         do first, or the group is no longer as this replica saw it (then the job queues)."""
+        released = self._released.pop(request.group, 0)
+        if released > self._mirror.revision:
+            await self._mirror.wait_for_revision(released, MIRROR_LAG_TIMEOUT)
         view = self._mirror.group(request.group)
         resident = resident_after_grant(view, request.job, self._mirror.agents())
         if resident is None:
@@ -251,11 +258,10 @@ class LockService:
             Hint(self._mirror.holder(group)),
             Hint(self._mirror.usage(group)),
         )
-        # Answer once this replica sees the group free, so that the client's next Acquire
-        # here finds it so and takes it in one transaction instead of queueing behind its own
-        # stale hold. Best effort: the yield is done either way.
-        with contextlib.suppress(StoreUnavailable):
-            await self._mirror.wait_for_revision(revision, YIELD_SETTLE_TIMEOUT)
+        self._released[group] = revision
+        if len(self._released) > _RELEASED_KEPT:
+            seen = self._mirror.revision
+            self._released = {g: r for g, r in self._released.items() if r > seen}
 
     async def set_members(self, group: str, nodes: list[str]) -> None:
         validate_group_id(group)
