@@ -35,8 +35,8 @@ from typing import Any
 
 from bench.analysis import Stats
 from bench.controlplane import cycle_throughput, handoff_latency
-from timeslice.dev.etcd import EtcdServer
 from timeslice_orchestrator.store.etcd import EtcdClient, Put, Txn, absent
+from timeslice_tools.dev.etcd import EtcdServer
 
 _ROOT = Path(__file__).resolve().parent.parent
 _FLOOR_SAMPLES = 500

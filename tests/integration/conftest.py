@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from tests.integration.groupstore import group_store
-from timeslice.dev.etcd import EtcdServer
 from timeslice_orchestrator.store.groups import GroupStore
+from timeslice_tools.dev.etcd import EtcdServer
 
 
 @pytest.fixture
