@@ -2,7 +2,7 @@
 
 Everything here is a function of recorded samples (no I/O, no clocks), unit-tested on known
 inputs (tests/bench). Interval and duty-cycle arithmetic is :mod:`timeslice_tools.dev.timeline`'s;
-percentiles are :func:`tests.history.percentile` (nearest rank), so the benchmarks and the
+percentiles are :func:`timeslice_tools.history.percentile` (nearest rank), so the benchmarks and the
 invariant checks agree on what p99 means.
 """
 
@@ -14,9 +14,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from bench.profiles import Phase
-from tests.history import percentile
 from timeslice_agent.journal import JournalEntry
 from timeslice_tools.dev.timeline import Interval, duty_cycle
+from timeslice_tools.history import percentile
 
 __all__ = [
     "GrantSample",

@@ -40,7 +40,9 @@ from bench._common import (
     running_cluster,
 )
 from bench.analysis import GrantSample, Stats, split_switches
-from tests.history import (
+from timeslice import AcquireProgress, AcquireStage, AsyncTimeSliceClient, Grant
+from timeslice_agent.journal import read_journal
+from timeslice_tools.history import (
     Hold,
     Recorder,
     check_fencing,
@@ -48,8 +50,6 @@ from tests.history import (
     check_mutual_exclusion,
     check_two_phase,
 )
-from timeslice import AcquireProgress, AcquireStage, AsyncTimeSliceClient, Grant
-from timeslice_agent.journal import read_journal
 
 __all__ = [
     "CyclesResult",

@@ -22,8 +22,8 @@ import textwrap
 from pathlib import Path
 
 from tests.conftest import ClusterFactory
-from tests.history import Hold, check_mutual_exclusion
 from timeslice_agent.journal import read_journal
+from timeslice_tools.history import Hold, check_mutual_exclusion
 
 JOB = textwrap.dedent(
     """

@@ -8,10 +8,10 @@ import subprocess
 import sys
 
 from tests.conftest import ClusterFactory
-from tests.history import Hold, Recorder
 from timeslice import AsyncTimeSliceClient
 from timeslice.plan import Proposal, Workload, propose
 from timeslice_tools.dev.timeline import Interval, duty_cycle
+from timeslice_tools.history import Hold, Recorder
 
 ON, OFF, STEPS = 0.08, 0.12, 20  # a job alone keeps its accelerators 40% busy
 

@@ -7,8 +7,8 @@ import random
 
 from tests.conftest import ClusterFactory
 from tests.faults.harness import wait_for_status
-from tests.history import Hold, Recorder, check_mutual_exclusion
 from timeslice import AsyncTimeSliceClient
+from timeslice_tools.history import Hold, Recorder, check_mutual_exclusion
 
 
 async def _queue_then_release(

@@ -13,17 +13,17 @@ import pytest
 
 from tests.conftest import ClusterFactory
 from tests.faults.harness import cycle, journals, wait_for_status
-from tests.history import (
+from timeslice import AsyncTimeSliceClient, register
+from timeslice.errors import GroupFaulted
+from timeslice.worker import WorkerRegistration
+from timeslice_tools.dev.cluster import LocalCluster
+from timeslice_tools.history import (
     Recorder,
     check_fencing,
     check_fifo,
     check_mutual_exclusion,
     check_two_phase,
 )
-from timeslice import AsyncTimeSliceClient, register
-from timeslice.errors import GroupFaulted
-from timeslice.worker import WorkerRegistration
-from timeslice_tools.dev.cluster import LocalCluster
 
 # 0.5 GB at 50 GB/s: 10 ms per node and phase, long enough to see the nodes overlap.
 SIM = ["--sim-state-gb", "0.5", "--sim-bandwidth-gbps", "50"]
