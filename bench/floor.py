@@ -212,8 +212,8 @@ async def main(argv: list[str] | None = None) -> int:
         builds: list[tuple[str, str | None]] = []
         for commit in args.before:
             tree = export_build(commit, Path(scratch) / commit)
-            path = os.pathsep.join(p for p in (f"{tree}/libs", f"{tree}/services", here) if p)
-            builds.append((commit, path))
+            pythonpath = os.pathsep.join(p for p in (f"{tree}/libs", f"{tree}/services", here) if p)
+            builds.append((commit, pythonpath))
         builds.append(("this tree", None))
         floor = await measure_floor()
         runs = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -24,9 +25,9 @@ from timeslice_tools.dev.etcd import EtcdServer
 
 
 @pytest.fixture
-async def etcd(etcd_server: EtcdServer) -> EtcdClient:
+async def etcd(etcd_server: EtcdServer) -> AsyncIterator[EtcdClient]:
     client = EtcdClient([etcd_server.endpoint])
-    yield client  # type: ignore[misc]
+    yield client
     await client.close()
 
 

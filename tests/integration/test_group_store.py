@@ -290,9 +290,9 @@ async def test_release_ends_the_hold_and_books_its_time(store: GroupStore) -> No
     # Any session of the job may give the hold back when it names none.
     other = await open_session(store, "a")
     await enqueue(store, other)
-    epoch = await grant(store, auth, "a")
-    assert epoch is not None
-    await store.release(Hold("g", "a", epoch))
+    next_epoch = await grant(store, auth, "a")
+    assert next_epoch is not None
+    await store.release(Hold("g", "a", next_epoch))
     ledger = UsageRecord.decode((await snapshot(store))["groups/g/usage"].value)
     assert ledger.jobs["a"].holds == 2
 
@@ -342,16 +342,12 @@ async def test_release_loses_to_a_hold_that_changed_underneath(store: GroupStore
     # The hold is re-stamped (a re-attach) between the caller's read and its delete.
     assert await store.etcd.put(
         store.keys.holder("g"),
-        HolderRecord(**{**_fields(hold.record), "attempt": "later"}).encode(),
+        dataclasses.replace(hold.record, attempt="later").encode(),
         lease=hold.lease,
     )
     with pytest.raises(NotHolder, match="lost its hold"):
         await store.release(Hold("g", "a", epoch, sid(session)), Hint(hold), Hint(None))
     assert await holder(store) is not None
-
-
-def _fields(record: HolderRecord) -> dict[str, object]:
-    return {name: getattr(record, name) for name in HolderRecord.__dataclass_fields__}
 
 
 # -- a free group, granted in the Acquire transaction -------------------------------------------

@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import ClusterFactory
 from tests.faults.harness import cycle, journals, wait_for_status
-from timeslice import AsyncTimeSliceClient, register
+from timeslice import AsyncTimeSliceClient, Grant, register
 from timeslice.errors import GroupFaulted
 from timeslice.worker import WorkerRegistration
 from timeslice_tools.dev.cluster import LocalCluster
@@ -84,10 +84,10 @@ async def test_eight_nodes_three_jobs_a_hundred_switches(cluster_factory: Cluste
 
 async def queue_behind(
     holder: AsyncTimeSliceClient, waiter: AsyncTimeSliceClient, timeout: float
-) -> asyncio.Task[object]:
+) -> asyncio.Task[Grant]:
     """``holder`` takes g, ``waiter`` queues behind it; returns the waiter's acquire."""
     await holder.acquire("g", timeout=20)
-    task: asyncio.Task[object] = asyncio.create_task(waiter.acquire("g", timeout=timeout))
+    task: asyncio.Task[Grant] = asyncio.create_task(waiter.acquire("g", timeout=timeout))
     await wait_for_status(holder, "g", lambda s: len(s.queue) == 1, 10)
     return task
 
