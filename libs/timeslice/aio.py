@@ -62,7 +62,6 @@ from timeslice.ids import validate_group_id, validate_job_id
 from timeslice_proto.timeslice.v1 import (
     AcquireEvent,
     AcquireRequest,
-    AcquireState,
     CloseSessionRequest,
     GetGroupStatusRequest,
     GroupEvent,
@@ -802,14 +801,11 @@ class AsyncTimeSliceClient:
         on_progress: ProgressCallback | None,
     ) -> bool:
         outcome.events += 1
-        if event.state == AcquireState.GRANTED:
+        stage = AcquireStage.from_wire(event.state)
+        if stage is AcquireStage.GRANTED:
             outcome.granted = event
             return True
-        if event.state == AcquireState.QUEUED:
-            stage = AcquireStage.QUEUED
-        elif event.state == AcquireState.SWITCHING:
-            stage = AcquireStage.SWITCHING
-        else:
+        if stage is None:
             log.warning("ignoring Acquire event with unknown state %r", event.state)
             return False
         if on_progress is not None:
@@ -833,7 +829,7 @@ class AsyncTimeSliceClient:
             if event is None:
                 return
             outcome.events += 1
-            if event.state == AcquireState.GRANTED:
+            if AcquireStage.from_wire(event.state) is AcquireStage.GRANTED:
                 outcome.granted = event
 
     async def _give_back_raced(self, group: str, session: _Session, epoch: int) -> None:
