@@ -1,10 +1,12 @@
 """The switch driver: hands a group to its next waiter, moving device state when it must.
 
-Each replica's driver drives the groups whose driver key it holds. A change to a group (or to
-the agents) adds the group to a rate-limited work queue (:mod:`.workqueue`), whose workers run
-one reconcile pass at a time per group. A pass is level-triggered: it reads the group from the
-mirror and takes the one step it calls for, top to bottom:
+Each replica's driver drives the groups whose driver key it holds (claiming a free key when a
+group needs driving). A change to a group, or to the agents, adds the group to a rate-limited
+work queue (:mod:`.workqueue`) whose workers run one reconcile pass at a time per group. A pass
+is level-triggered: it reads the group from the mirror and takes the one step it calls for, top
+to bottom:
 
+    another live replica drives it      -> nothing to do (checked before anything is written)
     switch record present               -> carry it on from its phase (ours in flight, or left
                                            by a driver that died)
     queue empty                         -> nothing to do
@@ -183,7 +185,7 @@ class SwitchDriver:
             self._queue.add_after(group, self._config.idle_recheck)
 
     def _pass_failed(self, group: str, exc: BaseException) -> None:
-        # The work queue logged it and retries the group with its backoff.
+        # A bug, not an outage: the work queue logged it and retries the group with backoff.
         self._metrics.driver_errors.inc()
 
     def _has_work(self, group: str) -> bool:
@@ -199,7 +201,7 @@ class SwitchDriver:
     # -- one pass -----------------------------------------------------------------------
 
     async def reconcile(self, group: str) -> Next:
-        """Take one step for ``group``."""
+        """Take the one step ``group`` calls for (the table in the module docstring)."""
         view = self._mirror.group(group)
         if view.switch is not None:
             # Ours in flight, or left by a driver that died: carry it on from its phase.
