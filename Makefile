@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PY     := $(BIN)/python
 STAMP  := $(VENV)/.installed
-PKGS   := -p timeslice -p timeslice_orchestrator -p timeslice_agent
+PKGS   := -p timeslice -p timeslice_tools -p timeslice_orchestrator -p timeslice_agent
 
 .PHONY: venv test test-fast lint typecheck protos demo cluster bench bench-quick soak clean
 
@@ -25,8 +25,9 @@ test-fast: $(STAMP)
 	$(BIN)/pytest -n auto -q -m "not slow"
 
 lint: $(STAMP)
-	$(BIN)/ruff check libs/timeslice services tests scripts
+	$(BIN)/ruff check libs/timeslice libs/timeslice_tools services tests scripts bench
 	PATH=$(abspath $(BIN)):$$PATH MYPYPATH=libs:services $(BIN)/mypy --strict $(PKGS)
+	PATH=$(abspath $(BIN)):$$PATH MYPYPATH=libs:services $(BIN)/mypy --strict bench tests
 
 typecheck: lint
 
@@ -35,7 +36,7 @@ protos: $(STAMP)
 	PATH=$(abspath $(BIN)):$$PATH $(PY) scripts/protogen.py libs/timeslice_proto
 
 demo: $(STAMP)
-	$(PY) -m timeslice.dev.demo
+	$(PY) -m timeslice_tools.dev.demo
 
 cluster: $(STAMP)
 	$(BIN)/timeslice dev cluster

@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 
 from timeslice import WorkerRegistration, register
-from timeslice.dev.cluster import LocalCluster
+from timeslice_tools.dev.cluster import LocalCluster
 
 SIM_LABEL = "sim backend: emulated data movement"
 _CLK_TCK = os.sysconf("SC_CLK_TCK")

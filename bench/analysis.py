@@ -1,8 +1,8 @@
 """Pure maths of the benchmarks: windows, duty cycles, slowdowns, switch splits, bounds.
 
 Everything here is a function of recorded samples (no I/O, no clocks), unit-tested on known
-inputs (tests/bench). Interval and duty-cycle arithmetic is :mod:`timeslice.dev.timeline`'s;
-percentiles are :func:`tests.history.percentile` (nearest rank), so the benchmarks and the
+inputs (tests/bench). Interval and duty-cycle arithmetic is :mod:`timeslice_tools.dev.timeline`'s;
+percentiles are :func:`timeslice_tools.history.percentile` (nearest rank), so the benchmarks and the
 invariant checks agree on what p99 means.
 """
 
@@ -14,9 +14,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from bench.profiles import StepPhase
-from tests.history import percentile
-from timeslice.dev.timeline import Interval, duty_cycle
 from timeslice_agent.journal import JournalEntry
+from timeslice_tools.dev.timeline import Interval, duty_cycle
+from timeslice_tools.history import percentile
 
 __all__ = [
     "GrantSample",

@@ -1,6 +1,6 @@
 """Control-plane benchmarks: handoff latency, acquire/yield throughput, memory, switch fan-out.
 
-Every benchmark starts its own :class:`~timeslice.dev.cluster.LocalCluster` (real etcd,
+Every benchmark starts its own :class:`~timeslice_tools.dev.cluster.LocalCluster` (real etcd,
 orchestrator replicas and agents as processes, loopback gRPC) and drives it through the SDK
 from this process, so the client side's CPU is part of what is measured: on a 2-core
 machine the load generator, etcd, the replicas and the agents compete for the same cores.
@@ -40,7 +40,9 @@ from bench._common import (
     running_cluster,
 )
 from bench.analysis import GrantSample, Stats, split_switches
-from tests.history import (
+from timeslice import AcquireProgress, AcquireStage, AsyncTimeSliceClient, Grant
+from timeslice_agent.journal import read_journal
+from timeslice_tools.history import (
     Hold,
     Recorder,
     check_fencing,
@@ -48,8 +50,6 @@ from tests.history import (
     check_mutual_exclusion,
     check_two_phase,
 )
-from timeslice import AcquireProgress, AcquireStage, AsyncTimeSliceClient, Grant
-from timeslice_agent.journal import read_journal
 
 __all__ = [
     "CyclesResult",

@@ -53,8 +53,8 @@ from bench.workload import (
     arun_profile,
     measure_baseline,
 )
-from timeslice.dev.cluster import ClusterError
 from timeslice.errors import TimeSliceError
+from timeslice_tools.dev.cluster import ClusterError
 
 __all__ = ["FULL", "QUICK", "SUITES", "SuiteConfig", "main", "run_suite"]
 

@@ -21,7 +21,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tests.history import (
+from timeslice import AsyncTimeSliceClient, register
+from timeslice_agent.journal import read_journal
+from timeslice_tools.dev.cluster import LocalCluster
+from timeslice_tools.history import (
     Attempt,
     Hold,
     Recorder,
@@ -32,9 +35,6 @@ from tests.history import (
     percentile,
     wait_times,
 )
-from timeslice import AsyncTimeSliceClient, register
-from timeslice.dev.cluster import LocalCluster
-from timeslice_agent.journal import read_journal
 
 
 @dataclass

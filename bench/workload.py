@@ -1,6 +1,6 @@
 """The workload generator: synthetic RL jobs through the real SDK against a real LocalCluster.
 
-:func:`run_profile` starts a :class:`~timeslice.dev.cluster.LocalCluster` (etcd, orchestrator
+:func:`run_profile` starts a :class:`~timeslice_tools.dev.cluster.LocalCluster` (etcd, orchestrator
 replicas and sim agents as processes), then runs ``jobs`` copies of a profile twice with the
 same random draws:
 
@@ -16,7 +16,7 @@ cost and step length keep their real proportion. The control plane is not scaled
 time scale it weighs more than it would in a real run (conservative).
 
 Every run is also checked: mutual exclusion and FIFO on the recorded holds, fencing and
-two-phase order on the agents' journals (:mod:`tests.history`). A violation is reported in
+two-phase order on the agents' journals (:mod:`timeslice_tools.history`). A violation is reported in
 :attr:`RunResult.violations`, never hidden.
 
 The lead's scheduling comparisons pass orchestrator options through ``cluster_kwargs``
@@ -54,7 +54,10 @@ from bench.analysis import (
 )
 from bench.model import ModelOutcome, simulate
 from bench.profiles import DrawnHold, DrawnOff, JobDraws, Profile, StepPhase, StepPlan, draw_job
-from tests.history import (
+from timeslice import AsyncTimeSliceClient, Grant
+from timeslice_agent.journal import JournalEntry, read_journal
+from timeslice_tools.dev.cluster import LocalCluster
+from timeslice_tools.history import (
     Attempt,
     Hold,
     Recorder,
@@ -63,9 +66,6 @@ from tests.history import (
     check_mutual_exclusion,
     check_two_phase,
 )
-from timeslice import AsyncTimeSliceClient, Grant
-from timeslice.dev.cluster import LocalCluster
-from timeslice_agent.journal import JournalEntry, read_journal
 
 __all__ = [
     "DEFAULT_COSTS",

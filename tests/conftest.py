@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from timeslice.dev.cluster import LocalCluster
-from timeslice.dev.etcd import EtcdServer
+from timeslice_tools.dev.cluster import LocalCluster
+from timeslice_tools.dev.etcd import EtcdServer
 
 
 @pytest.fixture(scope="session")

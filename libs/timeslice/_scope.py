@@ -18,20 +18,25 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class ScopeRunner(Protocol):
-    """What a client provides so a scope can acquire and yield from sync and async code."""
+    """What a scope needs to acquire and yield from sync and async code.
+
+    :class:`timeslice.runner.ClientRunner` (``client.runner``) provides it.
+    """
 
     @property
     def job_id(self) -> str: ...
 
-    def _acquire_blocking(self, group_id: str, timeout: float | None, priority: int) -> Grant: ...
-
-    def _yield_blocking(self, group_id: str) -> None: ...
-
-    async def _acquire_awaitable(
-        self, group_id: str, timeout: float | None, priority: int
+    def acquire_blocking(
+        self, group_id: str, *, timeout: float | None = None, priority: int = 0
     ) -> Grant: ...
 
-    async def _yield_awaitable(self, group_id: str) -> None: ...
+    def yield_blocking(self, group_id: str) -> None: ...
+
+    async def acquire(
+        self, group_id: str, *, timeout: float | None = None, priority: int = 0
+    ) -> Grant: ...
+
+    async def yield_(self, group_id: str) -> None: ...
 
 
 class AcceleratorScope:
@@ -90,7 +95,9 @@ class AcceleratorScope:
         return cast(F, wrapper)
 
     def __enter__(self) -> Grant:
-        return self._runner._acquire_blocking(self.group_id, self.timeout, self.priority)
+        return self._runner.acquire_blocking(
+            self.group_id, timeout=self.timeout, priority=self.priority
+        )
 
     def __exit__(
         self,
@@ -99,14 +106,16 @@ class AcceleratorScope:
         tb: TracebackType | None,
     ) -> None:
         try:
-            self._runner._yield_blocking(self.group_id)
+            self._runner.yield_blocking(self.group_id)
         except Exception as yield_error:
             if exc is None:
                 raise
             self._log_masked(yield_error, exc)
 
     async def __aenter__(self) -> Grant:
-        return await self._runner._acquire_awaitable(self.group_id, self.timeout, self.priority)
+        return await self._runner.acquire(
+            self.group_id, timeout=self.timeout, priority=self.priority
+        )
 
     async def __aexit__(
         self,
@@ -115,7 +124,7 @@ class AcceleratorScope:
         tb: TracebackType | None,
     ) -> None:
         try:
-            await self._runner._yield_awaitable(self.group_id)
+            await self._runner.yield_(self.group_id)
         except Exception as yield_error:
             if exc is None:
                 raise

@@ -16,11 +16,12 @@ from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
+from timeslice._acquire import ProgressCallback
 from timeslice._loops import call_in_loop
 from timeslice._scope import AcceleratorScope
-from timeslice._transport import check_seconds
 from timeslice._types import Grant
-from timeslice.aio import AsyncTimeSliceClient, ProgressCallback, _check_priority
+from timeslice._validate import check_priority, check_seconds
+from timeslice.aio import AsyncTimeSliceClient
 from timeslice.errors import Cancelled, InternalError, InvalidArgument
 from timeslice.ids import validate_group_id
 from timeslice_proto.timeslice.v1 import GroupStatus, GroupSummary
@@ -131,8 +132,9 @@ class TimeSliceOrchestratorClient:
             on_yield_request=on_yield_request,
         )
         self._call_timeout = float(call_timeout)
+        self._runner = self._client.runner
         self._loop = asyncio.new_event_loop()
-        self._client._bind_loop(self._loop)
+        self._runner.bind(self._loop)
         started = threading.Event()
         self._thread = threading.Thread(
             target=_run_loop,
@@ -204,25 +206,22 @@ class TimeSliceOrchestratorClient:
         ``on_progress`` runs on the client's loop thread. Interrupting the wait (for example
         with Ctrl-C) cancels the acquire cleanly before the interrupt propagates.
         """
-        group = validate_group_id(group_id)
-        wait = check_seconds(timeout, "timeout", allow_none=True)
-        prio = _check_priority(priority)
+        # Bad arguments are reported before a closed client is (the runner checks them too).
+        validate_group_id(group_id)
+        check_seconds(timeout, "timeout", allow_none=True)
+        check_priority(priority)
         if on_progress is not None and not callable(on_progress):
             raise InvalidArgument("on_progress must be callable")
         self._check_open()
-        return call_in_loop(
-            self._loop,
-            self._client._acquire(group, wait, prio, on_progress),
-            wait=None if wait is None else wait + self._call_timeout + _SLACK,
-            grace=self._call_timeout,
-            what=f"acquire({group})",
+        return self._runner.acquire_blocking(
+            group_id, timeout=timeout, priority=priority, on_progress=on_progress
         )
 
     def yield_(self, group_id: str) -> None:
         """Give ``group_id`` back; see :meth:`AsyncTimeSliceClient.yield_`."""
-        group = validate_group_id(group_id)
+        validate_group_id(group_id)
         self._check_open()
-        self._client._yield_blocking(group)
+        self._runner.yield_blocking(group_id)
 
     release = yield_
 

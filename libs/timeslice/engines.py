@@ -50,7 +50,8 @@ import urllib.request
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Protocol, TypedDict, Unpack
 
-from timeslice._transport import check_seconds
+from timeslice._validate import check_seconds
+from timeslice.backoff import Backoff
 from timeslice.errors import InternalError, InvalidArgument, Timeout, Unavailable
 from timeslice.worker import HookCallback, WorkerRegistration
 from timeslice.worker import register as register_worker
@@ -494,13 +495,13 @@ def _excerpt(raw: bytes) -> str:
 def _wait_until(predicate: Callable[[], bool], timeout: float, describe: Callable[[], str]) -> None:
     """Poll ``predicate`` (which does its own I/O) until true, for at most ``timeout`` s."""
     deadline = time.monotonic() + timeout
-    delay = _POLL_INITIAL
+    # No jitter: one poller per engine, and the first checks should come quickly.
+    backoff = Backoff(_POLL_INITIAL, _POLL_MAX, jitter=False)
     while not predicate():
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise Timeout(describe())
-        time.sleep(min(delay, remaining))
-        delay = min(delay * 2, _POLL_MAX)
+        time.sleep(min(backoff.next_delay(), remaining))
 
 
 class VllmHttp(EngineAdapter):

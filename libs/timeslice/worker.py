@@ -27,7 +27,9 @@ from typing import cast
 
 from grpclib.client import Channel
 
-from timeslice._transport import Backoff, check_seconds, map_error
+from timeslice._transport import map_error
+from timeslice._validate import check_seconds
+from timeslice.backoff import Backoff
 from timeslice.errors import InternalError, InvalidArgument, TimeSliceError, Unavailable
 from timeslice.ids import validate_group_id, validate_job_id
 from timeslice_proto.timeslice.v1 import (

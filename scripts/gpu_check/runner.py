@@ -29,8 +29,8 @@ from scripts.gpu_check.protocol import (
     write_json,
 )
 from timeslice import TimeSliceOrchestratorClient
-from timeslice.dev.cluster import ClusterError, LocalCluster
-from timeslice.dev.etcd import EtcdError
+from timeslice_tools.dev.cluster import ClusterError, LocalCluster
+from timeslice_tools.dev.etcd import EtcdError
 
 GROUP = "gpu-check"
 NODE = "node-0"

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from timeslice.errors import InvalidArgument
 from timeslice.ids import validate_node
+from timeslice.targets import parse_address
 
 ENV_PREFIX = "TIMESLICE_AGENT_"
 DEFAULT_WORKER_SOCKET = Path("/run/timeslice/agent.sock")
@@ -26,7 +27,10 @@ GB = 1_000_000_000
 
 
 class BackendKind(enum.Enum):
-    """The data-movement backends this agent can run."""
+    """The data-movement backends this agent can run: the one list of them.
+
+    Each value names a module of :mod:`timeslice_agent.backends` that has a ``create``.
+    """
 
     SIM = "sim"
     FREEZE = "freeze"
@@ -138,33 +142,10 @@ class AgentConfig:
     discovery: Discovery = Discovery.AUTO
     device_check: DeviceCheckSettings = DeviceCheckSettings()
 
-    @property
-    def effective_discovery(self) -> Discovery:
-        """``discovery`` with AUTO resolved by backend (NVML vs procfs is decided at start)."""
-        if self.discovery is not Discovery.AUTO:
-            return self.discovery
-        if self.backend in (BackendKind.CUDA, BackendKind.APP):
-            return Discovery.AUTO
-        return Discovery.OFF
-
 
 def parse_endpoint(text: str, *, allow_port_zero: bool = False) -> Endpoint:
     """Parse ``HOST:PORT`` (IPv6 hosts in brackets); raise :class:`InvalidArgument` if malformed."""
-    value = text.strip()
-    host, sep, port_text = value.rpartition(":")
-    if not sep or not host:
-        raise InvalidArgument(f"address {text!r} must be HOST:PORT")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not host:
-        raise InvalidArgument(f"address {text!r} has an empty host")
-    try:
-        port = int(port_text)
-    except ValueError:
-        raise InvalidArgument(f"address {text!r} has a non-numeric port") from None
-    low = 0 if allow_port_zero else 1
-    if not low <= port <= 65535:
-        raise InvalidArgument(f"address {text!r}: port must be in {low}..65535")
+    host, port = parse_address(text, port_zero=allow_port_zero)
     return Endpoint(host, port)
 
 
@@ -258,7 +239,8 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     add(
         "--backend",
         "sim",
-        "cuda | app | freeze | sim (default sim: an emulation that moves nothing)",
+        f"{' | '.join(k.value for k in BackendKind)} (default sim: an emulation that moves "
+        "nothing)",
         type=_argtype(_backend),
     )
     add(
@@ -283,7 +265,8 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "--discover",
         "auto",
         "find job processes by TIMESLICE_JOB_ID/TIMESLICE_GROUP in their environment: "
-        "nvml | procfs | off | auto (nvml, else procfs, for cuda and app; off otherwise)",
+        "nvml | procfs | off | auto (nvml, else procfs, for backends that free device "
+        "memory, cuda and app; off otherwise)",
         type=_argtype(_choice(Discovery, "--discover")),
     )
     add(

@@ -2,9 +2,9 @@
 
 Every directive received gets exactly one ack:
 
-1. A directive id seen before is answered with its stored ack, never executed twice (the last
-   :data:`MAX_REMEMBERED_ACKS` ids are remembered, across restarts through the state file).
-   A duplicate of a directive still running gets the same ack when it finishes.
+1. A directive id seen before is answered with its stored ack, never executed twice
+   (:class:`~timeslice_agent.ledger.AckLedger`). A duplicate of a directive still running
+   gets the same ack once it is durable.
 2. A malformed directive is REFUSED and changes nothing.
 3. Fencing: the highest epoch accepted per group is remembered (and persisted before anything
    is acted on). A directive older than that is acked STALE_EPOCH. Equal epochs are accepted:
@@ -23,7 +23,6 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,9 +46,10 @@ from timeslice_agent.discovery import foreign_pids
 from timeslice_agent.hostmem import HostMemory
 from timeslice_agent.jobs import Job, JobState, Residency
 from timeslice_agent.journal import DirectiveJournal, JournalEntry
+from timeslice_agent.ledger import AckLedger
 from timeslice_agent.metrics import AgentMetrics
 from timeslice_agent.statefile import AgentState, StateStore, StateWriteError
-from timeslice_agent.tasks import Supervisor, run_to_completion
+from timeslice_agent.tasks import KeyedLocks, LockWaitExpired, Supervisor, run_to_completion
 from timeslice_agent.workers import HookFailed, WorkerRegistry
 from timeslice_proto.timeslice.v1 import (
     AckStatus,
@@ -65,7 +65,6 @@ from timeslice_proto.timeslice.v1 import JobState as ProtoJobState
 
 log = logging.getLogger(__name__)
 
-MAX_REMEMBERED_ACKS = 1024
 MAX_DIRECTIVE_ID_LENGTH = 256
 
 
@@ -89,14 +88,6 @@ class _Outcome:
 
 
 _OK_NOTHING = _Outcome(AckStatus.OK)
-
-
-class _JobLock:
-    """A FIFO lock per job, dropped when nobody uses it."""
-
-    def __init__(self) -> None:
-        self.lock = asyncio.Lock()
-        self.users = 0
 
 
 class DirectiveExecutor:
@@ -138,9 +129,8 @@ class DirectiveExecutor:
         self._rescan = rescan
         self._jobs: dict[str, Job] = {}
         self._epochs: dict[str, int] = {}
-        self._acks: OrderedDict[str, DirectiveAck] = OrderedDict()
-        self._inflight: dict[str, asyncio.Future[DirectiveAck]] = {}
-        self._locks: dict[str, _JobLock] = {}
+        self._ledger = AckLedger()
+        self._locks = KeyedLocks()  # one per job: its directives run one at a time, in order
         self._closing = False
         self.store = StateStore(state_file, self.snapshot)
 
@@ -173,7 +163,7 @@ class DirectiveExecutor:
                 )
                 for k, j in self._jobs.items()
             },
-            acks=list(self._acks.values()),
+            acks=self._ledger.acks(),
         )
 
     def reports(self) -> list[JobReport]:
@@ -187,8 +177,7 @@ class DirectiveExecutor:
         if state is not None:
             self._epochs = dict(state.epochs)
             self._jobs = dict(state.jobs)
-            for ack in state.acks[-MAX_REMEMBERED_ACKS:]:
-                self._acks[ack.directive_id] = ack
+            self._ledger.load(state.acks)
         for job in self._jobs.values():
             if job.state is JobState.TRANSITIONING:
                 job.fault("the agent restarted during a checkpoint or restore")
@@ -249,7 +238,7 @@ class DirectiveExecutor:
             job is not None
             and job.on_device
             and job.state is not JobState.TRANSITIONING
-            and job_id not in self._locks
+            and not self._locks.busy(job_id)
             and not self._registry.workers_of(job_id)
         ):
             del self._jobs[job_id]
@@ -261,16 +250,15 @@ class DirectiveExecutor:
         loop = asyncio.get_running_loop()
         did = directive.directive_id
         # In flight first: its ack may be remembered already but not yet durable.
-        running = self._inflight.get(did)
+        running = self._ledger.running(did)
         if running is not None:
             log.info("directive %s is already running: its ack will be sent again", did)
             self._supervisor.spawn(
                 self._ack_when_done(running), name=f"duplicate:{did}", kind="duplicate"
             )
             return
-        stored = self._acks.get(did)
+        stored = self._ledger.answered(did)
         if stored is not None:
-            self._acks.move_to_end(did)
             log.info("directive %s seen before: re-sending its ack without executing", did)
             self._send_ack(stored)
             return
@@ -290,22 +278,14 @@ class DirectiveExecutor:
             ack = self._ack(
                 directive, clock, _Outcome(AckStatus.REFUSED, f"invalid directive: {problem}")
             )
-            if did:
-                self._remember(directive, ack)
-                self._supervisor.spawn(self.persist(), name="persist", kind="persist")
-            self._send_ack(ack)
+            self._exit(directive, ack)
             return
         stale = self._fence(directive)
         if stale is not None:
-            ack = self._ack(directive, clock, stale)
-            # Remembered at once: a re-send arriving before the write must not be fenced twice.
-            self._remember(directive, ack)
-            self._supervisor.spawn(
-                self._publish(directive, ack), name=f"stale:{did}", kind="directive"
-            )
+            self._exit(directive, self._ack(directive, clock, stale))
             return
         self._epochs[directive.group_id] = directive.epoch
-        self._inflight[did] = loop.create_future()
+        self._ledger.start(did)
         self._supervisor.spawn(
             self._run(directive, clock), name=f"directive:{did}", kind="directive"
         )
@@ -357,29 +337,29 @@ class DirectiveExecutor:
             finished_at=time.time(),
         )
 
+    def _exit(self, d: Directive, ack: DirectiveAck) -> None:
+        """The one way a directive's ack leaves: remembered now, then persisted and sent.
+
+        Remembered at once, so a re-send arriving before the state file is written is answered
+        from the ledger (or waits for this ack), never executed or fenced a second time.
+        """
+        if d.directive_id:
+            self._remember(d, ack)
+        self._supervisor.spawn(
+            self._publish(d, ack), name=f"ack:{d.directive_id}", kind="directive"
+        )
+
     def _remember(self, d: Directive, ack: DirectiveAck) -> None:
-        self._acks[d.directive_id] = ack
-        self._acks.move_to_end(d.directive_id)
-        while len(self._acks) > MAX_REMEMBERED_ACKS:
-            self._acks.popitem(last=False)
+        self._ledger.remember(ack)
         kind = d.kind.name.lower() if isinstance(d.kind, DirectiveKind) else "unspecified"
         self._metrics.observe_directive(
             kind, ack.status.name.lower(), ack.elapsed_seconds, ack.bytes_moved
         )
 
-    async def _finish(self, d: Directive, ack: DirectiveAck) -> None:
-        self._remember(d, ack)
-        await self._publish(d, ack)
-
-    def _release_duplicates(self, d: Directive, ack: DirectiveAck) -> None:
-        running = self._inflight.pop(d.directive_id, None)
-        if running is not None and not running.done():
-            running.set_result(ack)
-
     async def _publish(self, d: Directive, ack: DirectiveAck) -> None:
         # The job's state and the ack are durable before the orchestrator hears of them.
         await self.persist()
-        self._release_duplicates(d, ack)
+        self._ledger.release(ack)
         if self._journal is not None:
             self._journal.record(JournalEntry.of(self._node, d, ack))
         self._send_ack(ack)
@@ -433,9 +413,10 @@ class DirectiveExecutor:
             job = self._jobs.get(d.job_id)
             if job is not None and job.state is JobState.TRANSITIONING:
                 job.fault(reason)
+            # Remembered, not published: the agent is stopping (shutdown persists the state).
             ack = self._ack(d, clock, _Outcome(AckStatus.FAILED, reason))
             self._remember(d, ack)
-            self._release_duplicates(d, ack)
+            self._ledger.release(ack)
             raise
         except Exception as exc:
             # A bug, not a backend failure: keep the agent alive and make it visible.
@@ -446,30 +427,21 @@ class DirectiveExecutor:
                 job.fault(reason)
             outcome = _Outcome(AckStatus.FAILED, reason)
         ack = self._ack(d, clock, outcome)
-        await self._finish(d, ack)
+        self._exit(d, ack)
         return ack
 
     async def _execute(self, d: Directive, clock: _Clock) -> _Outcome:
-        entry = self._locks.setdefault(d.job_id, _JobLock())
-        entry.users += 1
         try:
-            try:
-                async with asyncio.timeout_at(clock.deadline):
-                    await entry.lock.acquire()
-            except TimeoutError:
-                return _Outcome(
-                    AckStatus.FAILED,
-                    f"deadline exceeded after {clock.elapsed():.3f} s waiting for an earlier "
-                    f"directive of job {d.job_id}",
-                )
-            try:
+            async with self._locks.holding(d.job_id, clock.deadline):
                 return await self._execute_locked(d, clock)
-            finally:
-                entry.lock.release()
+        except LockWaitExpired:
+            return _Outcome(
+                AckStatus.FAILED,
+                f"deadline exceeded after {clock.elapsed():.3f} s waiting for an earlier "
+                f"directive of job {d.job_id}",
+            )
         finally:
-            entry.users -= 1
-            if entry.users == 0:
-                del self._locks[d.job_id]
+            if not self._locks.busy(d.job_id):
                 # Its workers may have left while directives were queued for it.
                 self._forget_if_gone(d.job_id)
 
@@ -702,12 +674,9 @@ class DirectiveExecutor:
                 await check.admit_restore(ctx.job_id, ctx.saved_bytes)
                 residual = await check.measure(ctx.pids)
             transfer = await self._backend.restore(ctx)
-            # The state is back on the device even if a hook fails below.
-            job.residency = Residency.DEVICE
-            job.saved_bytes = 0
-            job.saved_pids = ()
+            job.land_on_device()  # even if a hook fails below, the state is back
             hook_bytes = await after_restore_hooks()
-            job.transition(JobState.RUNNING)
+            job.settle_on_device(JobState.RUNNING)
             measured = await check.measure(ctx.pids) - residual if check is not None else 0
             return measured if measured > 0 else transfer.bytes_moved + hook_bytes
 

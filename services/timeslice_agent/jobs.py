@@ -119,10 +119,16 @@ class Job:
 
     def settle_on_device(self, dst: JobState = JobState.RUNNING) -> bool:
         """A restore finished (or a refused move left the state where it was)."""
+        self.land_on_device()
+        return self.transition(dst)
+
+    def land_on_device(self) -> None:
+        """The backend brought the state back; the job stays TRANSITIONING until the app's
+        restore hooks ran (:meth:`settle_on_device`), and a hook failure faults it on the
+        device, where its state now is."""
         self.residency = Residency.DEVICE
         self.saved_bytes = 0
         self.saved_pids = ()
-        return self.transition(dst)
 
     @property
     def on_device(self) -> bool:

@@ -209,7 +209,10 @@ class Agent:
     async def _open_device_checks(self) -> None:
         """NVML for the memory checks and discovery; fails the start where it is required."""
         cfg = self.config
-        discovery = cfg.effective_discovery
+        discovery = cfg.discovery
+        if discovery is Discovery.AUTO and not self.backend.frees_device_memory:
+            # Finding processes only matters to backends that move their memory.
+            discovery = Discovery.OFF
         if self.backend.frees_device_memory or discovery in (Discovery.AUTO, Discovery.NVML):
             self.memory = await asyncio.to_thread(open_device_memory)
         if discovery is Discovery.NVML and self.memory is None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -25,6 +24,7 @@ import grpclib.const
 from grpclib.client import Channel, Stream
 from grpclib.config import Configuration
 
+from timeslice.backoff import Backoff
 from timeslice_agent.config import Endpoint
 from timeslice_agent.metrics import AgentMetrics
 from timeslice_proto.timeslice.v1 import (
@@ -65,29 +65,6 @@ class StreamClosed(Exception):
     """The orchestrator ended the stream."""
 
 
-class Backoff:
-    """Exponential backoff with jitter: each delay is drawn from [d/2, d], d doubling to a cap."""
-
-    def __init__(
-        self,
-        initial: float = BACKOFF_INITIAL_SECONDS,
-        maximum: float = BACKOFF_MAX_SECONDS,
-        rng: random.Random | None = None,
-    ) -> None:
-        self._initial = initial
-        self._maximum = maximum
-        self._rng = rng or random.Random()
-        self._current = initial
-
-    def reset(self) -> None:
-        self._current = self._initial
-
-    def next_delay(self) -> float:
-        base = self._current
-        self._current = min(self._current * 2, self._maximum)
-        return base * (0.5 + 0.5 * self._rng.random())
-
-
 class OrchestratorLink:
     """Keeps one stream to an orchestrator replica up; see the module docstring.
 
@@ -116,7 +93,7 @@ class OrchestratorLink:
         self._on_directive = on_directive
         self._metrics = metrics
         self._welcome_timeout = welcome_timeout
-        self._backoff = backoff or Backoff()
+        self._backoff = backoff or Backoff(BACKOFF_INITIAL_SECONDS, BACKOFF_MAX_SECONDS)
         self._acks: deque[DirectiveAck] = deque()
         self._workers_dirty = False
         self._wake = asyncio.Event()

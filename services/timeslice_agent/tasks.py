@@ -10,8 +10,9 @@ Kubernetes, Slurm) restarts it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Coroutine
 from typing import Any, TypeVar
 
 from timeslice_agent.metrics import AgentMetrics
@@ -104,3 +105,38 @@ async def run_to_completion(work: Awaitable[T]) -> T:
             task.exception()  # observed: the caller is told of the cancellation instead
         raise asyncio.CancelledError
     return task.result()
+
+
+class LockWaitExpired(Exception):
+    """:meth:`KeyedLocks.holding` gave up waiting at its deadline."""
+
+
+class KeyedLocks:
+    """One FIFO lock per key, created on first use and dropped when nobody uses it."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[asyncio.Lock, list[int]]] = {}
+
+    def busy(self, key: str) -> bool:
+        """True while someone holds or waits for ``key``'s lock."""
+        return key in self._entries
+
+    @contextlib.asynccontextmanager
+    async def holding(self, key: str, deadline: float | None) -> AsyncIterator[None]:
+        """Hold ``key``'s lock; raises :class:`LockWaitExpired` if not had by ``deadline``."""
+        lock, users = self._entries.setdefault(key, (asyncio.Lock(), [0]))
+        users[0] += 1
+        try:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await lock.acquire()
+            except TimeoutError:
+                raise LockWaitExpired(key) from None
+            try:
+                yield
+            finally:
+                lock.release()
+        finally:
+            users[0] -= 1
+            if users[0] == 0:
+                del self._entries[key]

@@ -17,7 +17,7 @@ from timeslice import AcquireStage
 from timeslice.errors import TimeSliceError
 from timeslice_orchestrator.locks import LockService, Progress
 from timeslice_orchestrator.metrics import Metrics
-from timeslice_orchestrator.store.cache import GroupView, Mirror
+from timeslice_orchestrator.store.cache import GroupView, Mirror, group_topic
 from timeslice_orchestrator.store.etcd import StoreError
 from timeslice_proto.timeslice.v1 import (
     AcquireEvent,
@@ -180,7 +180,7 @@ class TimeSliceService(TimeSliceBase):
     async def watch_group(self, message: WatchGroupRequest) -> AsyncIterator[GroupEvent]:
         with self._call("WatchGroup", message.group_id):
             view = self._locks.view(message.group_id)
-        topic = f"group:{view.group}"
+        topic = group_topic(view.group)
         while True:
             seen = self._mirror.version(topic)
             view = self._mirror.group(view.group)

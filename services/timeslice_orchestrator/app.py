@@ -28,8 +28,9 @@ from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.relay import DirectiveRouter
 from timeslice_orchestrator.store.cache import Mirror
 from timeslice_orchestrator.store.etcd import EtcdClient, LeaseKeeper
-from timeslice_orchestrator.store.groups import GroupStore, RelayStore
+from timeslice_orchestrator.store.groups import GroupStore
 from timeslice_orchestrator.store.keys import Keyspace
+from timeslice_orchestrator.store.relay import RelayStore
 
 log = logging.getLogger(__name__)
 

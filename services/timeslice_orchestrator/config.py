@@ -1,15 +1,23 @@
-"""Settings of one orchestrator replica, from flags or TIMESLICE_* environment variables."""
+"""Settings of one orchestrator replica, from flags or environment variables.
+
+Every option ``--some-name`` can also be given as ``TIMESLICE_ORCHESTRATOR_SOME_NAME`` (the
+agent's options likewise as ``TIMESLICE_AGENT_SOME_NAME``); the command line wins.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import socket
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from timeslice.targets import HostPort, parse_address
 from timeslice_orchestrator.policy import Policy
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,13 +27,12 @@ class Address:
 
     @classmethod
     def parse(cls, text: str) -> Address:
-        host, sep, port = text.rpartition(":")
-        if not sep or not port.isdigit():
-            raise ValueError(f"expected HOST:PORT, got {text!r}")
-        return cls(host or "0.0.0.0", int(port))
+        # InvalidArgument is a ValueError; ":PORT" listens on every interface.
+        host, port = parse_address(text, default_host="0.0.0.0", port_zero=True)
+        return cls(host, port)
 
     def __str__(self) -> str:
-        return f"{self.host}:{self.port}"
+        return str(HostPort(self.host, self.port))
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,8 +52,21 @@ class OrchestratorConfig:
     max_hold: float
 
 
+ENV_PREFIX = "TIMESLICE_ORCHESTRATOR_"
+# Before one naming scheme (TIMESLICE_<SERVICE>_<OPTION>, as the agent's), the orchestrator
+# read TIMESLICE_<OPTION>; those names still work, with a warning, so no deployment breaks.
+_LEGACY_PREFIX = "TIMESLICE_"
+
+
 def _env(name: str, default: str) -> str:
-    return os.environ.get(f"TIMESLICE_{name}", default)
+    value = os.environ.get(ENV_PREFIX + name)
+    if value is not None:
+        return value
+    legacy = os.environ.get(_LEGACY_PREFIX + name)
+    if legacy is not None:
+        log.warning("%s%s is deprecated: use %s%s", _LEGACY_PREFIX, name, ENV_PREFIX, name)
+        return legacy
+    return default
 
 
 def _env_flag(name: str) -> bool:

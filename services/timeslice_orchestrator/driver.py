@@ -43,7 +43,7 @@ from timeslice_orchestrator.policy import Policy, order
 from timeslice_orchestrator.relay import DirectiveRouter
 from timeslice_orchestrator.store.cache import AGENTS_TOPIC, GroupView, Mirror, QueuedJob
 from timeslice_orchestrator.store.etcd import StoreUnavailable
-from timeslice_orchestrator.store.groups import Authority, GroupStore, new_switch_id
+from timeslice_orchestrator.store.groups import Authority, Fault, Grant, GroupStore, new_switch_id
 from timeslice_orchestrator.store.records import (
     HolderRecord,
     NodeStep,
@@ -52,7 +52,7 @@ from timeslice_orchestrator.store.records import (
     SwitchRecord,
 )
 from timeslice_orchestrator.switch_plan import plan
-from timeslice_orchestrator.workqueue import Backoff, WorkQueue
+from timeslice_orchestrator.workqueue import KeyedBackoff, WorkQueue
 from timeslice_proto.timeslice.v1 import DirectiveKind
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ class SwitchDriver:
         self._queue: WorkQueue[str] = WorkQueue(
             self._sync,
             workers=config.workers,
-            backoff=Backoff(config.retry_backoff, config.max_backoff),
+            backoff=KeyedBackoff(config.retry_backoff, config.max_backoff),
             name="driver",
             on_error=self._pass_failed,
         )
@@ -309,15 +309,7 @@ class SwitchDriver:
             if head.job in jobs:
                 residency.place(node, head.job)  # most recently used: evicted last
         epoch = await self._store.grant(
-            view.group,
-            self._auth,
-            head.entry,
-            head.job,
-            holder,
-            residency,
-            view.resident_revision,
-            None,
-            stats,
+            self._auth, Grant(view.group, head, holder, residency, view.resident_revision, stats)
         )
         if epoch is None:
             return Next.AGAIN
@@ -401,7 +393,7 @@ class SwitchDriver:
         if failed:
             error = SwitchFailed(Phase.RESTORE, failed)
             stats.last_error = f"{record.to_job}: {error}"
-            fault = (record.to_job, head.entry, str(error)) if head is not None else None
+            fault = Fault(head, str(error)) if head is not None else None
             ended = await self._store.end_switch(
                 group, self._auth, switch, resident, stats, fault=fault
             )
@@ -427,15 +419,7 @@ class SwitchDriver:
         if group in self._last_error:
             stats.last_error = self._last_error.pop(group)
         epoch = await self._store.grant(
-            group,
-            self._auth,
-            head.entry,
-            head.job,
-            holder,
-            resident,
-            view.resident_revision,
-            switch,
-            stats,
+            self._auth, Grant(group, head, holder, resident, view.resident_revision, stats, switch)
         )
         if epoch is None:
             return Next.LATER  # the mirror lagged or the waiter re-attached: retry the commit
@@ -493,7 +477,7 @@ class SwitchDriver:
         stats = view.stats
         stats.last_error = reason
         # Isolate the head: its Acquire fails with the reason, the others keep their places.
-        await self._store.fault_waiter(group, self._auth, head.job, head.entry, reason, stats)
+        await self._store.fault_waiter(group, self._auth, Fault(head, reason), stats)
         self._metrics.switches.labels(outcome="gave_up").inc()
         return Next.AGAIN
 

@@ -2,11 +2,10 @@
 
 Agents dial in (AgentHub.Connect). The hub publishes each connected agent, with the workers it
 reports, to etcd under ``agents/<node>``, so group membership is visible to every replica. The
-record is attached to a lease of the agent's own (``agent_ttl``, not the replica's lease), which
-the hub keeps alive while the stream lives. When the stream ends, for whatever reason, the record
-stays until that lease runs out: the agent may be reconnecting to another replica, which takes
-the same lease over, and its jobs' state is still on its node meanwhile. A node leaves its groups
-only once its agent has been away for ``agent_ttl``.
+record is attached to an agent lease of its own (not this replica's), which the hub keeps alive
+while it holds the stream: when the stream or this replica goes, the record stays until the
+lease runs out (the agent TTL), so an agent that reconnects to another replica in time stays a
+member of its groups, and one that does not leaves them.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from grpclib.const import Status
 from timeslice.errors import InvalidArgument
 from timeslice.ids import validate_group_id, validate_job_id, validate_node
 from timeslice_orchestrator.metrics import Metrics
-from timeslice_orchestrator.store.etcd import LeaseKeeper
 from timeslice_orchestrator.store.groups import GroupStore
 from timeslice_orchestrator.store.records import AgentRecord, WorkerRecord
 from timeslice_proto.timeslice.v1 import (
@@ -68,7 +66,7 @@ class AgentConnection:
     pending: dict[str, asyncio.Future[DirectiveAck]] = field(default_factory=dict)
     # Set to end the stream from our side: replaced by a newer stream, or shutting down.
     closed: asyncio.Event = field(default_factory=asyncio.Event)
-    lease: int = 0  # keeps the agent's record in etcd while the stream lives
+    lease: int = 0  # the agent lease: kept alive while this stream lives, then runs out
 
     def fail_pending(self, reason: str) -> None:
         for fut in self.pending.values():
@@ -157,7 +155,7 @@ class AgentHub(AgentHubBase):
             conn.lease = await self._store.agent_lease(node, self._agent_ttl)
             await self._store.publish_agent(record, conn.lease)
             keeper = asyncio.create_task(
-                LeaseKeeper(self._store.etcd, conn.lease, self._agent_ttl).run(),
+                self._store.keep_agent_lease(conn.lease, self._agent_ttl).run(),
                 name=f"agent-lease-{node}",
             )
             await self._forget_off_device(node, hello.jobs)

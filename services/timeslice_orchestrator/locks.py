@@ -1,9 +1,10 @@
 """Acquire and yield: what the client API does, in terms of the store and the mirror.
 
-An Acquire puts the job in the group's queue, then waits on the mirror (one etcd watch per
-replica, never polling) until the driver grants it, streaming its progress. Leaving early
-(cancel, deadline, disconnect) withdraws the queue entry, or gives back a grant that raced
-the exit, so no waiter is lost and no grant leaks.
+An Acquire of a group that is free, with nobody waiting and nothing to move, is granted in
+its own transaction. Otherwise it puts the job in the group's queue, then waits on the mirror
+(one etcd watch per replica, never polling) until the driver grants it, streaming its
+progress. Leaving early (cancel, deadline, disconnect) withdraws the queue entry, or gives
+back a grant that raced the exit, so no waiter is lost and no grant leaks.
 """
 
 from __future__ import annotations
@@ -28,12 +29,22 @@ from timeslice.errors import (
 from timeslice.ids import validate_group_id, validate_job_id, validate_node
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.policy import Policy, order
-from timeslice_orchestrator.store.cache import GroupView, Mirror
-from timeslice_orchestrator.store.groups import GroupStore, lease_of
+from timeslice_orchestrator.store.cache import GroupView, Mirror, group_topic
+from timeslice_orchestrator.store.groups import (
+    Enqueued,
+    EnqueueRequest,
+    FreeGroup,
+    GroupStore,
+    Hold,
+    lease_of,
+)
+from timeslice_orchestrator.store.records import AgentRecord, Hint, ResidentRecord
 
 log = logging.getLogger(__name__)
 
 MIRROR_LAG_TIMEOUT = 10.0
+# Groups whose last yield here the mirror may not show yet, kept at most (then pruned).
+_RELEASED_KEPT = 1024
 MAX_TTL = 3600
 
 
@@ -68,6 +79,11 @@ class LockService:
         # Set while the replica shuts down: its waiters are about to re-attach elsewhere,
         # so their streams ending is no reason to give up their places or grants.
         self.draining = False
+        # The revision of the last yield of each group through this replica: an Acquire of
+        # the group here first lets the mirror catch up with it, so that a client taking
+        # its group back at once finds it free (and takes it in one transaction) instead of
+        # queueing behind its own hold.
+        self._released: dict[str, int] = {}
 
     async def open_session(self, job: str, ttl: int, host: str, pid: int) -> tuple[str, int]:
         validate_job_id(job)
@@ -118,18 +134,18 @@ class LockService:
         if len(request_id) > 64:
             raise InvalidArgument("request_id must be at most 64 characters")
         attempt = uuid.uuid4().hex[:16]
-        enqueued = await self._store.enqueue(
-            session,
-            session_id,
-            group,
-            priority,
-            request_id,
-            attempt,
-            holder_hint=self._mirror.get(f"groups/{group}/holder"),
-            hint_given=True,
-        )
+        request = EnqueueRequest(session, session_id, group, priority, request_id, attempt)
+        enqueued = await self._take_free(request)
+        if enqueued is None:
+            enqueued = await self._store.enqueue(request, Hint(self._mirror.holder(group)))
         await self._mirror.wait_for_revision(enqueued.revision, MIRROR_LAG_TIMEOUT)
-        topic = f"group:{group}"
+        if enqueued.epoch:
+            # Granted by the enqueue itself: a hold with nothing waited, restored or moved.
+            yield Progress(
+                AcquireStage.GRANTED, epoch=enqueued.epoch, ticket=enqueued.entry_revision
+            )
+            return
+        topic = group_topic(group)
         granted = False
         last: tuple[AcquireStage, int] | None = None
         self._metrics.waiters.inc()
@@ -153,7 +169,35 @@ class LockService:
         finally:
             self._metrics.waiters.dec()
             if not granted and not self.draining:
-                await _shielded(self._store.withdraw(group, job, session_id, enqueued))
+                await _shielded(self._store.withdraw(enqueued))
+
+    async def _take_free(self, request: EnqueueRequest) -> Enqueued | None:
+        """Grant at once when the group is free and nobody waits: one transaction instead of
+        a queue entry, a hop to the driver and its grant. None when the driver has work to
+        do first, or the group is no longer as this replica saw it (then the job queues)."""
+        released = self._released.pop(request.group, 0)
+        if released > self._mirror.revision:
+            await self._mirror.wait_for_revision(released, MIRROR_LAG_TIMEOUT)
+        view = self._mirror.group(request.group)
+        resident = resident_after_grant(view, request.job, self._mirror.agents())
+        if resident is None:
+            return None
+        stats = view.stats
+        stats.grants += 1
+        free = FreeGroup(
+            ticket=view.revision,
+            resident=resident,
+            resident_revision=view.resident_revision,
+            stats=stats,
+            stats_revision=view.stats_revision,
+            members_revision=view.members_revision,
+        )
+        enqueued = await self._store.take_free(request, free)
+        if enqueued is not None:
+            # What the driver counts for a grant in place; nobody waited.
+            self._metrics.grants.labels(kind="in_place").inc()
+            self._metrics.acquire_wait_seconds.observe(0.0)
+        return enqueued
 
     def _progress(
         self, view: GroupView, session_id: str, job: str, entry_revision: int
@@ -193,7 +237,7 @@ class LockService:
         if self.draining:
             return  # the client re-attaches elsewhere and gets this grant back
         try:
-            await _shielded(self._store.release(group, job, epoch, session_id))
+            await _shielded(self._store.release(Hold(group, job, epoch, session_id)))
             log.info("released undelivered grant of %s on %s (epoch %d)", job, group, epoch)
         except Exception:
             log.exception("could not release undelivered grant of %s on %s", job, group)
@@ -205,9 +249,15 @@ class LockService:
             lease_of(session_id)
         if epoch <= 0:
             raise InvalidArgument("epoch must be the positive fencing token of the grant")
-        hint = self._mirror.get(f"groups/{group}/holder")
-        usage = self._mirror.get(f"groups/{group}/usage")
-        await self._store.release(group, job, epoch, session_id, hint, usage)
+        revision = await self._store.release(
+            Hold(group, job, epoch, session_id),
+            Hint(self._mirror.holder(group)),
+            Hint(self._mirror.usage(group)),
+        )
+        self._released[group] = revision
+        if len(self._released) > _RELEASED_KEPT:
+            seen = self._mirror.revision
+            self._released = {g: r for g, r in self._released.items() if r > seen}
 
     async def set_members(self, group: str, nodes: list[str]) -> None:
         validate_group_id(group)
@@ -223,6 +273,29 @@ class LockService:
         if not view.exists:
             raise NotFound(f"group {group} does not exist")
         return view
+
+
+def resident_after_grant(
+    view: GroupView, job: str, agents: dict[str, AgentRecord]
+) -> ResidentRecord | None:
+    """The residency after granting ``job`` the group at once, or None if it cannot be.
+
+    At once is what the driver does for a lone waiter whose state needs no moving: the group
+    is free, nobody waits, no switch runs, every pinned node's agent is present, and the job's
+    state is already on every node where it runs (its workers' nodes and the pinned ones).
+    """
+    if view.holder is not None or view.queue or view.switch is not None:
+        return None
+    if any(node not in agents for node in view.static_members):
+        return None
+    residency = view.residency()
+    runs_on = {n for n, a in agents.items() if job in a.jobs_of(view.group)}
+    if any(job not in residency.nodes.get(n, []) for n in runs_on | set(view.static_members)):
+        return None
+    for node, jobs in list(residency.nodes.items()):
+        if job in jobs:
+            residency.place(node, job)  # most recently used: evicted last
+    return residency
 
 
 async def _shielded(coro: object) -> object:

@@ -16,16 +16,15 @@ import base64
 import functools
 import logging
 
+from timeslice.backoff import Backoff
 from timeslice_orchestrator.hub import AgentGone, AgentHub, AgentTimeout, AgentUnavailable
-from timeslice_orchestrator.store.cache import Mirror
+from timeslice_orchestrator.store.cache import RELAY_TOPIC, Mirror
 from timeslice_orchestrator.store.etcd import StoreUnavailable
-from timeslice_orchestrator.store.groups import RelayStore
-from timeslice_orchestrator.store.records import CorruptRecord, RelayRecord
+from timeslice_orchestrator.store.records import RelayRecord
+from timeslice_orchestrator.store.relay import RelayStore
 from timeslice_proto.timeslice.v1 import Directive, DirectiveAck
 
 log = logging.getLogger(__name__)
-
-RELAY_TOPIC = "relay"
 
 
 def _encode(message: Directive | DirectiveAck) -> str:
@@ -61,16 +60,13 @@ class DirectiveRouter:
         record = RelayRecord(driver=self._replica_id, directive=_encode(directive))
         if not await self._relay.post(node, directive.directive_id, record, self._lease):
             raise AgentUnavailable(f"directive {directive.directive_id} is already in flight")
-        rel = f"relay/{node}/{directive.directive_id}"
         try:
             async with asyncio.timeout(timeout):
                 while True:
                     seen = self._mirror.version("*")
-                    kv = self._mirror.get(rel)
-                    if kv is not None:
-                        answered = RelayRecord.decode(kv.value)
-                        if answered.ack:
-                            return DirectiveAck.parse(base64.b64decode(answered.ack))
+                    answered = self._mirror.relay(node, directive.directive_id)
+                    if answered is not None and answered.record.ack:
+                        return DirectiveAck.parse(base64.b64decode(answered.record.ack))
                     now = self._mirror.agents().get(node)
                     if now is None or now.replica != agent.replica:
                         # The stream moved (or the agent is gone): whoever holds it now never
@@ -91,18 +87,15 @@ class DirectiveRouter:
     def _on_change(self, topics: set[str]) -> None:
         if RELAY_TOPIC not in topics:
             return
-        for rel, kv in self._mirror.under("relay/"):
-            _, node, directive_id = rel.split("/", 2)
+        for post in self._mirror.relays():
+            node, directive_id, record = post.node, post.directive_id, post.posted.record
             if directive_id in self._forwarding or not self._hub.holds(node):
-                continue
-            try:
-                record = RelayRecord.decode(kv.value)
-            except CorruptRecord:
-                log.exception("ignoring corrupt relay record %s", rel)
                 continue
             if record.ack or record.driver == self._replica_id:
                 continue
-            task = asyncio.create_task(self._forward(node, directive_id, record), name=rel)
+            task = asyncio.create_task(
+                self._forward(node, directive_id, record), name=f"relay-{node}-{directive_id}"
+            )
             self._forwarding[directive_id] = task
             task.add_done_callback(functools.partial(self._forward_done, directive_id))
 
@@ -122,17 +115,17 @@ class DirectiveRouter:
         # etcd may be briefly away (a restart): keep trying until the driver's deadline.
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        delay = 0.05
+        backoff = Backoff(jitter=False)
         while True:
-            posted = self._mirror.get(f"relay/{node}/{directive_id}")
+            posted = self._mirror.relay(node, directive_id)
             if posted is None:
                 return  # the driver gave up (or the answer landed)
             try:
                 await self._relay.answer(node, directive_id, posted, _encode(ack))
                 return
             except StoreUnavailable as exc:
+                delay = backoff.next_delay()
                 if loop.time() + delay > deadline:
                     raise
                 log.warning("answering relayed %s: %s; retrying", directive_id, exc)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)

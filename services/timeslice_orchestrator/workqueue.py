@@ -9,8 +9,8 @@ added:
   holds it runs once more after that worker is done, so no two workers ever hold one key;
 - ``add_after(key, delay)`` adds it later, keeping the earliest of several such requests; an
   ``add`` in the meantime supersedes it (the pass it starts decides afresh what comes next);
-- ``add_rate_limited(key)`` adds it after a per-key exponential backoff, ``base * 2**n`` after
-  ``n`` consecutive failures, at most ``cap``; ``forget(key)`` resets that backoff;
+- ``add_rate_limited(key)`` adds it after a per-key exponential backoff (:class:`KeyedBackoff`,
+  one :class:`timeslice.backoff.Backoff` per key); ``forget(key)`` resets that backoff;
 - a handler that raises is logged, reported to ``on_error`` and retried with that backoff;
 - ``shutdown()`` drops what waits, cancels the passes in flight and ends the workers.
 """
@@ -22,39 +22,43 @@ import logging
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Generic, TypeVar
 
+from timeslice.backoff import Backoff
+
 log = logging.getLogger(__name__)
 
 K = TypeVar("K", bound=Hashable)
 
-# 2**64 times any useful base is far past any cap; bounding the exponent keeps the float finite.
-_MAX_EXPONENT = 64
 # How often shutdown repeats its cancel to a worker that has not ended yet.
 _RECANCEL_SECONDS = 0.5
 
 
-class Backoff(Generic[K]):
-    """Per-key exponential backoff: ``base * 2**n`` after ``n`` failures, at most ``cap``."""
+class KeyedBackoff(Generic[K]):
+    """One :class:`timeslice.backoff.Backoff` per key: ``initial * 2**n`` after ``n``
+    failures of that key, at most ``maximum``; without jitter, as a single task retries it."""
 
-    def __init__(self, base: float, cap: float) -> None:
-        if base <= 0 or cap < base:
-            raise ValueError(f"need 0 < base <= cap, got base={base} cap={cap}")
-        self._base = base
-        self._cap = cap
-        self._failures: dict[K, int] = {}
+    def __init__(self, initial: float, maximum: float) -> None:
+        if initial <= 0 or maximum < initial:
+            raise ValueError(f"need 0 < initial <= maximum, got {initial} and {maximum}")
+        self._initial = initial
+        self._maximum = maximum
+        self._keys: dict[K, tuple[Backoff, int]] = {}
 
     def when(self, key: K) -> float:
         """Count one more failure of ``key`` and return how long it should wait."""
-        failures = self._failures.get(key, 0)
-        self._failures[key] = failures + 1
-        return min(self._base * 2.0 ** min(failures, _MAX_EXPONENT), self._cap)
+        backoff, failures = self._keys.get(key) or (
+            Backoff(self._initial, self._maximum, jitter=False),
+            0,
+        )
+        self._keys[key] = (backoff, failures + 1)
+        return backoff.next_delay()
 
     def forget(self, key: K) -> None:
-        """``key`` succeeded: its next failure waits ``base`` again."""
-        self._failures.pop(key, None)
+        """``key`` succeeded: its next failure waits ``initial`` again."""
+        self._keys.pop(key, None)
 
     def failures(self, key: K) -> int:
         """Consecutive failures of ``key`` since it was last forgotten."""
-        return self._failures.get(key, 0)
+        return self._keys[key][1] if key in self._keys else 0
 
 
 class WorkQueue(Generic[K]):
@@ -65,7 +69,7 @@ class WorkQueue(Generic[K]):
         handler: Callable[[K], Awaitable[None]],
         *,
         workers: int,
-        backoff: Backoff[K],
+        backoff: KeyedBackoff[K],
         name: str = "workqueue",
         on_error: Callable[[K, BaseException], None] | None = None,
     ) -> None:

@@ -17,7 +17,7 @@ import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 from grpclib.server import Server
@@ -177,7 +177,8 @@ async def running_hub(port: int = 0) -> AsyncIterator[tuple[FakeHub, int]]:
     server = Server([hub])
     await server.start("127.0.0.1", port)
     assert server._server is not None
-    bound = server._server.sockets[0].getsockname()[1]
+    # grpclib types it as AbstractServer; loop.create_server made an asyncio.Server.
+    bound = cast(asyncio.Server, server._server).sockets[0].getsockname()[1]
     try:
         yield hub, bound
     finally:

@@ -12,6 +12,8 @@ import json
 import os
 import signal
 import socket
+from collections.abc import AsyncGenerator
+from typing import cast
 
 import pytest
 from agent_harness import (
@@ -32,6 +34,7 @@ from timeslice_proto.timeslice.v1 import (
     CommandResult,
     DirectiveKind,
     JobState,
+    WorkerCommand,
     WorkerInfo,
     WorkerLinkStub,
 )
@@ -181,7 +184,11 @@ async def test_registration_is_validated_and_lives_with_the_stream(
 
         # A registration from this test process: it lasts exactly as long as the stream.
         async with asyncio.timeout(10):
-            commands = stub.register(WorkerInfo(job_id="j", group_id="g", pid=os.getpid()))
+            # The generated stub says AsyncIterator; the call returns an async generator.
+            commands = cast(
+                AsyncGenerator[WorkerCommand, None],
+                stub.register(WorkerInfo(job_id="j", group_id="g", pid=os.getpid())),
+            )
             first = await anext(commands)
             assert first.kind.name == "REGISTERED"
             changed = await h.next_workers()

@@ -25,8 +25,8 @@ from bench.profiles import StepPhase
 from bench.report import check_targets, render_summary, switch_table, workload_table
 from bench.run import _finite, output_name, same_code
 from bench.workload import REFERENCE_COSTS, Baseline, RunResult, SimCosts, _cluster_kwargs
-from timeslice.dev.timeline import Interval
 from timeslice_agent.journal import JournalEntry
+from timeslice_tools.dev.timeline import Interval
 
 
 def ph(

@@ -10,7 +10,7 @@ from bench import controlplane, figures
 from bench.profiles import PROFILES
 from bench.report import workload_table
 from bench.workload import SimCosts, arun_profile
-from timeslice.dev.etcd import EtcdServer
+from timeslice_tools.dev.etcd import EtcdServer
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -16,8 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from timeslice import cli
-from timeslice.dev.cluster import LocalCluster
 from timeslice.errors import InvalidArgument
 from timeslice_proto.timeslice.v1 import (
     FaultedJob,
@@ -27,8 +25,10 @@ from timeslice_proto.timeslice.v1 import (
     SwitchPhase,
     SwitchStatus,
 )
+from timeslice_tools import cli
+from timeslice_tools.dev.cluster import LocalCluster
 
-TIMESLICE = [sys.executable, "-m", "timeslice.cli"]
+TIMESLICE = [sys.executable, "-m", "timeslice_tools.cli"]
 INSTALLED = Path(sys.executable).parent / "timeslice"
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from timeslice.dev import _procs
-from timeslice.dev.cluster import ClusterError, LocalCluster
-from timeslice.dev.etcd import EtcdServer
+from timeslice_tools.dev import _procs
+from timeslice_tools.dev.cluster import ClusterError, LocalCluster
+from timeslice_tools.dev.etcd import EtcdServer
 
 
 def processes_mentioning(marker: str) -> list[int]:
@@ -164,7 +164,7 @@ def test_dev_cluster_command_ready_then_clean_stop(tmp_path: Path, stop_signal: 
     base_dir = tmp_path / "cluster"
     prefix = f"/timeslice/cli-test-{os.getpid()}-{int(stop_signal)}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "timeslice.cli", "dev", "cluster", "--replicas", "2",
+        [sys.executable, "-m", "timeslice_tools.cli", "dev", "cluster", "--replicas", "2",
          "--agents", "1", "--base-dir", str(base_dir), "--prefix", prefix],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -1,4 +1,4 @@
-"""``python -m timeslice.dev.demo`` end to end: real cluster, two job processes, the report."""
+"""``python -m timeslice_tools.dev.demo`` end to end: real cluster, two jobs, the report."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from timeslice.dev import demo
-from timeslice.dev.timeline import (
+from timeslice_tools.dev import demo
+from timeslice_tools.dev.timeline import (
     PhaseRecord,
     accelerator_intervals,
     duty_cycle,
@@ -30,7 +30,7 @@ def test_demo_runs_to_completion_and_shares_the_group(tmp_path: Path) -> None:
     steps = 5
     started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "timeslice.dev.demo", "--steps", str(steps),
+        [sys.executable, "-m", "timeslice_tools.dev.demo", "--steps", str(steps),
          "--base-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip

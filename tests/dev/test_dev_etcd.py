@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from timeslice.dev import _procs
-from timeslice.dev import etcd as etcd_mod
-from timeslice.dev.etcd import EtcdError, EtcdServer, find_etcd_binary
+from timeslice_tools.dev import _procs
+from timeslice_tools.dev import etcd as etcd_mod
+from timeslice_tools.dev.etcd import EtcdError, EtcdServer, find_etcd_binary
 
 
 def _b64(text: str) -> str:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from timeslice.dev import demo
-from timeslice.dev.timeline import (
+from timeslice_tools.dev import demo
+from timeslice_tools.dev.timeline import (
     Interval,
     PhaseRecord,
     StepPhase,

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ClusterFactory
-from tests.history import Hold, check_fifo, check_mutual_exclusion
 from timeslice import AsyncTimeSliceClient, register
-from timeslice.dev.cluster import LocalCluster
 from timeslice.errors import Timeout
+from timeslice_tools.dev.cluster import LocalCluster
+from timeslice_tools.history import Hold, check_fifo, check_mutual_exclusion
 
 SIM_FAST = ["--sim-state-gb", "0.5", "--sim-bandwidth-gbps", "50"]
 

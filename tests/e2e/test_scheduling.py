@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Callable
 
 from tests.conftest import ClusterFactory
 from tests.faults.harness import wait_for_status
-from tests.history import Hold, Recorder, check_mutual_exclusion
 from timeslice import AsyncTimeSliceClient
+from timeslice_proto.timeslice.v1 import GroupStatus
+from timeslice_tools.history import Hold, Recorder, check_mutual_exclusion
+
+
+def _queued(n: int) -> Callable[[GroupStatus], bool]:
+    """Whether exactly ``n`` waiters are queued."""
+    return lambda s: len(s.queue) == n
 
 
 async def _queue_then_release(
@@ -26,7 +33,7 @@ async def _queue_then_release(
     tasks = []
     for n, (client, priority) in enumerate(waiters, start=1):
         tasks.append(asyncio.create_task(wait(client, priority)))
-        await wait_for_status(holder, "g", lambda s, n=n: len(s.queue) == n, 10)
+        await wait_for_status(holder, "g", _queued(n), 10)
     await holder.yield_("g")
     await asyncio.gather(*tasks)
     return order
@@ -126,13 +133,12 @@ async def test_acquire_all_never_deadlocks(cluster_factory: ClusterFactory) -> N
         return 15
 
     # Opposite orders on purpose: naive one-by-one acquisition would deadlock here.
-    done = await asyncio.wait_for(
-        asyncio.gather(
-            job("trainer-sync", ["trainer", "sampler"]),
-            job("sampler-sync", ["sampler", "trainer"]),
-            job("trainer-only", ["trainer"]),
-        ),
-        90,
-    )
+    # Unpacked, so gather is typed as returning the list it returns at run time.
+    jobs = [
+        job("trainer-sync", ["trainer", "sampler"]),
+        job("sampler-sync", ["sampler", "trainer"]),
+        job("trainer-only", ["trainer"]),
+    ]
+    done = await asyncio.wait_for(asyncio.gather(*jobs), 90)
     assert done == [15, 15, 15]
     check_mutual_exclusion(recorder.holds)

@@ -11,11 +11,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.history import Attempt, Hold, Recorder
 from timeslice import AsyncTimeSliceClient
-from timeslice.dev.cluster import LocalCluster
 from timeslice_agent.journal import JournalEntry, read_journal
 from timeslice_proto.timeslice.v1 import GroupStatus
+from timeslice_tools.dev.cluster import LocalCluster
+from timeslice_tools.history import Attempt, Hold, Recorder
 
 REPORT = Path(os.environ.get("TIMESLICE_FAULT_REPORT", ".timeslice/fault-recovery.jsonl"))
 

@@ -15,10 +15,10 @@ import pytest
 
 from tests.conftest import ClusterFactory
 from tests.faults.harness import journals, report_recovery, wait_for_status
-from tests.history import check_fencing
 from timeslice import AsyncTimeSliceClient, register
 from timeslice.errors import GroupFaulted
 from timeslice_proto.timeslice.v1 import SwitchPhase
+from timeslice_tools.history import check_fencing
 
 SLOW_SIM = ["--sim-bandwidth-gbps", "2", "--sim-state-gb", "2"]
 AGENT_TTL = 3

@@ -10,14 +10,14 @@ import pytest
 
 from tests.conftest import ClusterFactory
 from tests.faults.harness import cycle, journals, report_recovery
-from tests.history import (
+from timeslice import AsyncTimeSliceClient, register
+from timeslice_tools.history import (
     Recorder,
     check_fencing,
     check_fifo,
     check_mutual_exclusion,
     check_nothing_lost,
 )
-from timeslice import AsyncTimeSliceClient, register
 
 FAST_SIM = ["--sim-state-gb", "0.25"]
 PHASES = 30

@@ -20,9 +20,9 @@ from tests.faults.harness import (
     report_recovery,
     wait_for_status,
 )
-from tests.history import check_fencing
 from timeslice import AsyncTimeSliceClient, register
 from timeslice_proto.timeslice.v1 import SwitchPhase
+from timeslice_tools.history import check_fencing
 
 TTL = 2
 # 2 GB of device state at 2 GB/s: every checkpoint or restore takes about a second.

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from bench.soak import soak
-from timeslice.dev.etcd import EtcdServer
+from timeslice_tools.dev.etcd import EtcdServer
 
 pytestmark = pytest.mark.slow
 

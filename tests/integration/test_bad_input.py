@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterable, Awaitable
+from typing import TypeVar, cast
+
 import pytest
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
@@ -18,14 +21,16 @@ from timeslice_proto.timeslice.v1 import (
     YieldRequest,
 )
 
+T = TypeVar("T")
+
 BAD_IDS = ["", "x" * 254, "a/b", "..", "../etc", "tab\there", "nul\x00", "caf\u00e9", " lead"]
 
 
-async def expect(kind: ErrorKind, coro: object) -> str:
+async def expect(kind: ErrorKind, coro: Awaitable[object]) -> str:
     with pytest.raises(GRPCError) as info:
-        result = await coro  # type: ignore[misc]
+        result = await coro
         if hasattr(result, "__aiter__"):
-            async for _ in result:
+            async for _ in cast(AsyncIterable[object], result):
                 pass
     err = error_from_status(info.value.status, info.value.message)
     assert err.kind is kind, f"expected {kind}, got {err.kind}: {err}"
@@ -33,8 +38,8 @@ async def expect(kind: ErrorKind, coro: object) -> str:
     return err.message
 
 
-async def drain(stream: object) -> list[object]:
-    return [ev async for ev in stream]  # type: ignore[attr-defined]
+async def drain(stream: AsyncIterable[T]) -> list[T]:
+    return [ev async for ev in stream]
 
 
 async def test_bad_input_is_refused_and_changes_nothing(cluster_factory: ClusterFactory) -> None:

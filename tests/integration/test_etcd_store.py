@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncIterator
 
 import pytest
 
-from timeslice.dev.etcd import EtcdServer
 from timeslice_orchestrator.store.etcd import (
     Delete,
     EtcdClient,
@@ -21,12 +21,13 @@ from timeslice_orchestrator.store.etcd import (
     absent,
     prefix_end,
 )
+from timeslice_tools.dev.etcd import EtcdServer
 
 
 @pytest.fixture
-async def etcd(etcd_server: EtcdServer) -> EtcdClient:
+async def etcd(etcd_server: EtcdServer) -> AsyncIterator[EtcdClient]:
     client = EtcdClient([etcd_server.endpoint])
-    yield client  # type: ignore[misc]
+    yield client
     await client.close()
 
 
@@ -110,3 +111,38 @@ async def test_a_lagging_mirror_is_a_typed_unavailable(etcd: EtcdClient) -> None
     mirror = Mirror(etcd, Keyspace(f"/test/{uuid.uuid4().hex}"))  # never started: never catches up
     with pytest.raises(StoreUnavailable, match="behind"):
         await mirror.wait_for_revision(10**9, 0.05)
+
+
+async def test_keepalive_keeps_one_stream_per_lease(etcd: EtcdClient) -> None:
+    opened: list[int] = []
+    real = etcd._lease.LeaseKeepAlive
+
+    def counting(*args: object, **kwargs: object) -> object:
+        opened.append(1)
+        return real(*args, **kwargs)
+
+    etcd._lease.LeaseKeepAlive = counting
+    first, second = await etcd.grant_lease(30), await etcd.grant_lease(30)
+    for _ in range(5):
+        assert await etcd.keepalive_once(first) == 30
+    assert await etcd.keepalive_once(second) == 30
+    assert len(opened) == 2, "a stream per refresh instead of one per lease"
+    # A stream that broke while idle is replaced once, and the refresh goes through.
+    etcd._keepalives[first].close()
+    assert await etcd.keepalive_once(first) == 30
+    assert len(opened) == 3
+    # A revoked lease closes its stream; refreshing it says it is gone.
+    await etcd.revoke_lease(first)
+    assert first not in etcd._keepalives
+    with pytest.raises(LeaseExpired):
+        await etcd.keepalive_once(first)
+    assert first not in etcd._keepalives
+
+
+async def test_keepalive_streams_of_lapsed_leases_are_closed(etcd: EtcdClient) -> None:
+    lease, other = await etcd.grant_lease(1), await etcd.grant_lease(30)
+    await etcd.keepalive_once(lease)
+    await asyncio.sleep(2.2)  # past its TTL and the sweep interval, refreshed nowhere
+    await etcd.keepalive_once(other)
+    assert lease not in etcd._keepalives
+    assert other in etcd._keepalives

@@ -13,17 +13,17 @@ import pytest
 
 from tests.conftest import ClusterFactory
 from tests.faults.harness import cycle, journals, wait_for_status
-from tests.history import (
+from timeslice import AsyncTimeSliceClient, Grant, register
+from timeslice.errors import GroupFaulted
+from timeslice.worker import WorkerRegistration
+from timeslice_tools.dev.cluster import LocalCluster
+from timeslice_tools.history import (
     Recorder,
     check_fencing,
     check_fifo,
     check_mutual_exclusion,
     check_two_phase,
 )
-from timeslice import AsyncTimeSliceClient, register
-from timeslice.dev.cluster import LocalCluster
-from timeslice.errors import GroupFaulted
-from timeslice.worker import WorkerRegistration
 
 # 0.5 GB at 50 GB/s: 10 ms per node and phase, long enough to see the nodes overlap.
 SIM = ["--sim-state-gb", "0.5", "--sim-bandwidth-gbps", "50"]
@@ -84,10 +84,10 @@ async def test_eight_nodes_three_jobs_a_hundred_switches(cluster_factory: Cluste
 
 async def queue_behind(
     holder: AsyncTimeSliceClient, waiter: AsyncTimeSliceClient, timeout: float
-) -> asyncio.Task[object]:
+) -> asyncio.Task[Grant]:
     """``holder`` takes g, ``waiter`` queues behind it; returns the waiter's acquire."""
     await holder.acquire("g", timeout=20)
-    task: asyncio.Task[object] = asyncio.create_task(waiter.acquire("g", timeout=timeout))
+    task: asyncio.Task[Grant] = asyncio.create_task(waiter.acquire("g", timeout=timeout))
     await wait_for_status(holder, "g", lambda s: len(s.queue) == 1, 10)
     return task
 

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import TypedDict, Unpack
 
 import grpclib
 import pytest
@@ -41,7 +42,14 @@ from timeslice.errors import (
 )
 
 
-def client_for(orch: FakeOrchestrator, job: str = "job-a", **kwargs: float) -> AsyncTimeSliceClient:
+class ClientOptions(TypedDict, total=False):
+    session_ttl: float
+    call_timeout: float
+
+
+def client_for(
+    orch: FakeOrchestrator, job: str = "job-a", **kwargs: Unpack[ClientOptions]
+) -> AsyncTimeSliceClient:
     return AsyncTimeSliceClient(orch.target, job_id=job, **kwargs)
 
 

@@ -18,13 +18,13 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from timeslice import AsyncTimeSliceClient, register
-from timeslice.dev._procs import free_ports
-from timeslice.dev.etcd import EtcdServer
 from timeslice.tracing import provider_from_env, tracing_requested
 from timeslice_agent.config import parse_config
 from timeslice_agent.service import Agent
 from timeslice_orchestrator.app import Orchestrator
 from timeslice_orchestrator.config import parse_args
+from timeslice_tools.dev._procs import free_ports
+from timeslice_tools.dev.etcd import EtcdServer
 
 NODES = [f"node-{i}" for i in range(4)]
 
@@ -81,6 +81,16 @@ def children(spans: list[ReadableSpan], parent: ReadableSpan) -> list[ReadableSp
     return [s for s in spans if s.parent is not None and s.parent.span_id == pid]
 
 
+def start_time(span: ReadableSpan) -> int:
+    assert span.start_time is not None, f"{span.name} never started"
+    return span.start_time
+
+
+def end_time(span: ReadableSpan) -> int:
+    assert span.end_time is not None, f"{span.name} never ended"
+    return span.end_time
+
+
 async def test_switch_span_tree_over_four_nodes(etcd_server: EtcdServer, tmp_path: Path) -> None:
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
@@ -121,7 +131,7 @@ async def test_switch_span_tree_over_four_nodes(etcd_server: EtcdServer, tmp_pat
 
     phases = {s.name: s for s in children(spans, switch)}
     assert set(phases) == {"timeslice.evict", "timeslice.restore"}
-    assert phases["timeslice.evict"].end_time <= phases["timeslice.restore"].start_time
+    assert end_time(phases["timeslice.evict"]) <= start_time(phases["timeslice.restore"])
     for phase, kind, job in (("evict", "checkpoint", "a"), ("restore", "restore", "b")):
         per_node = children(spans, phases[f"timeslice.{phase}"])
         assert sorted(s.name for s in per_node) == [f"timeslice.{phase} {n}" for n in NODES]
@@ -140,7 +150,7 @@ async def test_switch_span_tree_over_four_nodes(etcd_server: EtcdServer, tmp_pat
                 assert agent_attrs["timeslice.bytes_moved"] == 100_000_000
                 assert node_attrs["timeslice.bytes_moved"] == 100_000_000
         # The nodes of a phase ran concurrently: their spans overlap.
-        assert max(s.start_time for s in per_node) < min(s.end_time for s in per_node)
+        assert max(start_time(s) for s in per_node) < min(end_time(s) for s in per_node)
 
     rpcs = [s for s in spans if s.name == "timeslice.v1.TimeSlice/Yield"]
     assert rpcs, "client RPCs get server spans"

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from timeslice_orchestrator.workqueue import Backoff, WorkQueue
+from timeslice_orchestrator.workqueue import KeyedBackoff, WorkQueue
 
 # Generous bounds: these tests share two cores with etcd and whole clusters.
 SOON = 5.0
@@ -59,7 +59,7 @@ class Recorder:
 def make(
     handler: Recorder, workers: int = 2, base: float = 0.05, cap: float = 0.2
 ) -> WorkQueue[str]:
-    return WorkQueue(handler, workers=workers, backoff=Backoff(base, cap), name="test")
+    return WorkQueue(handler, workers=workers, backoff=KeyedBackoff(base, cap), name="test")
 
 
 async def settle() -> None:
@@ -72,13 +72,13 @@ async def settle() -> None:
 
 
 def test_backoff_doubles_per_failure_up_to_the_cap() -> None:
-    backoff: Backoff[str] = Backoff(0.1, 0.5)
+    backoff: KeyedBackoff[str] = KeyedBackoff(0.1, 0.5)
     assert [backoff.when("a") for _ in range(6)] == pytest.approx([0.1, 0.2, 0.4, 0.5, 0.5, 0.5])
     assert backoff.failures("a") == 6
 
 
 def test_backoff_is_per_key_and_forget_resets_it() -> None:
-    backoff: Backoff[str] = Backoff(0.1, 10.0)
+    backoff: KeyedBackoff[str] = KeyedBackoff(0.1, 10.0)
     backoff.when("a")
     backoff.when("a")
     assert backoff.when("b") == pytest.approx(0.1), "another key's failures do not count"
@@ -90,7 +90,7 @@ def test_backoff_is_per_key_and_forget_resets_it() -> None:
 
 
 def test_backoff_stays_finite_after_many_failures() -> None:
-    backoff: Backoff[str] = Backoff(0.1, 2.0)
+    backoff: KeyedBackoff[str] = KeyedBackoff(0.1, 2.0)
     for _ in range(5000):
         delay = backoff.when("a")
     assert delay == 2.0
@@ -99,7 +99,7 @@ def test_backoff_stays_finite_after_many_failures() -> None:
 @pytest.mark.parametrize(("base", "cap"), [(0.0, 1.0), (-1.0, 1.0), (2.0, 1.0)])
 def test_backoff_rejects_nonsense(base: float, cap: float) -> None:
     with pytest.raises(ValueError):
-        Backoff(base, cap)
+        KeyedBackoff(base, cap)
 
 
 # -- adding -----------------------------------------------------------------------------------
@@ -246,10 +246,10 @@ async def test_a_failing_handler_is_reported_and_retried_with_backoff() -> None:
     handler = Recorder()
     handler.fail["bad"] = RuntimeError("boom")
     errors: list[tuple[str, BaseException]] = []
-    queue = WorkQueue(
+    queue: WorkQueue[str] = WorkQueue(
         handler,
         workers=1,
-        backoff=Backoff(0.05, 0.2),
+        backoff=KeyedBackoff(0.05, 0.2),
         name="test",
         on_error=lambda key, exc: errors.append((key, exc)),
     )
@@ -273,10 +273,10 @@ async def test_cancelled_error_from_inside_a_handler_does_not_kill_the_worker() 
     handler = Recorder()
     handler.fail["odd"] = asyncio.CancelledError()
     errors: list[str] = []
-    queue = WorkQueue(
+    queue: WorkQueue[str] = WorkQueue(
         handler,
         workers=1,
-        backoff=Backoff(5.0, 5.0),
+        backoff=KeyedBackoff(5.0, 5.0),
         name="test",
         on_error=lambda key, exc: errors.append(key),
     )
@@ -336,7 +336,7 @@ async def test_shutdown_cancels_passes_drops_waiting_keys_and_ignores_adds() -> 
 
 def test_a_queue_needs_a_worker() -> None:
     with pytest.raises(ValueError):
-        WorkQueue(Recorder(), workers=0, backoff=Backoff(0.1, 1.0))
+        WorkQueue(Recorder(), workers=0, backoff=KeyedBackoff(0.1, 1.0))
 
 
 @pytest.mark.parametrize("then_wait", [False, True])
@@ -355,7 +355,9 @@ async def test_shutdown_ends_a_pass_that_swallows_its_cancellation(then_wait: bo
         if then_wait:
             await asyncio.sleep(30)
 
-    queue: WorkQueue[str] = WorkQueue(stubborn, workers=1, backoff=Backoff(0.1, 1.0), name="test")
+    queue: WorkQueue[str] = WorkQueue(
+        stubborn, workers=1, backoff=KeyedBackoff(0.1, 1.0), name="test"
+    )
     queue.start()
     queue.add("a")
     await entered.wait()

@@ -1,6 +1,16 @@
-"""Data-movement backends of the agent (see :class:`~timeslice_agent.backends.base.Backend`)."""
+"""Data-movement backends of the agent (see :class:`~timeslice_agent.backends.base.Backend`).
+
+**Adding a backend** touches its own module and one line: the module
+``timeslice_agent/backends/<name>.py`` defines its :class:`Backend` subclass and a
+``create(config: AgentConfig) -> Backend`` function, and ``<NAME> = "<name>"`` joins
+:class:`timeslice_agent.config.BackendKind`, from which the agent's ``--backend`` choices, the
+CLI and the dev cluster all take their lists.
+"""
 
 from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
 
 from timeslice_agent.backends.app import AppBackend
 from timeslice_agent.backends.base import (
@@ -13,10 +23,10 @@ from timeslice_agent.backends.base import (
     SavedJob,
     Transfer,
 )
-from timeslice_agent.backends.cuda import CudaBackend, open_driver
+from timeslice_agent.backends.cuda import CudaBackend
 from timeslice_agent.backends.freeze import FreezeBackend
 from timeslice_agent.backends.sim import SimBackend
-from timeslice_agent.config import AgentConfig, BackendKind
+from timeslice_agent.config import AgentConfig
 
 __all__ = [
     "AppBackend",
@@ -37,10 +47,6 @@ __all__ = [
 
 def create_backend(config: AgentConfig) -> Backend:
     """The backend ``config`` selects; raises :class:`BackendUnavailable` if it cannot run here."""
-    if config.backend is BackendKind.SIM:
-        return SimBackend(config.sim)
-    if config.backend is BackendKind.CUDA:
-        return CudaBackend(open_driver(config.cuda), lock_timeout_ms=config.cuda.lock_timeout_ms)
-    if config.backend is BackendKind.APP:
-        return AppBackend(residual_bytes_per_process=config.device_check.app_residual_bytes)
-    return FreezeBackend()
+    module = importlib.import_module(f"{__name__}.{config.backend.value}")
+    create: Callable[[AgentConfig], Backend] = module.create
+    return create(config)

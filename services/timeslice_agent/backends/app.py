@@ -20,6 +20,7 @@ from timeslice_agent.backends.base import (
     SavedJob,
     Transfer,
 )
+from timeslice_agent.config import AgentConfig
 from timeslice_agent.procs import pid_exists
 from timeslice_proto.timeslice.v1 import Device
 
@@ -63,3 +64,8 @@ class AppBackend(Backend):
 
     def devices(self, discovered: list[Device]) -> list[Device]:
         return discovered
+
+
+def create(config: AgentConfig) -> AppBackend:
+    """The backend for ``--backend app`` (see :mod:`timeslice_agent.backends`)."""
+    return AppBackend(residual_bytes_per_process=config.device_check.app_residual_bytes)

@@ -41,7 +41,7 @@ from timeslice_agent.backends.base import (
     SavedJob,
     Transfer,
 )
-from timeslice_agent.config import CudaPath, CudaSettings
+from timeslice_agent.config import AgentConfig, CudaPath, CudaSettings
 from timeslice_agent.tasks import run_to_completion
 from timeslice_proto.timeslice.v1 import Device
 
@@ -441,3 +441,8 @@ async def _roll_back(finished: list[_Outcome]) -> None:
 def _rolled_back(finished: list[_Outcome]) -> str:
     moved = sorted({pid for o in finished for pid in o.done})
     return f"rolled back pids {moved}" if moved else "no pid had moved"
+
+
+def create(config: AgentConfig) -> CudaBackend:
+    """The backend for ``--backend cuda``; raises :class:`CudaUnavailable` naming the gap."""
+    return CudaBackend(open_driver(config.cuda), lock_timeout_ms=config.cuda.lock_timeout_ms)

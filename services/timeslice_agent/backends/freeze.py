@@ -29,6 +29,7 @@ from timeslice_agent.backends.base import (
     SavedJob,
     Transfer,
 )
+from timeslice_agent.config import AgentConfig
 from timeslice_agent.procs import HAVE_PROC, pid_exists, process_state
 from timeslice_proto.timeslice.v1 import Device
 
@@ -157,3 +158,8 @@ class FreezeBackend(Backend):
 
     def devices(self, discovered: list[Device]) -> list[Device]:
         return discovered
+
+
+def create(config: AgentConfig) -> FreezeBackend:
+    """The backend for ``--backend freeze`` (see :mod:`timeslice_agent.backends`)."""
+    return FreezeBackend()

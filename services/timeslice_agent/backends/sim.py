@@ -25,7 +25,7 @@ from timeslice_agent.backends.base import (
     SavedJob,
     Transfer,
 )
-from timeslice_agent.config import GB, SimSettings
+from timeslice_agent.config import GB, AgentConfig, SimSettings
 from timeslice_proto.timeslice.v1 import Device
 
 log = logging.getLogger(__name__)
@@ -175,3 +175,8 @@ class SimBackend(Backend):
                 uuid="sim-0",
             )
         ]
+
+
+def create(config: AgentConfig) -> SimBackend:
+    """The backend for ``--backend sim`` (see :mod:`timeslice_agent.backends`)."""
+    return SimBackend(config.sim)

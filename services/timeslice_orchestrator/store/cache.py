@@ -13,14 +13,16 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from timeslice.backoff import Backoff
 from timeslice_orchestrator.store.etcd import (
     EtcdClient,
     EventType,
     KeyValue,
     StoreUnavailable,
+    WatchBatch,
     WatchCompacted,
 )
-from timeslice_orchestrator.store.keys import Keyspace
+from timeslice_orchestrator.store.keys import KeyRef, Keyspace, Kind, group_topic
 from timeslice_orchestrator.store.records import (
     AgentRecord,
     CorruptRecord,
@@ -28,7 +30,9 @@ from timeslice_orchestrator.store.records import (
     GroupStats,
     HolderRecord,
     MembersRecord,
+    QueuedJob,
     QueueRecord,
+    RelayRecord,
     ResidentRecord,
     SessionRecord,
     Stored,
@@ -38,26 +42,18 @@ from timeslice_orchestrator.store.records import (
 
 log = logging.getLogger(__name__)
 
-AGENTS_TOPIC = "agents"
-SESSIONS_TOPIC = "sessions"
+__all__ = [
+    "AGENTS_TOPIC",
+    "RELAY_TOPIC",
+    "GroupView",
+    "Mirror",
+    "QueuedJob",
+    "RelayPost",
+    "group_topic",
+]
 
-
-def topic_of(rel: str) -> str:
-    """The notification topic of a relative key: "group:<g>", "agents" or "sessions"."""
-    parts = rel.split("/", 2)
-    if parts[0] == "groups" and len(parts) > 1:
-        return f"group:{parts[1]}"
-    return parts[0]
-
-
-@dataclass(slots=True)
-class QueuedJob:
-    job: str
-    entry: Stored[QueueRecord]
-
-    @property
-    def revision(self) -> int:
-        return self.entry.create_revision
+AGENTS_TOPIC = Kind.AGENT.value
+RELAY_TOPIC = Kind.RELAY.value
 
 
 @dataclass(slots=True)
@@ -77,6 +73,8 @@ class GroupView:
     stats: GroupStats = field(default_factory=GroupStats)
     static_members: list[str] = field(default_factory=list)
     usage: Stored[UsageRecord] | None = None
+    stats_revision: int = 0  # mod revisions of the stats and members keys (0: absent)
+    members_revision: int = 0
 
     def queued(self, job: str) -> QueuedJob | None:
         return next((q for q in self.queue if q.job == job), None)
@@ -94,15 +92,29 @@ class GroupView:
         return self.resident.mod_revision if self.resident else 0
 
 
+@dataclass(frozen=True, slots=True)
+class RelayPost:
+    """A directive posted for ``node``'s agent (and, once answered, its ack)."""
+
+    node: str
+    directive_id: str
+    posted: Stored[RelayRecord]
+
+
+def _by_key(item: tuple[KeyRef, KeyValue]) -> bytes:
+    return item[1].key
+
+
 class Mirror:
-    """List-watch mirror of everything under the keyspace root."""
+    """List-watch mirror of everything under the keyspace root, read through typed accessors."""
 
     def __init__(self, etcd: EtcdClient, keys: Keyspace) -> None:
         self._etcd = etcd
         self._keys = keys
-        self._kvs: dict[str, KeyValue] = {}
-        # The same keys indexed by topic, so reading one group costs its own few keys.
-        self._by_topic: dict[str, dict[str, KeyValue]] = {}
+        # Keys indexed by topic (one group, the sessions, the agents, the relay), so reading
+        # one group costs its own few keys.
+        self._topics: dict[str, dict[KeyRef, KeyValue]] = {}
+        self._groups: set[str] = set()
         self.revision = 0
         self.synced = asyncio.Event()
         self._conditions: dict[str, asyncio.Condition] = {}
@@ -114,45 +126,54 @@ class Mirror:
 
     # -- reading ------------------------------------------------------------------------
 
-    def get(self, rel: str) -> KeyValue | None:
-        return self._kvs.get(rel)
-
-    def under(self, rel_prefix: str) -> list[tuple[str, KeyValue]]:
-        """Keys under ``rel_prefix``, which must lie within one topic (a group, agents, ...)."""
-        keys = self._by_topic.get(topic_of(rel_prefix), {})
-        return sorted((k, v) for k, v in keys.items() if k.startswith(rel_prefix))
+    def _kv(self, ref: KeyRef) -> KeyValue | None:
+        return self._topics.get(ref.topic, {}).get(ref)
 
     def group_names(self) -> list[str]:
-        return sorted(t[6:] for t in self._by_topic if t.startswith("group:"))
-
-    def _store(self, rel: str, kv: KeyValue) -> None:
-        self._kvs[rel] = kv
-        self._by_topic.setdefault(topic_of(rel), {})[rel] = kv
-
-    def _drop(self, rel: str) -> None:
-        self._kvs.pop(rel, None)
-        topic = topic_of(rel)
-        keys = self._by_topic.get(topic)
-        if keys is not None:
-            keys.pop(rel, None)
-            if not keys:
-                del self._by_topic[topic]
+        return sorted(self._groups)
 
     def session(self, session_id: str) -> Stored[SessionRecord] | None:
-        kv = self._kvs.get(f"sessions/{session_id}")
+        kv = self._kv(KeyRef(Kind.SESSION, name=session_id))
         return Stored.of(kv, SessionRecord.decode(kv.value)) if kv else None
 
+    def holder(self, group: str) -> Stored[HolderRecord] | None:
+        """The group's hold as last seen (None: free, or no such group)."""
+        kv = self._kv(KeyRef(Kind.HOLDER, group))
+        return Stored.of(kv, HolderRecord.decode(kv.value)) if kv else None
+
+    def usage(self, group: str) -> Stored[UsageRecord] | None:
+        """The group's usage ledger as last seen (None: nothing was ever released)."""
+        kv = self._kv(KeyRef(Kind.USAGE, group))
+        return Stored.of(kv, UsageRecord.decode(kv.value)) if kv else None
+
     def agents(self) -> dict[str, AgentRecord]:
+        """Every node's agent record, by node; corrupt records are logged and left out."""
         out: dict[str, AgentRecord] = {}
-        for rel, kv in self.under("agents/"):
+        for ref, kv in sorted(self._topics.get(AGENTS_TOPIC, {}).items(), key=_by_key):
             try:
-                out[rel.split("/", 1)[1]] = AgentRecord.decode(kv.value)
+                out[ref.name] = AgentRecord.decode(kv.value)
             except CorruptRecord:
-                log.exception("ignoring corrupt agent record %s", rel)
+                log.exception("ignoring corrupt agent record of %s", ref.name)
+        return out
+
+    def relay(self, node: str, directive_id: str) -> Stored[RelayRecord] | None:
+        """The relay key of one directive: posted, answered (``ack`` set), or gone (None)."""
+        kv = self._kv(KeyRef(Kind.RELAY, name=node, directive=directive_id))
+        return Stored.of(kv, RelayRecord.decode(kv.value)) if kv else None
+
+    def relays(self) -> list[RelayPost]:
+        """Every relayed directive; corrupt records are logged and left out."""
+        out: list[RelayPost] = []
+        for ref, kv in sorted(self._topics.get(RELAY_TOPIC, {}).items(), key=_by_key):
+            try:
+                posted = Stored.of(kv, RelayRecord.decode(kv.value))
+            except CorruptRecord:
+                log.exception("ignoring corrupt relay record %s/%s", ref.name, ref.directive)
+                continue
+            out.append(RelayPost(ref.name, ref.directive, posted))
         return out
 
     def group(self, group: str) -> GroupView:
-        base = f"groups/{group}/"
         holder = resident = switch = None
         driver: str | None = None
         driver_lease = 0
@@ -161,44 +182,61 @@ class Mirror:
         stats = GroupStats()
         members: list[str] = []
         usage: Stored[UsageRecord] | None = None
-        exists = False
-        for rel, kv in self.under(base):
-            exists = True
-            name = rel[len(base) :]
-            if name == "holder":
-                holder = Stored.of(kv, HolderRecord.decode(kv.value))
-            elif name == "resident":
-                resident = Stored.of(kv, ResidentRecord.decode(kv.value))
-            elif name == "switch":
-                switch = Stored.of(kv, SwitchRecord.decode(kv.value))
-            elif name == "driver":
-                driver, driver_lease = kv.value.decode(), kv.lease
-            elif name == "stats":
-                stats = GroupStats.decode(kv.value)
-            elif name == "members":
-                members = MembersRecord.decode(kv.value).nodes
-            elif name == "usage":
-                usage = Stored.of(kv, UsageRecord.decode(kv.value))
-            elif name.startswith("queue/"):
-                queue.append(QueuedJob(name[6:], Stored.of(kv, QueueRecord.decode(kv.value))))
-            elif name.startswith("faulted/"):
-                faults[name[8:]] = Stored.of(kv, FaultRecord.decode(kv.value))
+        stats_revision = members_revision = 0
+        keys = self._topics.get(group_topic(group), {})
+        for ref, kv in keys.items():
+            match ref.kind:
+                case Kind.HOLDER:
+                    holder = Stored.of(kv, HolderRecord.decode(kv.value))
+                case Kind.RESIDENT:
+                    resident = Stored.of(kv, ResidentRecord.decode(kv.value))
+                case Kind.SWITCH:
+                    switch = Stored.of(kv, SwitchRecord.decode(kv.value))
+                case Kind.DRIVER:
+                    driver, driver_lease = kv.value.decode(), kv.lease
+                case Kind.STATS:
+                    stats, stats_revision = GroupStats.decode(kv.value), kv.mod_revision
+                case Kind.MEMBERS:
+                    members = MembersRecord.decode(kv.value).nodes
+                    members_revision = kv.mod_revision
+                case Kind.USAGE:
+                    usage = Stored.of(kv, UsageRecord.decode(kv.value))
+                case Kind.QUEUE:
+                    queue.append(QueuedJob(ref.name, Stored.of(kv, QueueRecord.decode(kv.value))))
+                case Kind.FAULT:
+                    faults[ref.name] = Stored.of(kv, FaultRecord.decode(kv.value))
         queue.sort(key=lambda q: q.revision)
         return GroupView(
             group,
             self.revision,
-            exists,
+            bool(keys),
             holder,
             queue,
             resident,
             switch,
             driver,
             driver_lease,
-            faults,
+            dict(sorted(faults.items())),
             stats,
             members,
             usage,
+            stats_revision,
+            members_revision,
         )
+
+    def _store(self, ref: KeyRef, kv: KeyValue) -> None:
+        self._topics.setdefault(ref.topic, {})[ref] = kv
+        if ref.group:
+            self._groups.add(ref.group)
+
+    def _drop(self, ref: KeyRef) -> None:
+        keys = self._topics.get(ref.topic)
+        if keys is None:
+            return
+        keys.pop(ref, None)
+        if not keys:
+            del self._topics[ref.topic]
+            self._groups.discard(ref.group)
 
     # -- waiting ------------------------------------------------------------------------
 
@@ -250,47 +288,49 @@ class Mirror:
 
     async def run(self) -> None:
         """List, then watch from the next revision; re-list on compaction, resume on errors."""
-        backoff = 0.05
+        backoff = Backoff(jitter=False)
         while True:
             try:
                 if not self.synced.is_set():
                     await self._relist()
                 async for batch in self._etcd.watch_prefix(self._keys.root, self.revision + 1):
-                    backoff = 0.05
-                    await self._apply(batch.revision, batch.events)
+                    backoff.reset()
+                    await self._apply(batch)
             except WatchCompacted as exc:
                 log.warning("watch compacted (%s); re-listing", exc)
                 self.synced.clear()
             except StoreUnavailable as exc:
                 self.reconnects += 1
                 log.warning("etcd watch interrupted (%s); resuming from %d", exc, self.revision + 1)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 1.0)
+                await asyncio.sleep(backoff.next_delay())
 
     async def _relist(self) -> None:
         revision, kvs = await self._etcd.get_prefix(self._keys.root)
-        old = set(self._kvs)
-        self._kvs = {}
-        self._by_topic = {}
+        old = set(self._topics)
+        self._topics = {}
+        self._groups = set()
         for kv in kvs:
-            self._store(self._keys.relative(kv.key), kv)
+            ref = self._keys.parse(kv.key)
+            if ref is not None:
+                self._store(ref, kv)
         self.revision = revision
         self.synced.set()
-        await self._notify({topic_of(k) for k in old | set(self._kvs)})
+        await self._notify(old | set(self._topics))
 
-    async def _apply(self, revision: int, events: tuple[object, ...]) -> None:
+    async def _apply(self, batch: WatchBatch) -> None:
         topics: set[str] = set()
-        for ev in events:
-            kv = ev.kv  # type: ignore[attr-defined]
-            rel = self._keys.relative(kv.key)
-            if ev.type is EventType.PUT:  # type: ignore[attr-defined]
-                self._store(rel, kv)
+        for ev in batch.events:
+            ref = self._keys.parse(ev.kv.key)
+            if ref is None:
+                continue  # not a key of the layout: nothing reads it
+            if ev.type is EventType.PUT:
+                self._store(ref, ev.kv)
             else:
-                self._drop(rel)
-            topics.add(topic_of(rel))
+                self._drop(ref)
+            topics.add(ref.topic)
         # A batch's header revision can run ahead of its events while a watcher catches up,
         # so only an empty batch (a progress notification) may move the revision past them.
-        newest = max((ev.kv.mod_revision for ev in events), default=revision)  # type: ignore[attr-defined]
+        newest = max((ev.kv.mod_revision for ev in batch.events), default=batch.revision)
         if newest > self.revision:
             self.revision = newest
         await self._notify(topics)

@@ -13,6 +13,7 @@ import enum
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from aetcd.rpc import rpc_pb2 as pb
@@ -91,9 +92,14 @@ class Compare:
     target: CompareTarget
     op: CompareOp
     value: int | bytes
+    # With a range end, every key in [key, range_end) must pass; an empty range compares as
+    # one absent key (version, revisions and lease 0), so it passes ``absent``.
+    range_end: bytes = b""
 
     def to_pb(self) -> pb.Compare:
-        msg = pb.Compare(key=self.key, target=self.target.value, result=self.op.value)
+        msg = pb.Compare(
+            key=self.key, target=self.target.value, result=self.op.value, range_end=self.range_end
+        )
         if self.target is CompareTarget.VALUE:
             assert isinstance(self.value, bytes)
             msg.value = self.value
@@ -110,6 +116,11 @@ class Compare:
 
 def absent(key: bytes) -> Compare:
     return Compare(key, CompareTarget.VERSION, CompareOp.EQUAL, 0)
+
+
+def none_under(prefix: bytes) -> Compare:
+    """No key starts with ``prefix``."""
+    return Compare(prefix, CompareTarget.VERSION, CompareOp.EQUAL, 0, prefix_end(prefix))
 
 
 def present(key: bytes) -> Compare:
@@ -175,6 +186,14 @@ def prefix_end(prefix: bytes) -> bytes:
     return b"\0"
 
 
+def _typed(exc: grpc.aio.AioRpcError, timeout: float) -> StoreError:
+    if exc.code() == grpc.StatusCode.NOT_FOUND and "lease" in (exc.details() or ""):
+        return LeaseExpired(exc.details() or "lease not found")
+    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return StoreUnavailable(f"etcd did not answer within {timeout} s")
+    return StoreUnavailable(f"etcd: {exc.code().name}: {exc.details()}")
+
+
 def _kv(msg: object) -> KeyValue:
     return KeyValue(
         key=msg.key,  # type: ignore[attr-defined]
@@ -210,6 +229,54 @@ def _txn_to_pb(txn: Txn) -> pb.TxnRequest:
     )
 
 
+class _LeaseStream:
+    """One LeaseKeepAlive stream, reused by every refresh of one lease.
+
+    etcd's keepalive is a bidirectional stream: a request per refresh, a reply per request.
+    Opening a stream per refresh costs an HTTP/2 stream set-up and tear-down each time; the
+    etcd Go client keeps its streams open, and so do we. Refreshes of the lease take turns.
+    """
+
+    def __init__(self, stub: pb_grpc.LeaseStub, lease_id: int) -> None:
+        self.lease_id = lease_id
+        self.expires_at = 0.0  # loop time past which the lease is gone unless refreshed
+        self._call = stub.LeaseKeepAlive()
+        self._turn = asyncio.Lock()
+        self.used = False  # a refresh went through it: it may have broken since
+
+    async def refresh(self) -> int:
+        """One refresh: the TTL etcd granted (0 or less: the lease is gone)."""
+        async with self._turn:
+            if self._call.done():
+                raise _StreamBroken("the lease keepalive stream has ended")
+            try:
+                await self._call.write(pb.LeaseKeepAliveRequest(ID=self.lease_id))
+                reply = await self._call.read()
+            except grpc.aio.AioRpcError as exc:
+                raise _StreamBroken(f"lease keepalive stream failed: {exc.code().name}") from exc
+            except asyncio.InvalidStateError as exc:  # it ended between the check and the write
+                raise _StreamBroken("the lease keepalive stream has ended") from exc
+            if reply is grpc.aio.EOF:
+                raise _StreamBroken("etcd closed the lease keepalive stream")
+            self.used = True
+            return int(reply.TTL)
+
+    @property
+    def busy(self) -> bool:
+        return self._turn.locked()
+
+    def close(self) -> None:
+        self._call.cancel()
+
+
+class _StreamBroken(StoreUnavailable):
+    """A keepalive stream failed (etcd restarted, the connection broke): open another."""
+
+
+# How often, at most, the keepalive streams of leases nobody refreshes any more are closed.
+_SWEEP_EVERY = 1.0
+
+
 class EtcdClient:
     """One gRPC channel to an etcd cluster; endpoints are tried in order on failure."""
 
@@ -218,7 +285,8 @@ class EtcdClient:
             raise ValueError("at least one etcd endpoint is required")
         self._endpoints = list(endpoints)
         self._timeout = timeout
-        # grpc's own name resolution spreads calls over the endpoints and fails over.
+        # With several endpoints, grpc's default policy (pick_first) uses the first one that
+        # answers and moves on to the next when it fails; calls are not spread over them.
         target = (
             self._endpoints[0] if len(self._endpoints) == 1 else "ipv4:" + ",".join(self._endpoints)
         )
@@ -235,91 +303,138 @@ class EtcdClient:
         self._kv = pb_grpc.KVStub(self._channel)
         self._lease = pb_grpc.LeaseStub(self._channel)
         self._watch = pb_grpc.WatchStub(self._channel)
+        self._keepalives: dict[int, _LeaseStream] = {}
+        self._swept_at = 0.0
 
     @property
     def endpoints(self) -> list[str]:
         return list(self._endpoints)
 
     async def close(self) -> None:
+        for stream in self._keepalives.values():
+            stream.close()
+        self._keepalives.clear()
         await self._channel.close()
 
     async def _call(self, coro: object) -> object:
+        """Await a stream step within the client's timeout, errors made typed."""
         try:
             return await asyncio.wait_for(coro, self._timeout)  # type: ignore[arg-type]
         except TimeoutError as exc:
             raise StoreUnavailable(f"etcd did not answer within {self._timeout} s") from exc
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND and "lease" in (exc.details() or ""):
-                raise LeaseExpired(exc.details() or "lease not found") from exc
-            raise StoreUnavailable(f"etcd: {exc.code().name}: {exc.details()}") from exc
+            raise _typed(exc, self._timeout) from exc
+
+    async def _unary(self, method: object, request: object) -> Any:
+        """One unary call; its deadline is gRPC's own, which costs no extra task."""
+        try:
+            return await method(request, timeout=self._timeout)  # type: ignore[operator]
+        except grpc.aio.AioRpcError as exc:
+            raise _typed(exc, self._timeout) from exc
 
     async def get(self, key: bytes) -> KeyValue | None:
-        resp = await self._call(self._kv.Range(pb.RangeRequest(key=key)))
-        kvs = resp.kvs  # type: ignore[attr-defined]
+        resp = await self._unary(self._kv.Range, pb.RangeRequest(key=key))
+        kvs = resp.kvs
         return _kv(kvs[0]) if kvs else None
 
     async def get_prefix(self, prefix: bytes) -> tuple[int, list[KeyValue]]:
         """All keys under ``prefix`` and the store revision they were read at."""
-        resp = await self._call(
-            self._kv.Range(pb.RangeRequest(key=prefix, range_end=prefix_end(prefix)))
-        )
-        return resp.header.revision, [_kv(kv) for kv in resp.kvs]  # type: ignore[attr-defined]
+        request = pb.RangeRequest(key=prefix, range_end=prefix_end(prefix))
+        resp = await self._unary(self._kv.Range, request)
+        return resp.header.revision, [_kv(kv) for kv in resp.kvs]
 
     async def put(self, key: bytes, value: bytes, *, lease: int = 0) -> int:
-        resp = await self._call(self._kv.Put(pb.PutRequest(key=key, value=value, lease=lease)))
-        return int(resp.header.revision)  # type: ignore[attr-defined]
+        resp = await self._unary(self._kv.Put, pb.PutRequest(key=key, value=value, lease=lease))
+        return int(resp.header.revision)
 
     async def delete(self, key: bytes, *, prefix: bool = False) -> int:
         req = pb.DeleteRangeRequest(key=key)
         if prefix:
             req.range_end = prefix_end(key)
-        resp = await self._call(self._kv.DeleteRange(req))
-        return int(resp.deleted)  # type: ignore[attr-defined]
+        resp = await self._unary(self._kv.DeleteRange, req)
+        return int(resp.deleted)
 
     async def txn(self, txn: Txn) -> TxnResult:
-        resp = await self._call(self._kv.Txn(_txn_to_pb(txn)))
+        resp = await self._unary(self._kv.Txn, _txn_to_pb(txn))
         result = TxnResult(
-            succeeded=bool(resp.succeeded),  # type: ignore[attr-defined]
-            revision=int(resp.header.revision),  # type: ignore[attr-defined]
+            succeeded=bool(resp.succeeded),
+            revision=int(resp.header.revision),
         )
-        for r in resp.responses:  # type: ignore[attr-defined]
+        for r in resp.responses:
             if r.WhichOneof("response") == "response_range":
                 result.reads.append([_kv(kv) for kv in r.response_range.kvs])
         return result
 
     async def compact(self, revision: int) -> None:
         """Drop history before ``revision`` (operators and tests; etcd usually auto-compacts)."""
-        await self._call(self._kv.Compact(pb.CompactionRequest(revision=revision, physical=True)))
+        await self._unary(self._kv.Compact, pb.CompactionRequest(revision=revision, physical=True))
 
     async def grant_lease(self, ttl: int) -> int:
-        resp = await self._call(self._lease.LeaseGrant(pb.LeaseGrantRequest(TTL=ttl)))
-        return int(resp.ID)  # type: ignore[attr-defined]
+        resp = await self._unary(self._lease.LeaseGrant, pb.LeaseGrantRequest(TTL=ttl))
+        return int(resp.ID)
 
     async def revoke_lease(self, lease_id: int) -> None:
+        self._drop_stream(lease_id)
         try:
-            await self._call(self._lease.LeaseRevoke(pb.LeaseRevokeRequest(ID=lease_id)))
+            await self._unary(self._lease.LeaseRevoke, pb.LeaseRevokeRequest(ID=lease_id))
         except LeaseExpired:
             pass
 
     async def keepalive_once(self, lease_id: int) -> int:
-        """Refresh a lease once; returns the TTL granted, raises LeaseExpired if it is gone."""
+        """Refresh a lease once; returns the TTL granted, raises LeaseExpired if it is gone.
 
-        async def once() -> int:
-            call = self._lease.LeaseKeepAlive(iter([pb.LeaseKeepAliveRequest(ID=lease_id)]))
-            async for reply in call:
-                return int(reply.TTL)
-            raise StoreUnavailable("lease keepalive stream ended without a reply")
+        Every refresh of a lease goes over the one keepalive stream this client keeps for it
+        (opened on the first refresh, closed when the lease is revoked, expires, or is no
+        longer refreshed here). A stream found broken is replaced once, so the first refresh
+        after etcd comes back succeeds, as a fresh stream would.
+        """
+        loop = asyncio.get_running_loop()
+        self._sweep(loop.time())
+        while True:
+            stream = self._keepalives.get(lease_id)
+            if stream is None:
+                stream = self._keepalives[lease_id] = _LeaseStream(self._lease, lease_id)
+            reused = stream.used
+            try:
+                ttl = await self._call(stream.refresh())
+            except _StreamBroken:
+                self._drop_stream(lease_id, stream)
+                if reused:
+                    continue  # it broke while idle: try once on a fresh stream
+                raise
+            except BaseException:
+                # A timeout or a cancellation leaves a reply in flight: never reuse the stream.
+                self._drop_stream(lease_id, stream)
+                raise
+            assert isinstance(ttl, int)
+            if ttl <= 0:
+                self._drop_stream(lease_id, stream)
+                raise LeaseExpired(f"lease {lease_id:x} expired")
+            stream.expires_at = loop.time() + ttl
+            return ttl
 
-        ttl = await self._call(once())
-        assert isinstance(ttl, int)
-        if ttl <= 0:
-            raise LeaseExpired(f"lease {lease_id:x} expired")
-        return ttl
+    def _drop_stream(self, lease_id: int, stream: _LeaseStream | None = None) -> None:
+        current = self._keepalives.get(lease_id)
+        if current is not None and (stream is None or current is stream):
+            del self._keepalives[lease_id]
+            current.close()
+
+    def _sweep(self, now: float) -> None:
+        """Close the streams of leases not refreshed here within their TTL (closed sessions,
+        sessions now kept alive through another replica): they would otherwise stay open."""
+        if now - self._swept_at < _SWEEP_EVERY:
+            return
+        self._swept_at = now
+        for lease_id, stream in list(self._keepalives.items()):
+            if stream.used and not stream.busy and now > stream.expires_at:
+                self._drop_stream(lease_id, stream)
 
     async def lease_ttl(self, lease_id: int) -> int:
         """Remaining TTL of a lease, -1 if it does not exist."""
-        resp = await self._call(self._lease.LeaseTimeToLive(pb.LeaseTimeToLiveRequest(ID=lease_id)))
-        return int(resp.TTL)  # type: ignore[attr-defined]
+        resp = await self._unary(
+            self._lease.LeaseTimeToLive, pb.LeaseTimeToLiveRequest(ID=lease_id)
+        )
+        return int(resp.TTL)
 
     async def watch_prefix(self, prefix: bytes, start_revision: int) -> AsyncIterator[WatchBatch]:
         """Stream changes under ``prefix`` from ``start_revision`` (inclusive).
@@ -360,7 +475,8 @@ class EtcdClient:
 
 
 class LeaseKeeper:
-    """Keeps one lease alive in the background (every ttl/3) and reports its loss.
+    """Keeps one lease alive in the background (every ttl/3, over one keepalive stream) and
+    reports its loss.
 
     ``lost`` is set when etcd says the lease is gone, or when it could not be refreshed
     for longer than its TTL; the owner must then stop acting on it.

@@ -1,17 +1,93 @@
-"""The etcd key layout of one deployment (DESIGN.md section 3).
+"""The etcd key layout of one deployment (DESIGN.md section 3), both ways.
 
-Every key lives under ``<prefix>/``; IDs are validated before they become key parts, so a key
-can always be split back into its parts.
+Every key lives under ``<prefix>/``. :class:`Keyspace` builds the keys the transactions write
+and parses the keys the mirror reads back into a :class:`KeyRef`, so no other module spells a
+key or splits one. IDs are validated before they become key parts, so a key can always be
+split back into its parts.
+
+    sessions/<session>                 a client session, attached to its lease
+    agents/<node>                      a node agent and its workers, attached to an agent lease
+    relay/<node>/<directive>           a directive relayed to the replica holding <node>'s stream
+    groups/<group>/meta                marks the group as existing
+    groups/<group>/queue/<job>         a waiter, attached to its session; FIFO by create revision
+    groups/<group>/holder              the hold; its create revision is the fencing epoch
+    groups/<group>/resident            whose device state is on which node
+    groups/<group>/switch              a switch in progress; its create revision is its epoch
+    groups/<group>/driver              the replica driving the group, attached to its lease
+    groups/<group>/members             nodes an operator pinned to the group
+    groups/<group>/usage               accelerator time per job
+    groups/<group>/stats               counters and the last error
+    groups/<group>/faulted/<job>       why a waiter was given up on, attached to its session
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+
+
+class Kind(enum.Enum):
+    """What a key holds."""
+
+    SESSION = "sessions"
+    AGENT = "agents"
+    RELAY = "relay"
+    META = "meta"
+    QUEUE = "queue"
+    HOLDER = "holder"
+    RESIDENT = "resident"
+    SWITCH = "switch"
+    DRIVER = "driver"
+    MEMBERS = "members"
+    USAGE = "usage"
+    STATS = "stats"
+    FAULT = "faulted"
+    OTHER = "other"  # a key of a group this version does not know: it still makes the group exist
+
+
+# The keys a group has one of, by their name under ``groups/<group>/``.
+_SINGLE = {
+    k.value: k
+    for k in (
+        Kind.META,
+        Kind.HOLDER,
+        Kind.RESIDENT,
+        Kind.SWITCH,
+        Kind.DRIVER,
+        Kind.MEMBERS,
+        Kind.USAGE,
+        Kind.STATS,
+    )
+}
+# The keys a group has one of per job, by their folder under ``groups/<group>/``.
+_PER_JOB = {Kind.QUEUE.value: Kind.QUEUE, Kind.FAULT.value: Kind.FAULT}
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRef:
+    """A parsed key: its kind and the IDs in it (hashable: the mirror indexes by it)."""
+
+    kind: Kind
+    group: str = ""  # the group of a ``groups/`` key
+    name: str = ""  # session ID, node, or the job of a queue entry or fault record
+    directive: str = ""  # the directive ID of a relay key
+
+    @property
+    def topic(self) -> str:
+        """What a change of this key wakes: ``group:<g>``, ``sessions``, ``agents`` or ``relay``."""
+        return group_topic(self.group) if self.group else self.kind.value
+
+
+def group_topic(group: str) -> str:
+    """The notification topic of every key of ``group``."""
+    return f"group:{group}"
 
 
 @dataclass(frozen=True, slots=True)
 class Keyspace:
-    prefix: str  # for example "/timeslice/default"
+    """The keys of one deployment, all under ``prefix`` (for example ``/timeslice/default``)."""
+
+    prefix: str
 
     def __post_init__(self) -> None:
         if not self.prefix.startswith("/") or self.prefix.endswith("/"):
@@ -19,62 +95,76 @@ class Keyspace:
 
     @property
     def root(self) -> bytes:
+        """The prefix every key of the deployment starts with (what the mirror watches)."""
         return f"{self.prefix}/".encode()
 
-    def _k(self, rel: str) -> bytes:
-        return f"{self.prefix}/{rel}".encode()
+    def _k(self, *parts: str) -> bytes:
+        return "/".join((self.prefix, *parts)).encode()
 
-    def relative(self, key: bytes) -> str:
-        return key.decode()[len(self.prefix) + 1 :]
+    def parse(self, key: bytes) -> KeyRef | None:
+        """What ``key`` is, or None for a key outside the layout (a foreign writer's)."""
+        root = self.root
+        if not key.startswith(root):
+            return None
+        parts = key[len(root) :].decode().split("/")
+        match parts:
+            case ["sessions", session_id]:
+                return KeyRef(Kind.SESSION, name=session_id)
+            case ["agents", node]:
+                return KeyRef(Kind.AGENT, name=node)
+            case ["relay", node, directive_id]:
+                return KeyRef(Kind.RELAY, name=node, directive=directive_id)
+            case ["groups", group, name] if name in _SINGLE:
+                return KeyRef(_SINGLE[name], group)
+            case ["groups", group, folder, job] if folder in _PER_JOB:
+                return KeyRef(_PER_JOB[folder], group, job)
+            case ["groups", group, *_]:
+                return KeyRef(Kind.OTHER, group)
+        return None
+
+    # -- sessions, agents, relay ------------------------------------------------------------
 
     def session(self, session_id: str) -> bytes:
-        return self._k(f"sessions/{session_id}")
-
-    def group(self, group: str) -> bytes:
-        return self._k(f"groups/{group}/")
-
-    def meta(self, group: str) -> bytes:
-        return self._k(f"groups/{group}/meta")
-
-    def queue(self, group: str) -> bytes:
-        return self._k(f"groups/{group}/queue/")
-
-    def queue_entry(self, group: str, job: str) -> bytes:
-        return self._k(f"groups/{group}/queue/{job}")
-
-    def holder(self, group: str) -> bytes:
-        return self._k(f"groups/{group}/holder")
-
-    def resident(self, group: str) -> bytes:
-        return self._k(f"groups/{group}/resident")
-
-    def switch(self, group: str) -> bytes:
-        return self._k(f"groups/{group}/switch")
-
-    def driver(self, group: str) -> bytes:
-        return self._k(f"groups/{group}/driver")
-
-    def members(self, group: str) -> bytes:
-        return self._k(f"groups/{group}/members")
-
-    def usage(self, group: str) -> bytes:
-        return self._k(f"groups/{group}/usage")
-
-    def stats(self, group: str) -> bytes:
-        return self._k(f"groups/{group}/stats")
-
-    def fault(self, group: str, job: str) -> bytes:
-        return self._k(f"groups/{group}/faulted/{job}")
+        return self._k("sessions", session_id)
 
     def agent(self, node: str) -> bytes:
-        return self._k(f"agents/{node}")
+        return self._k("agents", node)
 
     def relay(self, node: str, directive_id: str) -> bytes:
-        return self._k(f"relay/{node}/{directive_id}")
+        return self._k("relay", node, directive_id)
 
-    def agents(self) -> bytes:
-        return self._k("agents/")
+    # -- one group --------------------------------------------------------------------------
 
+    def meta(self, group: str) -> bytes:
+        return self._k("groups", group, "meta")
 
-def split_relative(rel: str) -> list[str]:
-    return rel.split("/")
+    def queue(self, group: str) -> bytes:
+        """The prefix of the group's queue entries."""
+        return self._k("groups", group, "queue", "")
+
+    def queue_entry(self, group: str, job: str) -> bytes:
+        return self._k("groups", group, "queue", job)
+
+    def holder(self, group: str) -> bytes:
+        return self._k("groups", group, "holder")
+
+    def resident(self, group: str) -> bytes:
+        return self._k("groups", group, "resident")
+
+    def switch(self, group: str) -> bytes:
+        return self._k("groups", group, "switch")
+
+    def driver(self, group: str) -> bytes:
+        return self._k("groups", group, "driver")
+
+    def members(self, group: str) -> bytes:
+        return self._k("groups", group, "members")
+
+    def usage(self, group: str) -> bytes:
+        return self._k("groups", group, "usage")
+
+    def stats(self, group: str) -> bytes:
+        return self._k("groups", group, "stats")
+
+    def fault(self, group: str, job: str) -> bytes:
+        return self._k("groups", group, "faulted", job)

@@ -168,6 +168,10 @@ class UsageRecord(_Record):
     def _from_dict(cls, data: dict[str, Any]) -> Self:
         return cls({job: JobUsageRecord(**u) for job, u in data["jobs"].items()})
 
+    def copy(self) -> UsageRecord:
+        """A copy to edit."""
+        return UsageRecord({job: dataclasses.replace(u) for job, u in self.jobs.items()})
+
     def add(self, job: str, granted_at: float, released_at: float) -> None:
         usage = self.jobs.setdefault(job, JobUsageRecord(first_seen=granted_at))
         usage.held_seconds += max(0.0, released_at - granted_at)
@@ -241,6 +245,30 @@ class Stored(Generic[T]):
     @classmethod
     def of(cls, kv: KeyValue, record: T) -> Stored[T]:
         return cls(record, kv.create_revision, kv.mod_revision, kv.lease)
+
+
+@dataclass(frozen=True, slots=True)
+class Hint(Generic[T]):
+    """A key as this replica's mirror last saw it, offered to a transaction to save a read.
+
+    ``Hint(None)`` says the mirror saw no such key; passing no hint at all (None) says nothing
+    is known and the store reads the key. The transaction compares what the hint claims, so a
+    stale hint costs a retry, never a wrong answer.
+    """
+
+    seen: T | None
+
+
+@dataclass(slots=True)
+class QueuedJob:
+    """A waiter: the job and its queue entry, whose create revision is its place in line."""
+
+    job: str
+    entry: Stored[QueueRecord]
+
+    @property
+    def revision(self) -> int:
+        return self.entry.create_revision
 
 
 @dataclass(slots=True)

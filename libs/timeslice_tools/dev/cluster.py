@@ -30,13 +30,15 @@ from pathlib import Path
 from types import TracebackType
 from typing import Literal
 
-from timeslice.dev import _procs
-from timeslice.dev.etcd import EtcdServer
+from timeslice_agent.config import BackendKind
+from timeslice_tools.dev import _procs
+from timeslice_tools.dev.etcd import EtcdServer
 
 __all__ = ["Backend", "ClusterError", "LocalCluster", "ServiceProcess"]
 
-Backend = Literal["sim", "freeze", "app", "cuda"]
-BACKENDS: tuple[Backend, ...] = ("sim", "freeze", "app", "cuda")
+Backend = str
+# The agent's one list of backends (adding one there adds it here and to the CLI).
+BACKENDS: tuple[Backend, ...] = tuple(kind.value for kind in BackendKind)
 
 # Unix socket paths are limited to 108 bytes on Linux; leave room for the agent's own suffixes.
 _MAX_SOCKET_PATH = 100

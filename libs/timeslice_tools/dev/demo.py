@@ -1,6 +1,6 @@
 """The demo behind ``make demo``: two synthetic synchronous-RL jobs, dedicated vs shared.
 
-``python -m timeslice.dev.demo`` starts a local cluster (1 orchestrator, 1 agent, sim backend
+``python -m timeslice_tools.dev.demo`` starts a local cluster (1 orchestrator, 1 agent, sim backend
 with a small modelled device state, so a context switch costs tens of milliseconds), then runs
 two jobs as separate processes, twice:
 
@@ -14,7 +14,7 @@ the accelerator is busy 40% of a step. Each job registers a worker with the node
 records every phase to a JSONL file. The demo then prints per-group timelines, the switches,
 the accelerator duty cycle of each setup and the per-job slowdown.
 
-``python -m timeslice.dev.demo job ...`` is the child mode that runs one job.
+``python -m timeslice_tools.dev.demo job ...`` is the child mode that runs one job.
 """
 
 from __future__ import annotations
@@ -33,10 +33,11 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, TextIO
 
-from timeslice.dev import _procs
-from timeslice.dev.cluster import ClusterError, LocalCluster
-from timeslice.dev.etcd import EtcdError
-from timeslice.dev.timeline import (
+from timeslice.errors import TimeSliceError
+from timeslice_tools.dev import _procs
+from timeslice_tools.dev.cluster import ClusterError, LocalCluster
+from timeslice_tools.dev.etcd import EtcdError
+from timeslice_tools.dev.timeline import (
     Interval,
     PhaseRecord,
     StepPhase,
@@ -50,7 +51,6 @@ from timeslice.dev.timeline import (
     step_durations,
     switch_events,
 )
-from timeslice.errors import TimeSliceError
 
 if TYPE_CHECKING:
     from timeslice import Grant, TimeSliceOrchestratorClient
@@ -206,7 +206,7 @@ def _job_argv(
     run_dir: Path,
 ) -> list[str]:
     return [
-        sys.executable, "-m", "timeslice.dev.demo", "job",
+        sys.executable, "-m", "timeslice_tools.dev.demo", "job",
         "--job-id", job.job_id,
         "--group", group,
         "--target", cluster.target,
@@ -481,7 +481,7 @@ def _wait_for_go(path: Path, timeout: float) -> float:
 
 
 def _job_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m timeslice.dev.demo job")
+    p = argparse.ArgumentParser(prog="python -m timeslice_tools.dev.demo job")
     p.add_argument("--job-id", required=True)
     p.add_argument("--group", required=True)
     p.add_argument("--target", required=True)
@@ -500,7 +500,7 @@ def _job_parser() -> argparse.ArgumentParser:
 
 def _run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m timeslice.dev.demo",
+        prog="python -m timeslice_tools.dev.demo",
         description="Two synthetic RL jobs on dedicated groups, then on one shared group "
         f"{SIM_LABEL}.",
     )

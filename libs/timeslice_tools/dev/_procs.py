@@ -1,7 +1,7 @@
 """Process and port helpers shared by the local etcd launcher and the local cluster.
 
-Private to :mod:`timeslice.dev`. Everything here is synchronous on purpose: these helpers run in
-test fixtures, the CLI and the demo driver, never on a service's event loop.
+Private to :mod:`timeslice_tools.dev`. Everything here is synchronous on purpose: these helpers
+run in test fixtures, the CLI and the demo driver, never on a service's event loop.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Start a throw-away single-member etcd server on loopback.
 
-Used by the tests of every component, by :class:`timeslice.dev.cluster.LocalCluster`, by
+Used by the tests of every component, by :class:`timeslice_tools.dev.cluster.LocalCluster`, by
 ``timeslice dev cluster`` and by the demo. It is synchronous so that plain pytest fixtures can use
 it; nothing here runs on a service's event loop.
 
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from timeslice.dev import _procs
+from timeslice_tools.dev import _procs
 
 __all__ = ["EtcdError", "EtcdServer", "find_etcd_binary"]
 

@@ -1,0 +1,232 @@
+"""The control plane next to its etcd floor, and two builds of it side by side in one run.
+
+    python -m bench.floor                      # this tree only
+    python -m bench.floor --before c84c137     # also the orchestrator as of that commit
+    python -m bench.floor --before A --before B  # several
+    python -m bench.floor --rounds 3 --json /tmp/floor.json
+
+The floor is what etcd costs on this machine, from this process, through the same typed client
+the orchestrator uses: a bare put, a bare transaction (one compare, one put) and a bare lease
+grant, one at a time (round-trip p50/p99), and transactions with 100 in flight (throughput).
+
+Each round runs, for every build, :func:`bench.controlplane.cycle_throughput` (100 groups,
+1 replica: acquire/yield cycles per second and the replica's CPU per cycle) and
+:func:`bench.controlplane.handoff_latency` (1 replica: yield -> the waiter's grant). Builds
+alternate within a round (before, after, before, after ...), so a drift of the shared host's
+speed hits both alike. The ``--before`` build is the commit's ``libs/`` and ``services/``
+(``git archive``) put first on the services' ``PYTHONPATH``; the load generator (this process)
+is the same for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.analysis import Stats
+from bench.controlplane import cycle_throughput, handoff_latency
+from timeslice_orchestrator.store.etcd import EtcdClient, Put, Txn, absent
+from timeslice_tools.dev.etcd import EtcdServer
+
+_ROOT = Path(__file__).resolve().parent.parent
+_FLOOR_SAMPLES = 500
+_FLOOR_IN_FLIGHT = 100
+_FLOOR_BATCH = 5000
+TARGETS = {
+    "cycles_per_second": ">= 500",
+    "replica_cpu_ms_per_cycle": "<= 2",
+    "handoff_p50_ms": "<= 3",
+    "handoff_p99_ms": "<= 15",
+}
+
+
+@dataclass
+class Floor:
+    """etcd on this machine, through the orchestrator's client, from this process."""
+
+    put_ms: Stats
+    txn_ms: Stats
+    lease_grant_ms: Stats
+    txn_per_second: float  # compare-and-put transactions, 100 in flight
+
+
+@dataclass
+class BuildRun:
+    build: str
+    cycles_per_second: float
+    replica_cpu_ms_per_cycle: float
+    cpu_ms_per_cycle: dict[str, float]  # every process by role (etcd, the load generator...)
+    cycle_ms: Stats
+    handoff_ms: Stats
+    yield_call_ms: Stats
+    violations: list[str]
+
+
+async def measure_floor() -> Floor:
+    """Round trips and throughput of a private etcd (same binary and flags as the clusters)."""
+    with tempfile.TemporaryDirectory(prefix="timeslice-floor-") as scratch:
+        server = EtcdServer(Path(scratch))
+        await asyncio.to_thread(server.start)
+        client = EtcdClient([server.endpoint])
+        try:
+            return await _floor(client)
+        finally:
+            await client.close()
+            await asyncio.to_thread(server.close)
+
+
+async def _floor(client: EtcdClient) -> Floor:
+    async def timed(make: Any) -> Stats:
+        for i in range(20):  # warm the channel up
+            await make(-i - 1)
+        samples = []
+        for i in range(_FLOOR_SAMPLES):
+            t0 = time.perf_counter()
+            await make(i)
+            samples.append(time.perf_counter() - t0)
+        return Stats.of(samples).scaled(1000)
+
+    async def put(i: int) -> None:
+        await client.put(f"/floor/put/{i}".encode(), b"x")
+
+    async def txn(i: int) -> None:
+        key = f"/floor/txn/{i}".encode()
+        await client.txn(Txn([absent(key)], [Put(key, b"x")]))
+
+    async def grant(i: int) -> None:
+        await client.grant_lease(30)
+
+    put_ms, txn_ms, grant_ms = await timed(put), await timed(txn), await timed(grant)
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(_FLOOR_BATCH):
+        queue.put_nowait(i)
+
+    async def worker() -> None:
+        while not queue.empty():
+            key = f"/floor/many/{queue.get_nowait()}".encode()
+            await client.txn(Txn([absent(key)], [Put(key, b"x")]))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(_FLOOR_IN_FLIGHT)))
+    rate = _FLOOR_BATCH / (time.perf_counter() - t0)
+    return Floor(put_ms, txn_ms, grant_ms, rate)
+
+
+def export_build(commit: str, into: Path) -> Path:
+    """``libs/`` and ``services/`` of ``commit``, unpacked under ``into``."""
+    into.mkdir(parents=True)
+    archive = subprocess.run(
+        ["git", "-C", str(_ROOT), "archive", commit, "libs", "services"],
+        check=True,
+        capture_output=True,
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
+async def run_build(build: str, pythonpath: str | None, seconds: float, samples: int) -> BuildRun:
+    kwargs: dict[str, Any] = {}
+    if pythonpath is not None:
+        kwargs["cluster_kwargs"] = {"env": {"PYTHONPATH": pythonpath}}
+    cycles = await cycle_throughput(100, 1, seconds=seconds, **kwargs)
+    handoff = await handoff_latency(1, samples, **kwargs)
+    return BuildRun(
+        build=build,
+        cycles_per_second=cycles.cycles_per_second,
+        replica_cpu_ms_per_cycle=cycles.cpu_ms_per_cycle.get("orchestrator", float("nan")),
+        cpu_ms_per_cycle=cycles.cpu_ms_per_cycle,
+        cycle_ms=cycles.cycle_ms,
+        handoff_ms=handoff.handoff_ms,
+        yield_call_ms=handoff.yield_call_ms,
+        violations=cycles.violations + handoff.violations,
+    )
+
+
+def _row(run: BuildRun) -> str:
+    return (
+        f"| {run.build} | {run.cycles_per_second:.0f} | {run.replica_cpu_ms_per_cycle:.2f} | "
+        f"{run.cycle_ms.p50:.2f} | {run.handoff_ms.p50:.2f} | {run.handoff_ms.p99:.2f} | "
+        f"{run.yield_call_ms.p50:.2f} | {_cpu(run)} | {len(run.violations)} |"
+    )
+
+
+def _cpu(run: BuildRun) -> str:
+    return ", ".join(f"{k} {v:.2f}" for k, v in sorted(run.cpu_ms_per_cycle.items()))
+
+
+def report(floor: Floor, runs: list[BuildRun]) -> str:
+    lines = [
+        "etcd floor (this process, the orchestrator's client, private etcd):",
+        f"  put        p50 {floor.put_ms.p50:.3f} ms  p99 {floor.put_ms.p99:.3f} ms",
+        f"  txn        p50 {floor.txn_ms.p50:.3f} ms  p99 {floor.txn_ms.p99:.3f} ms",
+        f"  lease grant p50 {floor.lease_grant_ms.p50:.3f} ms  p99 "
+        f"{floor.lease_grant_ms.p99:.3f} ms",
+        f"  txn/s, {_FLOOR_IN_FLIGHT} in flight: {floor.txn_per_second:.0f}",
+        "",
+        "| build | cycles/s (100 groups, 1 replica) | replica CPU ms/cycle | cycle p50 ms "
+        "| handoff p50 ms | handoff p99 ms | yield call p50 ms | CPU ms/cycle by process "
+        "| violations |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *(_row(r) for r in runs),
+    ]
+    builds = sorted({r.build for r in runs}, key=[r.build for r in runs].index)
+    if len(runs) > len(builds):
+        lines.append("")
+        lines.append("medians over rounds:")
+        for build in builds:
+            mine = [r for r in runs if r.build == build]
+            lines.append(
+                f"  {build}: cycles/s {statistics.median(r.cycles_per_second for r in mine):.0f}"
+                f", replica CPU ms/cycle "
+                f"{statistics.median(r.replica_cpu_ms_per_cycle for r in mine):.2f}"
+                f", handoff p50 {statistics.median(r.handoff_ms.p50 for r in mine):.2f} ms"
+                f", p99 {statistics.median(r.handoff_ms.p99 for r in mine):.2f} ms"
+            )
+    lines.append("")
+    lines.append("targets: " + ", ".join(f"{k} {v}" for k, v in TARGETS.items()))
+    return "\n".join(lines)
+
+
+async def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--before", action="append", default=[], help="a commit to measure beside this tree"
+    )
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--seconds", type=float, default=6.0, help="cycle window per run")
+    parser.add_argument("--samples", type=int, default=200, help="handoffs per run")
+    parser.add_argument("--json", type=Path, help="write every number here")
+    args = parser.parse_args(argv)
+    here = os.environ.get("PYTHONPATH")
+    with tempfile.TemporaryDirectory(prefix="timeslice-before-") as scratch:
+        builds: list[tuple[str, str | None]] = []
+        for commit in args.before:
+            tree = export_build(commit, Path(scratch) / commit)
+            pythonpath = os.pathsep.join(p for p in (f"{tree}/libs", f"{tree}/services", here) if p)
+            builds.append((commit, pythonpath))
+        builds.append(("this tree", None))
+        floor = await measure_floor()
+        runs = []
+        for _ in range(args.rounds):
+            for name, path in builds:
+                runs.append(await run_build(name, path, args.seconds, args.samples))
+                print(_row(runs[-1]), file=sys.stderr, flush=True)
+    print(report(floor, runs))
+    if args.json is not None:
+        data = {"floor": asdict(floor), "runs": [asdict(r) for r in runs]}
+        args.json.write_text(json.dumps(data, indent=2))
+    return 1 if any(r.violations for r in runs) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(asyncio.run(main()))

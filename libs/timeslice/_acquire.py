@@ -1,0 +1,210 @@
+"""One acquire call: the Acquire stream, its failover to other replicas, and re-attachment.
+
+The orchestrator streams QUEUED / SWITCHING progress and ends with GRANTED. When the replica
+serving the stream goes away, the same request (same session, same ``request_id``) is sent to
+the next replica, which re-attaches it to the queue entry it already has: the job keeps its
+place. If the session itself expired, the entry went with it, so the call queues again once
+under a new session.
+
+Aborting (a cancel, the caller's timeout, a failing ``on_progress``) resets the stream, which
+makes the orchestrator drop the queue entry. A GRANTED may already be on its way at that
+moment; the stream is read in a task of its own (:class:`~timeslice._streams.Prefetch`) so
+that such a grant is still seen, and the client gives it back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import cast
+
+from timeslice._session import Session
+from timeslice._streams import Prefetch, Retry, failover_when_unavailable, retrying_stream
+from timeslice._transport import Transport, map_error
+from timeslice._types import AcquireProgress, AcquireStage
+from timeslice.errors import Cancelled, InternalError, SessionExpired, TimeSliceError, Unavailable
+from timeslice.targets import Target
+from timeslice_proto.timeslice.v1 import (
+    AcquireEvent,
+    AcquireRequest,
+    TimeSliceStub,
+)
+
+log = logging.getLogger("timeslice")
+
+ProgressCallback = Callable[[AcquireProgress], None]
+"""Called with each :class:`~timeslice.AcquireProgress` of a pending acquire."""
+
+# How long an aborted acquire looks at what the server already sent, to catch a GRANTED that
+# raced the abort (it is in our receive buffer, so this never waits on the network for long).
+_DRAIN_SECONDS = 0.02
+
+
+class AcquireCall:
+    """Waits for one group on behalf of one client; see the module docstring.
+
+    Args:
+        transport: the client's connections.
+        job_id, group, priority: what the Acquire request asks for.
+        on_progress: called with each QUEUED / SWITCHING report (not with GRANTED).
+        open_session: the client's current session, opening one if there is none.
+        check_open: raises :class:`~timeslice.errors.Cancelled` once the client is closed.
+        closed: whether the client is closed.
+
+    After :meth:`until_granted`, :attr:`granted` is the GRANTED event and :attr:`session` the
+    session it was granted under; both are also set when the call was aborted after a grant
+    arrived, so that the caller can give the grant back.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        job_id: str,
+        group: str,
+        priority: int,
+        on_progress: ProgressCallback | None,
+        open_session: Callable[[], Awaitable[Session]],
+        check_open: Callable[[], None],
+        closed: Callable[[], bool],
+    ) -> None:
+        self._transport = transport
+        self._job_id = job_id
+        self._group = group
+        self._priority = priority
+        self._on_progress = on_progress
+        self._open_session = open_session
+        self._check_open = check_open
+        self._closed = closed
+        self._renewed = False
+        self.session: Session | None = None
+        self.granted: AcquireEvent | None = None
+        self.events = 0
+        # Sent with every attempt of this acquire so the server can recognise a retry.
+        self.request_id = uuid.uuid4().hex
+
+    async def until_granted(self) -> None:
+        """Return once GRANTED arrived and the stream ended; raise the typed error otherwise."""
+        stream = retrying_stream(
+            self._transport,
+            self._attempt,
+            what=f"Acquire({self._group})",
+            outage_limit=self._outage_limit,
+            before_attempt=self._before_attempt,
+            on_failure=self._on_failure,
+            outage_error=self._outage_error,
+        )
+        reader = Prefetch(stream, name=f"timeslice-acquire-{self._group}")
+        try:
+            while True:
+                event = await reader.next()
+                if event is None:
+                    break
+                if self.granted is None:
+                    self._on_event(event)
+        except BaseException:
+            await self._drain(reader)
+            raise
+        finally:
+            await reader.aclose()
+        if self.granted is None:
+            raise InternalError(f"the Acquire stream of group {self._group} ended without a grant")
+
+    # ------------------------------------------------------------ one attempt
+
+    async def _before_attempt(self) -> None:
+        self._check_open()
+        self.session = await self._open_session()
+
+    async def _attempt(
+        self, target: Target, stub: TimeSliceStub
+    ) -> AsyncGenerator[AcquireEvent, None]:
+        assert self.session is not None
+        request = AcquireRequest(
+            session_id=self.session.session_id,
+            job_id=self._job_id,
+            group_id=self._group,
+            priority=self._priority,
+            request_id=self.request_id,
+        )
+        granted = False
+        try:
+            # No gRPC deadline: the wait is bounded by the caller's timeout (or not at all), and
+            # aborting is done by cancelling, which resets the stream.
+            events = cast(AsyncGenerator[AcquireEvent, None], stub.acquire(request))
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    if AcquireStage.from_wire(event.state) is AcquireStage.GRANTED:
+                        granted = True
+                    # After GRANTED the stream is still read to its end: resetting it before
+                    # the server finished would make the server take the grant back.
+                    yield event
+        except Exception as exc:
+            if not granted:
+                raise
+            # The grant arrived; only the tail of the stream failed. The grant stands.
+            log.warning(
+                "Acquire stream of %s via %s failed after the grant: %s",
+                self._group,
+                target,
+                map_error(exc, target) or exc,
+            )
+
+    def _on_failure(self, exc: Exception, error: TimeSliceError | None) -> Retry | None:
+        if self._closed():
+            raise Cancelled(
+                f"the client of job {self._job_id} was closed while acquiring {self._group}"
+            ) from exc
+        if isinstance(error, SessionExpired) and not self._renewed and self.session is not None:
+            # The queue place went with the session; queue again under a new one.
+            self.session.lose(f"Acquire: {error}")
+            self._renewed = True
+            return Retry.AGAIN
+        # Re-issuing Acquire with the same session re-attaches to our queue entry.
+        return failover_when_unavailable(exc, error)
+
+    def _outage_limit(self) -> float:
+        # Past the session's TTL the lease, and our place in the queue with it, is gone.
+        assert self.session is not None
+        return self.session.ttl
+
+    def _outage_error(self, error: TimeSliceError, down_for: float) -> TimeSliceError:
+        return Unavailable(
+            f"no orchestrator replica reachable for {down_for:.1f}s while acquiring "
+            f"{self._group}; the session has expired: {error}"
+        )
+
+    # ----------------------------------------------------------------- events
+
+    def _on_event(self, event: AcquireEvent) -> None:
+        self.events += 1
+        stage = AcquireStage.from_wire(event.state)
+        if stage is AcquireStage.GRANTED:
+            self.granted = event
+            return
+        if stage is None:
+            log.warning("ignoring Acquire event with unknown state %r", event.state)
+            return
+        if self._on_progress is not None:
+            self._on_progress(AcquireProgress(stage, int(event.queue_position)))
+
+    async def _drain(self, reader: Prefetch[AcquireEvent]) -> None:
+        """Look at events already received when the acquire is aborted.
+
+        A GRANTED event may have arrived when the abort lands; the server has then finished
+        the stream and cannot see our cancel, so we must notice the grant ourselves and give
+        it back.
+        """
+        while self.granted is None:
+            try:
+                event = await reader.next(_DRAIN_SECONDS)
+            except (Exception, asyncio.CancelledError):
+                return
+            if event is None:
+                return
+            self.events += 1
+            if AcquireStage.from_wire(event.state) is AcquireStage.GRANTED:
+                self.granted = event

@@ -1,0 +1,54 @@
+"""The ``timeslice`` operator commands, built on the SDK's transport.
+
+::
+
+    timeslice groups [--target T] [--json]
+    timeslice status [GROUP] [--target T] [--json]
+    timeslice plan [--target T] [--cap C] [--switch-seconds S] [--json]
+    timeslice acquire GROUP --job J [--target T] [--timeout S] [--hold SECONDS]
+    timeslice yield GROUP --job J --epoch E [--target T]
+    timeslice members GROUP (--set NODES | --clear) [--target T]
+
+``python -m timeslice.cli`` runs these. The installed ``timeslice`` command
+(:mod:`timeslice_tools.cli`) adds the development and service commands (``dev cluster``,
+``orchestrator``, ``agent``) to the same parser.
+
+One module per command group: :mod:`~timeslice.cli.status` (groups, status),
+:mod:`~timeslice.cli.plan`, :mod:`~timeslice.cli.acquire`, :mod:`~timeslice.cli.admin`
+(yield, members); :mod:`~timeslice.cli.base` holds what they share (parser, error format,
+calls to the orchestrator). Errors go to stderr as ``error: <kind>: <message>``; the exit
+status is 2 for bad input and 1 for every other failure.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from timeslice.cli import acquire, admin, plan, status
+from timeslice.cli.base import Parser, Register, parse_targets, run
+from timeslice.cli.base import build_parser as _build_parser
+from timeslice.cli.status import format_group_line, format_status, status_view
+
+__all__ = [
+    "COMMANDS",
+    "build_parser",
+    "format_group_line",
+    "format_status",
+    "main",
+    "parse_targets",
+    "status_view",
+]
+
+COMMANDS: tuple[Register, ...] = (status.register, plan.register, acquire.register, admin.register)
+"""The operator command groups, in the order ``--help`` lists them."""
+
+
+def build_parser() -> Parser:
+    """The parser of the operator commands (exposed for tests and docs)."""
+    return _build_parser(COMMANDS)[0]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the operator commands on ``argv`` (default: ``sys.argv[1:]``); the exit status."""
+    return run(sys.argv[1:] if argv is None else argv, COMMANDS)

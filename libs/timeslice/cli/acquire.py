@@ -1,0 +1,97 @@
+"""``timeslice acquire``: hold a group as a job, then yield (for operators and tests).
+
+Unlike the other commands this one is a job: it uses the SDK client, which owns the session
+and its keepalive. Signals: SIGINT/SIGTERM while waiting cancels the acquire (the queue entry
+goes); while holding, it yields and exits 0; while yielding, it is ignored so that the yield
+completes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import signal
+import threading
+from types import FrameType
+
+from timeslice.cli.base import (
+    Commands,
+    Interrupted,
+    add_target_option,
+    non_negative_float,
+    out,
+    parse_targets,
+    positive_float,
+)
+from timeslice.client import TimeSliceOrchestratorClient
+from timeslice.errors import Cancelled
+from timeslice.ids import validate_group_id, validate_job_id
+
+__all__ = ["cmd_acquire", "register"]
+
+
+def register(commands: Commands) -> None:
+    """Add ``acquire``."""
+    acquire = commands.add(
+        "acquire",
+        cmd_acquire,
+        help="acquire a group as a job, hold it, then yield (for operators and tests)",
+    )
+    acquire.add_argument("group", metavar="GROUP")
+    acquire.add_argument("--job", required=True, metavar="J")
+    add_target_option(acquire)
+    acquire.add_argument("--timeout", type=positive_float, metavar="S", help="give up after S s")
+    acquire.add_argument(
+        "--hold",
+        type=non_negative_float,
+        metavar="SECONDS",
+        help="hold for this long (default: until SIGINT/SIGTERM)",
+    )
+
+
+class _Stage(enum.Enum):
+    """Where ``timeslice acquire`` is, which decides what a signal does."""
+
+    WAITING = "waiting"
+    HOLDING = "holding"
+    FINISHING = "finishing"
+
+
+def cmd_acquire(args: argparse.Namespace) -> int:
+    """``timeslice acquire GROUP --job J``."""
+    group = validate_group_id(args.group)
+    job = validate_job_id(args.job)
+    targets = [str(t) for t in parse_targets(args.target)]
+
+    stop = threading.Event()
+    stage = _Stage.WAITING
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        if stage is _Stage.WAITING:
+            # Unwinds the blocking acquire; the SDK's cancel path removes our queue entry.
+            raise Interrupted
+        if stage is _Stage.HOLDING:
+            stop.set()
+        # FINISHING: the yield is under way; a second Ctrl-C must not cut it short.
+
+    client = TimeSliceOrchestratorClient(targets, job_id=job)
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            grant = client.acquire(group, timeout=args.timeout)
+        except Interrupted:
+            raise Cancelled(f"interrupted while waiting for {group}") from None
+        stage = _Stage.HOLDING
+        out(f"granted epoch={grant.epoch} waited={grant.waited_seconds:.3f}")
+        stop.wait(timeout=args.hold)
+        stage = _Stage.FINISHING
+        client.yield_(group)
+        out("yielded")
+    finally:
+        stage = _Stage.FINISHING
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        # Ends the session: if we were interrupted between the grant and the yield, this is
+        # what releases the hold.
+        client.close()
+    return 0

@@ -1,0 +1,74 @@
+"""Operator commands that change a group: ``timeslice yield`` and ``timeslice members``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from timeslice.cli.base import Commands, add_target_option, call, epoch, out, parse_targets
+from timeslice.ids import validate_group_id, validate_job_id, validate_node
+from timeslice_proto.timeslice.v1 import (
+    GroupStatus,
+    SetGroupMembersRequest,
+    TimeSliceStub,
+    YieldRequest,
+    YieldResponse,
+)
+
+__all__ = ["cmd_members", "cmd_yield", "register"]
+
+
+def register(commands: Commands) -> None:
+    """Add ``yield`` and ``members``."""
+    yield_ = commands.add(
+        "yield", cmd_yield, help="operator yield: release a job's hold by its epoch"
+    )
+    yield_.add_argument("group", metavar="GROUP")
+    yield_.add_argument("--job", required=True, metavar="J")
+    yield_.add_argument("--epoch", required=True, type=epoch, metavar="E")
+    add_target_option(yield_)
+
+    members = commands.add(
+        "members",
+        cmd_members,
+        help="pin the nodes a group always spans (static membership), or unpin",
+    )
+    members.add_argument("group", metavar="GROUP")
+    pin = members.add_mutually_exclusive_group(required=True)
+    pin.add_argument("--set", metavar="NODES", help="comma-separated node names")
+    pin.add_argument("--clear", action="store_true", help="back to registrations only")
+    add_target_option(members)
+
+
+def cmd_yield(args: argparse.Namespace) -> int:
+    """``timeslice yield GROUP --job J --epoch E``."""
+    group = validate_group_id(args.group)
+    job = validate_job_id(args.job)
+    targets = parse_targets(args.target)
+    # An empty session_id is the operator yield: authorised by (job, epoch) alone.
+    request = YieldRequest(session_id="", job_id=job, group_id=group, epoch=args.epoch)
+
+    async def rpc(stub: TimeSliceStub, timeout: float) -> YieldResponse:
+        return await stub.yield_(request, timeout=timeout)
+
+    asyncio.run(call(targets, f"Yield({group})", rpc))
+    out("yielded")
+    return 0
+
+
+def cmd_members(args: argparse.Namespace) -> int:
+    """``timeslice members GROUP --set NODES | --clear``."""
+    group = validate_group_id(args.group)
+    nodes = [] if args.clear else [n.strip() for n in args.set.split(",") if n.strip()]
+    for node in nodes:
+        validate_node(node)
+    targets = parse_targets(args.target)
+    request = SetGroupMembersRequest(group_id=group, nodes=nodes)
+
+    async def rpc(stub: TimeSliceStub, timeout: float) -> GroupStatus:
+        return await stub.set_group_members(request, timeout=timeout)
+
+    status = asyncio.run(call(targets, f"SetGroupMembers({group})", rpc))
+    pinned = ", ".join(status.static_members) or "(none: registrations only)"
+    out(f"{group}: pinned nodes {pinned}")
+    return 0

@@ -1,0 +1,240 @@
+"""What every ``timeslice`` command is built from: the parser, errors, output, orchestrator calls.
+
+A command group is a module with a ``register(commands)`` function that adds its subcommands
+to a :class:`Commands` and names the handler of each. :func:`run` builds the parser from a list
+of such functions, runs the chosen handler and turns errors into the CLI's error format.
+
+Errors go to stderr as ``error: <kind>: <message>``; the exit status is 2 for bad input and 1
+for every other failure.
+
+Commands talk to the orchestrator through the SDK's transport (:func:`call`): every replica is
+asked once, in order, and the first one that answers wins. They never open a session (an
+operator looking at a group must not appear in it), except ``acquire``, which is a job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from typing import NoReturn, TypeVar
+
+from timeslice._transport import ReplicasUnreachable, Transport
+from timeslice.errors import (
+    Cancelled,
+    ErrorKind,
+    InvalidArgument,
+    Timeout,
+    TimeSliceError,
+    Unavailable,
+)
+from timeslice.targets import DEFAULT_TARGET, TARGET_ENV, Target, targets_from_env
+from timeslice_proto.timeslice.v1 import TimeSliceStub
+
+__all__ = [
+    "CALL_TIMEOUT",
+    "EXIT_BAD_INPUT",
+    "EXIT_FAILURE",
+    "Commands",
+    "Handler",
+    "Interrupted",
+    "Parser",
+    "Register",
+    "add_target_option",
+    "build_parser",
+    "call",
+    "count",
+    "epoch",
+    "fail",
+    "non_negative_float",
+    "out",
+    "parse_targets",
+    "positive_float",
+    "run",
+]
+
+CALL_TIMEOUT = 10.0
+"""Seconds each orchestrator replica gets to answer one call."""
+EXIT_FAILURE = 1
+EXIT_BAD_INPUT = 2
+
+T = TypeVar("T")
+
+Handler = Callable[[argparse.Namespace], int]
+"""Runs one command; returns the exit status."""
+
+
+class Interrupted(BaseException):
+    """SIGINT/SIGTERM arrived (a BaseException so that library code does not swallow it)."""
+
+
+# -- parsing ---------------------------------------------------------------------------------
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with our error format (``error: invalid_argument: ...``, exit 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        fail(InvalidArgument(message))
+
+
+class Commands:
+    """The subcommands of one ``timeslice`` parser, and the handler of each."""
+
+    def __init__(self, parser: Parser) -> None:
+        sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+        sub.required = True
+        self._sub = sub
+        self.handlers: dict[str, Handler] = {}
+
+    def add(self, name: str, handler: Handler | None, **kwargs: object) -> Parser:
+        """Add subcommand ``name``; ``kwargs`` go to ``add_parser`` (``help=``, ...).
+
+        ``handler`` is ``None`` for commands the caller handles before parsing (the service
+        pass-through commands of ``timeslice_tools``).
+        """
+        parser: Parser = self._sub.add_parser(name, **kwargs)  # type: ignore[arg-type]
+        if handler is not None:
+            self.handlers[name] = handler
+        return parser
+
+
+Register = Callable[[Commands], None]
+"""A command group: adds its subcommands to a :class:`Commands`."""
+
+
+def build_parser(groups: Sequence[Register]) -> tuple[Parser, dict[str, Handler]]:
+    """The ``timeslice`` parser with the subcommands of ``groups``, and their handlers."""
+    parser = Parser(
+        prog="timeslice",
+        description="Co-operative accelerator time-slicing for RL post-training jobs.",
+    )
+    commands = Commands(parser)
+    for register in groups:
+        register(commands)
+    return parser, commands.handlers
+
+
+def run(argv: Sequence[str], groups: Sequence[Register]) -> int:
+    """Parse ``argv``, run the chosen command, report errors; returns the exit status."""
+    parser, handlers = build_parser(groups)
+    args = parser.parse_args(list(argv))
+    try:
+        return handlers[args.command](args)
+    except TimeSliceError as exc:
+        fail(exc)
+    except (KeyboardInterrupt, Interrupted):
+        fail(Cancelled("interrupted"))
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must not be negative")
+    return value
+
+
+def count(minimum: int) -> Callable[[str], int]:
+    """argparse type: an integer >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} must be at least {minimum}")
+        return value
+
+    return parse
+
+
+def epoch(text: str) -> int:
+    """argparse type: a fencing token (1 to 2**64-1)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 < value < 2**64:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a valid epoch (1 to 2**64-1)")
+    return value
+
+
+def add_target_option(parser: argparse.ArgumentParser) -> None:
+    """``--target``: the orchestrator address(es)."""
+    parser.add_argument(
+        "--target",
+        help=f"orchestrator address(es), comma-separated (default: ${TARGET_ENV} or "
+        f"{DEFAULT_TARGET})",
+    )
+
+
+def parse_targets(text: str | None) -> list[Target]:
+    """``--target`` (comma-separated; None: ``$TIMESLICE_TARGET`` or the default).
+
+    The SDK's parser, with the port required: an operator names replicas exactly. TCP
+    targets are ``(host, port)`` pairs; ``unix:/path`` is accepted as the SDK accepts it.
+    """
+    return targets_from_env(text, default_port=None)
+
+
+# -- errors and output -----------------------------------------------------------------------
+
+
+def fail(error: TimeSliceError) -> NoReturn:
+    """Print ``error`` in the CLI's format and exit (2 for bad input, else 1)."""
+    print(f"error: {error.kind.value}: {error.message}", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_BAD_INPUT if error.kind is ErrorKind.INVALID_ARGUMENT else EXIT_FAILURE)
+
+
+def out(line: str) -> None:
+    """Print one line of a command's result on stdout, at once."""
+    print(line, flush=True)
+
+
+# -- talking to the orchestrator -------------------------------------------------------------
+
+
+async def call(
+    targets: Sequence[Target],
+    what: str,
+    rpc: Callable[[TimeSliceStub, float], Awaitable[T]],
+) -> T:
+    """Run one unary call on the first replica that answers.
+
+    ``rpc(stub, timeout)`` must pass ``timeout`` to the call. Every replica is asked once, in
+    order, each with :data:`CALL_TIMEOUT` seconds: a replica that cannot be reached (or says
+    UNAVAILABLE) is skipped; any other answer, including a typed error, is authoritative.
+
+    Raises:
+        Unavailable: no replica could be reached (every replica's problem is listed).
+        Timeout: no replica answered in time.
+    """
+    transport = Transport(targets)
+    try:
+        return await transport.unary(
+            what, rpc, budget=CALL_TIMEOUT * len(targets), attempts=len(targets)
+        )
+    except ReplicasUnreachable as exc:
+        problems = "; ".join(str(error) for error in exc.problems.values())
+        if all(isinstance(error, Timeout) for error in exc.problems.values()):
+            raise Timeout(f"no orchestrator answered: {problems}") from None
+        raise Unavailable(f"no orchestrator reachable: {problems}") from None
+    finally:
+        transport.close()

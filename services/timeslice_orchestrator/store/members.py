@@ -1,0 +1,65 @@
+"""Which nodes a group spans: operator-pinned members, agent records, and residency reports.
+
+A node belongs to a group when an operator pinned it (``groups/<g>/members``) or when its agent
+record lists a worker of the group. Agent records live on an agent lease of their own, not on
+the replica's: they outlive the stream that published them by up to the agent TTL, so an
+agent that reconnects to another replica stays a member of its groups throughout.
+"""
+
+from __future__ import annotations
+
+from timeslice_orchestrator.store.base import StoreBase
+from timeslice_orchestrator.store.etcd import LeaseExpired, LeaseKeeper, Put, Txn, modified_at
+from timeslice_orchestrator.store.records import AgentRecord, MembersRecord, ResidentRecord
+
+
+class MemberStore(StoreBase):
+    """Pinned members, agent records and what the agents say is on their devices."""
+
+    async def set_members(self, group: str, nodes: list[str]) -> int:
+        """Pin (or, with no nodes, unpin) the nodes a group always spans; creates the group.
+
+        Returns the store revision after the change.
+        """
+        # Always a write (an empty list unpins), so the revision returned is this change's.
+        change = Put(self.keys.members(group), MembersRecord(sorted(set(nodes))).encode())
+        result = await self.etcd.txn(Txn([], [change, self._create_group(group)]))
+        return result.revision
+
+    async def forget_residency(self, group: str, node: str, job: str) -> bool:
+        """Record that ``job``'s state is no longer on ``node``'s devices (an agent said so)."""
+        key = self.keys.resident(group)
+        current = await self.etcd.get(key)
+        if current is None:
+            return False
+        record = ResidentRecord.decode(current.value)
+        if job not in record.nodes.get(node, []):
+            return False
+        record.remove(node, job)
+        result = await self.etcd.txn(
+            Txn([modified_at(key, current.mod_revision)], [Put(key, record.encode())])
+        )
+        return result.succeeded
+
+    async def agent_lease(self, node: str, ttl: int) -> int:
+        """The lease that keeps ``node``'s agent record: the existing one while it lives.
+
+        Reusing it keeps the record continuous when the agent reconnects (to this replica or
+        another) before it runs out; only a lapsed record gets a fresh lease of ``ttl``.
+        """
+        current = await self.etcd.get(self.keys.agent(node))
+        if current is not None and current.lease:
+            try:
+                await self.etcd.keepalive_once(current.lease)
+                return current.lease
+            except LeaseExpired:
+                pass
+        return await self.etcd.grant_lease(ttl)
+
+    def keep_agent_lease(self, lease: int, ttl: int) -> LeaseKeeper:
+        """A keeper that refreshes the agent lease while the agent's stream is held here."""
+        return LeaseKeeper(self.etcd, lease, ttl)
+
+    async def publish_agent(self, record: AgentRecord, lease: int) -> None:
+        """Write the agent's record (its workers) on the agent lease."""
+        await self.etcd.put(self.keys.agent(record.node), record.encode(), lease=lease)

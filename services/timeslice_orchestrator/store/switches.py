@@ -1,0 +1,214 @@
+"""Driving a group: the driver key, switch records, grants, and giving up on a waiter.
+
+One replica at a time drives a group's switches: the one whose lease the ``driver`` key is
+attached to. Every write here compares that lease (not the replica's name: a restarted
+replica reusing its name must not inherit the authority of its previous incarnation), so a
+paused or partitioned driver whose lease ran out cannot land a write when it wakes.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from timeslice_orchestrator.store.base import StoreBase
+from timeslice_orchestrator.store.etcd import (
+    Compare,
+    CompareOp,
+    CompareTarget,
+    Delete,
+    Get,
+    Op,
+    Put,
+    Txn,
+    absent,
+    created_at,
+    modified_at,
+)
+from timeslice_orchestrator.store.records import (
+    FaultRecord,
+    GroupStats,
+    HolderRecord,
+    Phase,
+    QueuedJob,
+    ResidentRecord,
+    Stored,
+    SwitchRecord,
+)
+
+
+def new_switch_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+@dataclass(frozen=True, slots=True)
+class Authority:
+    """Who may drive a group: a replica incarnation, identified by its etcd lease."""
+
+    replica_id: str
+    lease: int
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """A hand-over as it commits: the waiter served and what the group looks like after it."""
+
+    group: str
+    waiter: QueuedJob  # the queue entry served, as read: a waiter that re-attached since waits
+    holder: HolderRecord  # the new hold; its epoch is the holder key's create revision
+    resident: ResidentRecord  # the residency after the hand-over
+    resident_revision: int  # mod revision of the residency it was computed from (0: none)
+    stats: GroupStats
+    switch: Stored[SwitchRecord] | None = None  # the switch it ends; None: a grant in place
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """Giving up on a waiter: its queue entry goes and a record (on its lease) says why."""
+
+    waiter: QueuedJob
+    reason: str
+
+
+class SwitchStore(StoreBase):
+    """The driver's transactions, each fenced by the driver key's lease."""
+
+    async def claim_driver(self, group: str, auth: Authority) -> bool:
+        """Become (or stay) the replica that drives this group's switches."""
+        k = self.keys
+        result = await self.etcd.txn(
+            Txn(
+                compare=[absent(k.driver(group))],
+                success=[Put(k.driver(group), auth.replica_id.encode(), lease=auth.lease)],
+                failure=[Get(k.driver(group))],
+            )
+        )
+        if result.succeeded:
+            return True
+        current = result.reads[0]
+        return bool(current) and current[0].lease == auth.lease
+
+    def _driving(self, group: str, auth: Authority) -> Compare:
+        return Compare(self.keys.driver(group), CompareTarget.LEASE, CompareOp.EQUAL, auth.lease)
+
+    async def grant(self, auth: Authority, grant: Grant) -> int | None:
+        """Commit point: resident, holder (with a new epoch) and queue change in one txn.
+
+        Returns the epoch (the holder key's create revision) or None if a compare failed
+        (the waiter left or re-attached, another replica drives, or the group changed).
+        """
+        k = self.keys
+        group, job, entry = grant.group, grant.waiter.job, grant.waiter.entry
+        compare = [
+            self._driving(group, auth),
+            absent(k.holder(group)),
+            modified_at(k.queue_entry(group, job), entry.mod_revision),
+            modified_at(k.resident(group), grant.resident_revision),
+        ]
+        ops: list[Op] = [
+            Put(k.holder(group), grant.holder.encode(), lease=entry.lease),
+            Delete(k.queue_entry(group, job)),
+            Put(k.resident(group), grant.resident.encode()),
+            Put(k.stats(group), grant.stats.encode()),
+        ]
+        if grant.switch is not None:
+            compare.append(modified_at(k.switch(group), grant.switch.mod_revision))
+            ops.append(Delete(k.switch(group)))
+        else:
+            compare.append(absent(k.switch(group)))
+        result = await self.etcd.txn(Txn(compare, ops))
+        return result.revision if result.succeeded else None
+
+    async def begin_switch(
+        self,
+        group: str,
+        auth: Authority,
+        record: SwitchRecord,
+        resident_revision: int,
+        holder_revision: int = 0,
+    ) -> Stored[SwitchRecord] | None:
+        """Write the switch record; its create revision is the epoch of every directive.
+
+        A switch needs the group free (``holder_revision`` 0); a prefetch runs beside the
+        holder it names by revision, and never touches that holder's state.
+        """
+        k = self.keys
+        result = await self.etcd.txn(
+            Txn(
+                [
+                    self._driving(group, auth),
+                    absent(k.switch(group)),
+                    modified_at(k.holder(group), holder_revision),
+                    modified_at(k.resident(group), resident_revision),
+                ],
+                [Put(k.switch(group), record.encode()), Get(k.switch(group))],
+            )
+        )
+        if not result.succeeded:
+            return None
+        return Stored.of(result.reads[0][0], record)
+
+    async def update_switch(
+        self, group: str, auth: Authority, switch: Stored[SwitchRecord], phase: Phase
+    ) -> Stored[SwitchRecord] | None:
+        """Move the switch to ``phase``; None if it changed or this replica no longer drives."""
+        k = self.keys
+        switch.record.phase = phase
+        result = await self.etcd.txn(
+            Txn(
+                [self._driving(group, auth), modified_at(k.switch(group), switch.mod_revision)],
+                [Put(k.switch(group), switch.record.encode()), Get(k.switch(group))],
+            )
+        )
+        if not result.succeeded:
+            return None
+        return Stored.of(result.reads[0][0], switch.record)
+
+    async def end_switch(
+        self,
+        group: str,
+        auth: Authority,
+        switch: Stored[SwitchRecord],
+        resident: ResidentRecord,
+        stats: GroupStats,
+        fault: Fault | None = None,
+    ) -> bool:
+        """Close a switch without a grant (aborted, or the waiter left mid-switch).
+
+        With ``fault``, the waiter whose switch failed for good is given up on as well.
+        """
+        k = self.keys
+        ops: list[Op] = [
+            Delete(k.switch(group)),
+            Put(k.resident(group), resident.encode()),
+            Put(k.stats(group), stats.encode()),
+        ]
+        if fault is not None:
+            ops += self._give_up(group, fault)
+        compare = [self._driving(group, auth), modified_at(k.switch(group), switch.mod_revision)]
+        result = await self.etcd.txn(Txn(compare, ops))
+        return result.succeeded
+
+    async def fault_waiter(
+        self, group: str, auth: Authority, fault: Fault, stats: GroupStats
+    ) -> bool:
+        """Give up on a waiter (the entry it had when the driver decided) and say why."""
+        entry = self.keys.queue_entry(group, fault.waiter.job)
+        result = await self.etcd.txn(
+            Txn(
+                [self._driving(group, auth), created_at(entry, fault.waiter.revision)],
+                [*self._give_up(group, fault), Put(self.keys.stats(group), stats.encode())],
+            )
+        )
+        return result.succeeded
+
+    def _give_up(self, group: str, fault: Fault) -> list[Op]:
+        # The record lives on the waiter's session lease: it goes when the client does.
+        k = self.keys
+        job = fault.waiter.job
+        record = FaultRecord(reason=fault.reason, at=time.time())
+        return [
+            Delete(k.queue_entry(group, job)),
+            Put(k.fault(group, job), record.encode(), lease=fault.waiter.entry.lease),
+        ]

@@ -1,0 +1,106 @@
+"""How many etcd writes an Acquire and a Yield cost, counted on the wire (a watch).
+
+A free group nobody waits for is granted in the Acquire's own transaction: one write, no
+queue entry, no hop to the driver. Its hold is like any other: the epoch is the holder key's
+create revision, and the ticket (its place in line) is below the epoch and above every earlier
+grant's ticket. A contended Acquire still queues and is granted by the driver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from tests.conftest import ClusterFactory
+from tests.integration.rawclient import raw_stub
+from timeslice_orchestrator.store.etcd import EtcdClient, EventType
+from timeslice_orchestrator.store.records import HolderRecord
+from timeslice_proto.timeslice.v1 import (
+    AcquireEvent,
+    AcquireRequest,
+    AcquireState,
+    GetGroupStatusRequest,
+    OpenSessionRequest,
+    YieldRequest,
+)
+
+T = TypeVar("T")
+
+
+async def _writes(
+    endpoint: str, prefix: str, action: Callable[[], Awaitable[T]]
+) -> tuple[T, list[tuple[int, EventType, str]]]:
+    """What ``action`` wrote under ``prefix``: (revision, event, key) of every change."""
+    client = EtcdClient([endpoint])
+    root = f"{prefix}/".encode()
+    try:
+        start, _ = await client.get_prefix(root)
+        result = await action()
+        end, _ = await client.get_prefix(root)
+        seen: list[tuple[int, EventType, str]] = []
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(1.0):
+                async for batch in client.watch_prefix(root, start + 1):
+                    seen += [
+                        (e.kv.mod_revision, e.type, e.kv.key.decode().removeprefix(prefix))
+                        for e in batch.events
+                        if e.kv.mod_revision <= end
+                    ]
+        return result, seen
+    finally:
+        await client.close()
+
+
+async def _granted(stub: object, request: AcquireRequest) -> AcquireEvent:
+    events = [ev async for ev in stub.acquire(request)]  # type: ignore[attr-defined]
+    assert events[-1].state == AcquireState.GRANTED, events
+    return events[-1]  # type: ignore[no-any-return]
+
+
+async def test_a_free_group_costs_one_write_to_acquire_and_one_to_yield(
+    cluster_factory: ClusterFactory,
+) -> None:
+    cluster = cluster_factory(agents=0)
+    endpoint, prefix = cluster.etcd_endpoint, cluster.prefix
+    async with raw_stub(cluster.target) as stub:
+        a = (await stub.open_session(OpenSessionRequest(job_id="a", ttl_seconds=30))).session_id
+        b = (await stub.open_session(OpenSessionRequest(job_id="b", ttl_seconds=30))).session_id
+        first, writes = await _writes(
+            endpoint, prefix, lambda: _granted(stub, AcquireRequest(a, "a", "g", request_id="r"))
+        )
+        assert {r for r, _, _ in writes} == {first.epoch}, writes
+        assert {k for _, _, k in writes} == {
+            "/groups/g/holder",
+            "/groups/g/meta",
+            "/groups/g/resident",
+            "/groups/g/stats",
+        }
+        assert 0 < first.ticket < first.epoch
+        # Read-your-writes: the replica that answered already shows the hold.
+        status = await stub.get_group_status(GetGroupStatusRequest("g"))
+        assert (status.holder_job_id, status.holder_epoch) == ("a", first.epoch)
+        _, writes = await _writes(
+            endpoint, prefix, lambda: stub.yield_(YieldRequest(a, "a", "g", first.epoch))
+        )
+        assert len({r for r, _, _ in writes}) == 1, writes
+        second, writes = await _writes(
+            endpoint, prefix, lambda: _granted(stub, AcquireRequest(b, "b", "g", request_id="s"))
+        )
+        assert {r for r, _, _ in writes} == {second.epoch}, writes
+        assert first.ticket < first.epoch < second.ticket < second.epoch  # FIFO by ticket
+        # Contended: b holds, a queues; the driver grants a when b yields.
+        waiter = asyncio.create_task(_granted(stub, AcquireRequest(a, "a", "g", request_id="t")))
+        while not (await stub.get_group_status(GetGroupStatusRequest("g"))).queue:
+            await asyncio.sleep(0.01)
+        await stub.yield_(YieldRequest(b, "b", "g", second.epoch))
+        third = await waiter
+        assert second.epoch < third.ticket < third.epoch
+    client = EtcdClient([endpoint])
+    try:
+        kv = await client.get(f"{prefix}/groups/g/holder".encode())
+    finally:
+        await client.close()
+    assert kv is not None and kv.create_revision == third.epoch
+    assert HolderRecord.decode(kv.value).ticket == third.ticket
