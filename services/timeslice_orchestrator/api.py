@@ -49,6 +49,7 @@ from timeslice_proto.timeslice.v1 import (
 
 log = logging.getLogger(__name__)
 
+
 class TimeSliceService(TimeSliceBase):
     def __init__(
         self, locks: LockService, mirror: Mirror, metrics: Metrics, tracer: Tracer

@@ -165,8 +165,8 @@ class WorkQueue(Generic[K]):
         for _, handle in self._timers.values():
             handle.cancel()
         self._timers.clear()
-        # Cancel until they end: a pass can swallow a cancellation (Python 3.11's wait_for
-        # returns a result that lands together with the cancel) and must not hang shutdown.
+        # Cancel until they end: a pass can swallow a cancellation (Python 3.11's wait_for,
+        # for one, returns a result that lands together with the cancel) and go on awaiting.
         pending = set(self._workers)
         while pending:
             for task in pending:
