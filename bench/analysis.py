@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from bench.profiles import Phase
+from bench.profiles import StepPhase
 from timeslice_agent.journal import JournalEntry
 from timeslice_tools.dev.timeline import Interval, duty_cycle
 from timeslice_tools.history import percentile
@@ -39,7 +39,7 @@ class PhaseSample:
 
     job: str
     group: str  # the group acquired for accelerator and queue phases; "" off the accelerators
-    phase: Phase
+    phase: StepPhase
     step: int
     start: float
     end: float

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 
 from bench.analysis import PhaseSample, active_window, duty_by_group, mean_step_seconds
-from bench.profiles import DrawnHold, DrawnOff, JobDraws, Phase, Profile, draw_job
+from bench.profiles import DrawnHold, DrawnOff, JobDraws, Profile, StepPhase, draw_job
 
 __all__ = ["ModelOutcome", "simulate"]
 
@@ -93,7 +93,9 @@ def _schedule(
         else:
             job.versions, job.ready = [], []
             job.clock = _batch_ready(job, profile, 0)
-            samples.append(PhaseSample(f"j{job.index}", "", Phase.BATCH_WAIT, 0, 0.0, job.clock))
+            samples.append(
+                PhaseSample(f"j{job.index}", "", StepPhase.BATCH_WAIT, 0, 0.0, job.clock)
+            )
             heapq.heappush(requests, (job.clock, job.index))
     free_at = [0.0] * len(jobs)  # per group: one shared group, or one per job
     resident: list[int | None] = [None] * len(jobs)
@@ -108,7 +110,7 @@ def _schedule(
             start += switch_seconds
             switches += 1
         resident[group] = index
-        samples.append(PhaseSample(name, _GROUP, Phase.QUEUE, job.step, asked, start))
+        samples.append(PhaseSample(name, _GROUP, StepPhase.QUEUE, job.step, asked, start))
         hold = job.draws.plans[job.step].segments[job.segment]
         assert isinstance(hold, DrawnHold)
         for drawn in hold.phases:
@@ -128,7 +130,7 @@ def _schedule(
         job.segment = 0
         if job.step < len(job.draws.plans):
             ready = max(start, _batch_ready(job, profile, job.step))
-            samples.append(PhaseSample(name, "", Phase.BATCH_WAIT, job.step, start, ready))
+            samples.append(PhaseSample(name, "", StepPhase.BATCH_WAIT, job.step, start, ready))
             job.clock = ready
             heapq.heappush(requests, (ready, index))
     return samples, switches

@@ -42,10 +42,10 @@ __all__ = [
     "JobDraws",
     "LogNormalTail",
     "OffPhase",
-    "Phase",
     "PhaseSpec",
     "Profile",
     "Spread",
+    "StepPhase",
     "StepPlan",
     "draw_job",
     "get_profile",
@@ -59,8 +59,12 @@ Z99 = 2.3263478740408408
 STEP_SECONDS = 100.0
 
 
-class Phase(enum.Enum):
-    """What a job is doing; accelerator phases are the ones a duty cycle counts."""
+class StepPhase(enum.Enum):
+    """What a job is doing in one RL step; accelerator phases are the ones a duty cycle counts.
+
+    The modelled counterpart of :class:`timeslice_tools.dev.timeline.StepPhase` (demo runs),
+    with async RL's phases too; the values differ, and both are written to result files.
+    """
 
     ROLLOUT = "rollout"
     LOGPROB = "logprob"
@@ -75,7 +79,9 @@ class Phase(enum.Enum):
         return self in _ACCELERATOR_PHASES
 
 
-_ACCELERATOR_PHASES = frozenset({Phase.ROLLOUT, Phase.LOGPROB, Phase.TRAIN, Phase.SYNC})
+_ACCELERATOR_PHASES = frozenset(
+    {StepPhase.ROLLOUT, StepPhase.LOGPROB, StepPhase.TRAIN, StepPhase.SYNC}
+)
 
 
 @dataclass(frozen=True)
@@ -125,7 +131,7 @@ Spread = Jitter | LogNormalTail
 class PhaseSpec:
     """One phase of a hold: its mean duration in real seconds and how it varies."""
 
-    phase: Phase
+    phase: StepPhase
     mean_seconds: float
     spread: Spread = field(default_factory=Jitter)
 
@@ -142,7 +148,7 @@ class OffPhase:
 
     mean_seconds: float
     spread: Spread = field(default_factory=Jitter)
-    phase: Phase = Phase.REWARD
+    phase: StepPhase = StepPhase.REWARD
 
     def __post_init__(self) -> None:
         if self.phase.on_accelerator:
@@ -191,13 +197,13 @@ Segment = OffPhase | Hold
 
 @dataclass(frozen=True)
 class DrawnPhase:
-    phase: Phase
+    phase: StepPhase
     seconds: float
 
 
 @dataclass(frozen=True)
 class DrawnOff:
-    phase: Phase
+    phase: StepPhase
     seconds: float
 
 
@@ -228,8 +234,8 @@ class StepPlan:
     def off_seconds(self) -> float:
         return sum(s.seconds for s in self.segments if isinstance(s, DrawnOff))
 
-    def phase_seconds(self) -> dict[Phase, float]:
-        out: dict[Phase, float] = {}
+    def phase_seconds(self) -> dict[StepPhase, float]:
+        out: dict[StepPhase, float] = {}
         for segment in self.segments:
             parts = segment.phases if isinstance(segment, DrawnHold) else (segment,)
             for p in parts:
@@ -282,10 +288,10 @@ class Profile:
         """Fraction of wall time the job alone keeps its accelerators busy."""
         return self.accelerator_seconds / self.step_seconds
 
-    def accelerator_fractions(self) -> dict[Phase, float]:
+    def accelerator_fractions(self) -> dict[StepPhase, float]:
         """Each accelerator phase's share of the accelerator time (means)."""
         total = self.accelerator_seconds
-        out: dict[Phase, float] = {}
+        out: dict[StepPhase, float] = {}
         for s in self.segments:
             if isinstance(s, Hold):
                 for p in s.phases:
@@ -342,11 +348,11 @@ def draw_job(profile: Profile, index: int, steps: int, seed: int) -> JobDraws:
 def sync_profile(
     name: str,
     title: str,
-    fractions: dict[Phase, float],
+    fractions: dict[StepPhase, float],
     busy: float,
     *,
     step_seconds: float = STEP_SECONDS,
-    spreads: dict[Phase, Spread] | None = None,
+    spreads: dict[StepPhase, Spread] | None = None,
 ) -> Profile:
     """A synchronous-RL profile: off-accelerator time, then one hold of ``fractions``' phases.
 
@@ -365,13 +371,20 @@ def sync_profile(
     )
     segments: list[Segment] = []
     if busy < 1:
-        segments.append(OffPhase((1 - busy) * step_seconds, spreads.get(Phase.REWARD, Jitter())))
+        segments.append(
+            OffPhase((1 - busy) * step_seconds, spreads.get(StepPhase.REWARD, Jitter()))
+        )
     segments.append(Hold(phases))
     return Profile(name, title, tuple(segments))
 
 
 def _builtin() -> dict[str, Profile]:
-    balanced = {Phase.ROLLOUT: 0.60, Phase.LOGPROB: 0.07, Phase.TRAIN: 0.32, Phase.SYNC: 0.01}
+    balanced = {
+        StepPhase.ROLLOUT: 0.60,
+        StepPhase.LOGPROB: 0.07,
+        StepPhase.TRAIN: 0.32,
+        StepPhase.SYNC: 0.01,
+    }
     trainer_busy = 0.42
     profiles = [
         sync_profile(
@@ -381,13 +394,14 @@ def _builtin() -> dict[str, Profile]:
         sync_profile(
             "rollout-heavy", "sync GRPO, rollout-heavy (84% of accelerator time rollout, "
             "40% busy)",
-            {Phase.ROLLOUT: 0.84, Phase.TRAIN: 0.14, Phase.SYNC: 0.02}, 0.40,
+            {StepPhase.ROLLOUT: 0.84, StepPhase.TRAIN: 0.14, StepPhase.SYNC: 0.02}, 0.40,
         ),
         # The brief gives rollout 0.49, train 0.38, logprob 0.07 of the accelerator time and
         # 55% busy; the remaining 0.06 of the accelerator time is weight sync.
         sync_profile(
             "train-heavy", "sync GRPO, train-heavy (38% of accelerator time training, 55% busy)",
-            {Phase.ROLLOUT: 0.49, Phase.LOGPROB: 0.07, Phase.TRAIN: 0.38, Phase.SYNC: 0.06},
+            {StepPhase.ROLLOUT: 0.49, StepPhase.LOGPROB: 0.07, StepPhase.TRAIN: 0.38,
+             StepPhase.SYNC: 0.06},
             0.55,
         ),
         Profile(
@@ -395,21 +409,21 @@ def _builtin() -> dict[str, Profile]:
             "async RL, shared trainer only (dedicated samplers, staleness 1, trainer 42% busy)",
             (
                 Hold((
-                    PhaseSpec(Phase.TRAIN, 0.92 * trainer_busy * STEP_SECONDS),
-                    PhaseSpec(Phase.SYNC, 0.08 * trainer_busy * STEP_SECONDS),
+                    PhaseSpec(StepPhase.TRAIN, 0.92 * trainer_busy * STEP_SECONDS),
+                    PhaseSpec(StepPhase.SYNC, 0.08 * trainer_busy * STEP_SECONDS),
                 )),
             ),
             sampler=AsyncSampler(batch_seconds=STEP_SECONDS, staleness=1),
         ),
         sync_profile(
             "long-tail", "sync GRPO with a long rollout tail (log-normal, p99 = 10x median)",
-            balanced, 0.40, spreads={Phase.ROLLOUT: LogNormalTail(10.0)},
+            balanced, 0.40, spreads={StepPhase.ROLLOUT: LogNormalTail(10.0)},
         ),
         # A diagnostic twin of "balanced": every duration exactly its mean, so the jobs
         # settle into perfect alternation and only switch costs separate duty from its bound.
         sync_profile(
             "balanced-fixed", "sync GRPO, balanced, fixed durations (no jitter; diagnostic)",
-            balanced, 0.40, spreads={p: Jitter(0.0) for p in (*balanced, Phase.REWARD)},
+            balanced, 0.40, spreads={p: Jitter(0.0) for p in (*balanced, StepPhase.REWARD)},
         ),
     ]  # fmt: skip
     return {p.name: p for p in profiles}

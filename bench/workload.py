@@ -53,7 +53,7 @@ from bench.analysis import (
     split_switches,
 )
 from bench.model import ModelOutcome, simulate
-from bench.profiles import DrawnHold, DrawnOff, JobDraws, Phase, Profile, StepPlan, draw_job
+from bench.profiles import DrawnHold, DrawnOff, JobDraws, Profile, StepPhase, StepPlan, draw_job
 from timeslice import AsyncTimeSliceClient, Grant
 from timeslice_agent.journal import JournalEntry, read_journal
 from timeslice_tools.dev.cluster import LocalCluster
@@ -278,7 +278,9 @@ async def _hold(
         scope = client.on_accelerators(group, timeout=acquire_timeout, **spec.acquire_kwargs)
         async with scope as grant:
             granted = time.time()
-            log.samples.append(PhaseSample(spec.job_id, group, Phase.QUEUE, step, asked, granted))
+            log.samples.append(
+                PhaseSample(spec.job_id, group, StepPhase.QUEUE, step, asked, granted)
+            )
             for drawn in hold.phases:
                 begin = time.time()
                 await asyncio.sleep(drawn.seconds * time_scale)
@@ -387,7 +389,7 @@ async def _async_job(
             async with changed:
                 await changed.wait_for(batch_ready)
             log.samples.append(
-                PhaseSample(spec.job_id, "", Phase.BATCH_WAIT, step, begin, time.time())
+                PhaseSample(spec.job_id, "", StepPhase.BATCH_WAIT, step, begin, time.time())
             )
             for segment in plan.segments:
                 assert isinstance(segment, DrawnHold)

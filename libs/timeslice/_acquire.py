@@ -30,7 +30,6 @@ from timeslice.targets import Target
 from timeslice_proto.timeslice.v1 import (
     AcquireEvent,
     AcquireRequest,
-    AcquireState,
     TimeSliceStub,
 )
 
@@ -138,7 +137,8 @@ class AcquireCall:
             events = cast(AsyncGenerator[AcquireEvent, None], stub.acquire(request))
             async with contextlib.aclosing(events):
                 async for event in events:
-                    granted = granted or event.state == AcquireState.GRANTED
+                    if AcquireStage.from_wire(event.state) is AcquireStage.GRANTED:
+                        granted = True
                     # After GRANTED the stream is still read to its end: resetting it before
                     # the server finished would make the server take the grant back.
                     yield event
@@ -181,14 +181,11 @@ class AcquireCall:
 
     def _on_event(self, event: AcquireEvent) -> None:
         self.events += 1
-        if event.state == AcquireState.GRANTED:
+        stage = AcquireStage.from_wire(event.state)
+        if stage is AcquireStage.GRANTED:
             self.granted = event
             return
-        if event.state == AcquireState.QUEUED:
-            stage = AcquireStage.QUEUED
-        elif event.state == AcquireState.SWITCHING:
-            stage = AcquireStage.SWITCHING
-        else:
+        if stage is None:
             log.warning("ignoring Acquire event with unknown state %r", event.state)
             return
         if self._on_progress is not None:
@@ -209,5 +206,5 @@ class AcquireCall:
             if event is None:
                 return
             self.events += 1
-            if event.state == AcquireState.GRANTED:
+            if AcquireStage.from_wire(event.state) is AcquireStage.GRANTED:
                 self.granted = event

@@ -5,11 +5,15 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from timeslice_proto.timeslice.v1 import AcquireEvent
+from timeslice_proto.timeslice.v1 import AcquireEvent, AcquireState
 
 
 class AcquireStage(enum.Enum):
-    """Where an :meth:`~timeslice.AsyncTimeSliceClient.acquire` call stands."""
+    """Where an :meth:`~timeslice.AsyncTimeSliceClient.acquire` call stands.
+
+    The one name for this, in the SDK and the orchestrator alike; on the wire it travels as the
+    protobuf ``AcquireState``, and :meth:`to_wire` / :meth:`from_wire` are the only mapping.
+    """
 
     QUEUED = "queued"
     """Waiting in the group's queue; ``queue_position`` 0 means next to run."""
@@ -17,6 +21,23 @@ class AcquireStage(enum.Enum):
     """A context switch towards this job is in progress."""
     GRANTED = "granted"
     """The job holds the group."""
+
+    def to_wire(self) -> AcquireState:
+        """This stage as an Acquire event carries it."""
+        return _TO_WIRE[self]
+
+    @classmethod
+    def from_wire(cls, state: AcquireState | int) -> AcquireStage | None:
+        """The stage an Acquire event reports; None for one this version does not know."""
+        return _FROM_WIRE.get(state)
+
+
+_TO_WIRE = {
+    AcquireStage.QUEUED: AcquireState.QUEUED,
+    AcquireStage.SWITCHING: AcquireState.SWITCHING,
+    AcquireStage.GRANTED: AcquireState.GRANTED,
+}
+_FROM_WIRE: dict[int, AcquireStage] = {int(wire): stage for stage, wire in _TO_WIRE.items()}
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,15 +13,15 @@ import grpclib
 from grpclib.const import Status
 from opentelemetry.trace import Span, SpanKind, StatusCode, Tracer
 
+from timeslice import AcquireStage
 from timeslice.errors import TimeSliceError
-from timeslice_orchestrator.locks import LockService, Progress, Stage
+from timeslice_orchestrator.locks import LockService, Progress
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.store.cache import GroupView, Mirror, group_topic
 from timeslice_orchestrator.store.etcd import StoreError
 from timeslice_proto.timeslice.v1 import (
     AcquireEvent,
     AcquireRequest,
-    AcquireState,
     CloseSessionRequest,
     CloseSessionResponse,
     FaultedJob,
@@ -48,12 +48,6 @@ from timeslice_proto.timeslice.v1 import (
 )
 
 log = logging.getLogger(__name__)
-
-_STATE = {
-    Stage.QUEUED: AcquireState.QUEUED,
-    Stage.SWITCHING: AcquireState.SWITCHING,
-    Stage.GRANTED: AcquireState.GRANTED,
-}
 
 
 class TimeSliceService(TimeSliceBase):
@@ -127,7 +121,7 @@ class TimeSliceService(TimeSliceBase):
                 )
                 async with contextlib.aclosing(progress):
                     async for step in progress:
-                        if step.stage is Stage.GRANTED:
+                        if step.stage is AcquireStage.GRANTED:
                             grant = step
                             span.set_attributes(
                                 {
@@ -205,7 +199,7 @@ def _failed(span: Span, status: Status, message: str) -> None:
 
 def _event(step: Progress) -> AcquireEvent:
     return AcquireEvent(
-        state=_STATE[step.stage],
+        state=step.stage.to_wire(),
         queue_position=step.position,
         epoch=step.epoch,
         waited_seconds=step.waited_seconds,

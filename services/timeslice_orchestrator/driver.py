@@ -1,12 +1,18 @@
 """The switch driver: hands a group to its next waiter, moving device state when it must.
 
-One reconcile loop per group runs on the replica that holds the group's driver key. It is
-level-triggered: every pass reads the group from the mirror and takes the one step it calls
-for, top to bottom:
+Each replica's driver drives the groups whose driver key it holds (claiming a free key when a
+group needs driving). A change to a group, or to the agents, adds the group to a rate-limited
+work queue (:mod:`.workqueue`) whose workers run one reconcile pass at a time per group. A pass
+is level-triggered: it reads the group from the mirror and takes the one step it calls for, top
+to bottom:
 
-    holder present                      -> nothing to do (lazy: no data moves on yield)
-    switch record left by a dead driver -> roll it back, then go on
+    another live replica drives it      -> nothing to do (checked before anything is written)
+    switch record present               -> carry it on from its phase (ours in flight, or left
+                                           by a driver that died)
     queue empty                         -> nothing to do
+    holder present                      -> nothing to do (lazy: no data moves on yield), or
+                                           prefetch the next waiter beside it if it fits
+    head's last switch failed just now  -> wait until its retry is due
     head's state already on its nodes   -> grant at once (no data movement)
     otherwise                           -> CHECKPOINT the residents on every node concurrently,
                                            then RESTORE the head on every node concurrently,
@@ -15,24 +21,23 @@ for, top to bottom:
 A failure before the commit rolls back (nodes that checkpointed restore their job) and retries
 with bounded backoff; after that, or after a failed restore, the head alone is faulted and the
 group goes on serving the others.
+
+A pass never sleeps: it says what should happen next (:class:`Next`) and the work queue brings
+the group back at once, after a backoff, or when a retry is due.
 """
 
 from __future__ import annotations
 
-import asyncio
 import enum
-import functools
 import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind, StatusCode, Tracer
+from opentelemetry.trace import Tracer
 
-from timeslice.backoff import Backoff
-from timeslice.tracing import carrier_of
-from timeslice_orchestrator.hub import AgentGone, AgentTimeout, AgentUnavailable
+from timeslice_orchestrator.directives import DirectiveSender, NodeResult
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.policy import Policy, order
 from timeslice_orchestrator.relay import DirectiveRouter
@@ -40,55 +45,49 @@ from timeslice_orchestrator.store.cache import AGENTS_TOPIC, GroupView, Mirror, 
 from timeslice_orchestrator.store.etcd import StoreUnavailable
 from timeslice_orchestrator.store.groups import Authority, Fault, Grant, GroupStore, new_switch_id
 from timeslice_orchestrator.store.records import (
-    AgentRecord,
     HolderRecord,
     NodeStep,
     Phase,
     Stored,
     SwitchRecord,
 )
-from timeslice_proto.timeslice.v1 import AckStatus, Directive, DirectiveKind
+from timeslice_orchestrator.switch_plan import plan
+from timeslice_orchestrator.workqueue import KeyedBackoff, WorkQueue
+from timeslice_proto.timeslice.v1 import DirectiveKind
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
 class DriverConfig:
+    """How one replica's driver behaves (times in seconds)."""
+
     replica_id: str
     directive_timeout: float = 30.0
-    max_attempts: int = 3
-    retry_backoff: float = 0.2
-    max_backoff: float = 2.0
-    idle_recheck: float = 2.0
+    max_attempts: int = 3  # switches tried towards one waiter before it is faulted
+    retry_backoff: float = 0.2  # first backoff, of a blocked group and of a failed switch
+    max_backoff: float = 2.0  # cap of a blocked group's backoff
+    idle_recheck: float = 2.0  # an idle group with waiters is looked at again this often
     co_residency: bool = False
     prefetch: bool = False
     policy: Policy = Policy.FIFO
+    # Groups driven at once. A pass can wait on agents up to the directive timeout, so this is
+    # generous: enough that switches of unrelated groups rarely wait for each other.
+    workers: int = 64
 
 
 class Next(enum.Enum):
-    """What a group's loop does after one reconcile pass."""
+    """What happens to a group after one reconcile pass."""
 
     IDLE = "idle"  # nothing to do until the group changes
     AGAIN = "again"  # progress was made: look again at once
-    LATER = "later"  # blocked (an agent away, a lost race): retry after a backoff
-
-
-@dataclass(frozen=True, slots=True)
-class NodeResult:
-    node: str
-    ok: bool
-    error: str
-    bytes_moved: int
-    elapsed: float
-    unavailable: bool = False  # the agent could not be reached: the outcome is unknown
-    gone: bool = False  # the node left its groups (agent record expired): not waited for
-
-    @property
-    def failed(self) -> bool:
-        return not self.ok and not self.gone
+    LATER = "later"  # blocked (an agent away, a lost race): retry after the group's backoff
+    WAIT = "wait"  # the head's last switch failed: look again when its retry is due
 
 
 class SwitchFailed(Exception):
+    """A switch phase failed on some nodes."""
+
     def __init__(self, phase: Phase, failures: Sequence[NodeResult]) -> None:
         self.phase = phase
         self.failures = list(failures)
@@ -96,54 +95,21 @@ class SwitchFailed(Exception):
         super().__init__(f"{phase.value} failed on {len(failures)} node(s): {detail}")
 
 
-def nodes_of(group: str, job: str, agents: dict[str, AgentRecord]) -> list[str]:
-    """Nodes where ``job`` has a registered worker of ``group``."""
-    return sorted(node for node, agent in agents.items() if job in agent.jobs_of(group))
+# A waiter, as one queue entry: (group, job, create revision of its queue entry).
+_Waiter = tuple[str, str, int]
 
 
-def plan(
-    view: GroupView,
-    job: str,
-    agents: dict[str, AgentRecord],
-    co_residency: bool = False,
-    protect: str = "",
-) -> list[NodeStep] | None:
-    """What must move so that ``job`` is resident on every node where it runs.
+@dataclass(slots=True)
+class _Retry:
+    """Failed switches towards one waiter, and when the next one may start."""
 
-    Those are the nodes where it registered workers, plus any node an operator pinned to the
-    group (static membership). On a node whose backend reports device capacity, jobs already
-    there stay as long as ``job`` fits next to them (least recently restored leave first);
-    elsewhere every other job leaves. A node where ``job`` is already resident needs nothing.
-    """
-    residency = view.residency()
-    nodes = sorted(set(nodes_of(view.group, job, agents)) | set(view.static_members))
-    steps: list[NodeStep] = []
-    for node in nodes:
-        on_device = residency.nodes.get(node, [])
-        if job in on_device:
-            continue
-        agent = agents.get(node)
-        evict = list(on_device)
-        if co_residency and agent is not None and agent.capacity_bytes:
-            free = agent.capacity_bytes - sum(agent.job_bytes(j) for j in on_device)
-            evict = []
-            for other in on_device:
-                if free >= agent.job_bytes(job):
-                    break
-                if other == protect:
-                    continue
-                evict.append(other)
-                free += agent.job_bytes(other)
-            if free < agent.job_bytes(job):
-                evict = list(on_device)
-        if protect and protect in evict:
-            return None
-        steps += [NodeStep(node=node, evict=other, restore="") for other in evict[:-1]]
-        steps.append(NodeStep(node=node, evict=evict[-1] if evict else "", restore=job))
-    return steps
+    attempts: int
+    due: float  # time.monotonic()
 
 
 class SwitchDriver:
+    """Drives the switches of the groups whose driver key this replica holds."""
+
     def __init__(
         self,
         store: GroupStore,
@@ -156,29 +122,39 @@ class SwitchDriver:
     ) -> None:
         self._store = store
         self._mirror = mirror
-        self._router = router
         self._metrics = metrics
         self._config = config
         self._auth = Authority(config.replica_id, lease)
         self._tracer = tracer or trace.NoOpTracer()
-        self._kicks: dict[str, asyncio.Event] = {}
-        self._loops: dict[str, asyncio.Task[None]] = {}
-        self._attempts: dict[tuple[str, str, int], int] = {}
+        self._directives = DirectiveSender(
+            router, mirror, metrics, self._tracer, config.directive_timeout
+        )
+        self._queue: WorkQueue[str] = WorkQueue(
+            self._sync,
+            workers=config.workers,
+            backoff=KeyedBackoff(config.retry_backoff, config.max_backoff),
+            name="driver",
+            on_error=self._pass_failed,
+        )
+        self._retries: dict[_Waiter, _Retry] = {}
         self._last_error: dict[str, str] = {}
-        self._stopping = False
 
     # -- wiring -------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Start the workers and look at every group once."""
         self._mirror.add_listener(self._on_change)
+        self._queue.start()
         for group in self._mirror.group_names():
             self.kick(group)
 
     async def stop(self) -> None:
-        self._stopping = True
-        for task in self._loops.values():
-            task.cancel()
-        await asyncio.gather(*self._loops.values(), return_exceptions=True)
+        """Stop driving: passes in flight are cancelled (a switch record carries them on)."""
+        await self._queue.shutdown()
+
+    def kick(self, group: str) -> None:
+        """Look at ``group`` as soon as a worker is free."""
+        self._queue.add(group)
 
     def _on_change(self, topics: set[str]) -> None:
         if AGENTS_TOPIC in topics:
@@ -188,67 +164,57 @@ class SwitchDriver:
             if topic.startswith("group:"):
                 self.kick(topic[6:])
 
-    def kick(self, group: str) -> None:
-        if self._stopping:
+    async def _sync(self, group: str) -> None:
+        """The work queue's handler: one pass over ``group``, then when to look again."""
+        try:
+            step = await self.reconcile(group)
+        except StoreUnavailable as exc:
+            log.warning("group %s: etcd unavailable (%s); retrying", group, exc)
+            step = Next.LATER
+        if step is Next.LATER:
+            self._queue.add_rate_limited(group)
             return
-        event = self._kicks.setdefault(group, asyncio.Event())
-        event.set()
-        if group not in self._loops:
-            task = asyncio.create_task(self._loop(group), name=f"driver-{group}")
-            self._loops[group] = task
-            task.add_done_callback(functools.partial(self._loop_done, group))
+        self._queue.forget(group)
+        if step is Next.AGAIN:
+            self._queue.add(group)
+        elif step is Next.WAIT:
+            self._queue.add_after(group, self._retry_wait(group))
+        elif self._has_work(group):
+            # A safety net: a group with waiters is looked at now and then even if nothing
+            # about it changes.
+            self._queue.add_after(group, self._config.idle_recheck)
 
-    def _loop_done(self, group: str, task: asyncio.Task[None]) -> None:
-        self._loops.pop(group, None)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("driver loop of %s died", group, exc_info=task.exception())
-            self._metrics.driver_errors.inc()
-        if self._kicks.get(group) is not None and self._kicks[group].is_set():
-            self.kick(group)
+    def _pass_failed(self, group: str, exc: BaseException) -> None:
+        # A bug, not an outage: the work queue logged it and retries the group with backoff.
+        self._metrics.driver_errors.inc()
 
-    async def _loop(self, group: str) -> None:
-        event = self._kicks[group]
-        backoff = Backoff(self._config.retry_backoff, self._config.max_backoff, jitter=False)
-        while not self._stopping:
-            event.clear()
-            try:
-                step = await self.reconcile(group)
-            except StoreUnavailable as exc:
-                log.warning("group %s: etcd unavailable (%s); retrying", group, exc)
-                step = Next.LATER
-            if step is Next.AGAIN:
-                backoff.reset()
-                continue
-            if step is Next.LATER:
-                wait = backoff.next_delay()
-            else:
-                wait = self._config.idle_recheck
-                backoff.reset()
-            try:
-                async with asyncio.timeout(wait):
-                    await event.wait()
-            except TimeoutError:
-                view = self._mirror.group(group)
-                if step is Next.IDLE and not view.queue and view.switch is None:
-                    return  # idle: the next change starts a fresh loop
+    def _has_work(self, group: str) -> bool:
+        view = self._mirror.group(group)
+        return bool(view.queue) or view.switch is not None
+
+    def _retry_wait(self, group: str) -> float:
+        """Seconds until the earliest retry of ``group`` that is not yet due."""
+        now = time.monotonic()
+        waits = [r.due - now for (g, _, _), r in self._retries.items() if g == group]
+        return min((w for w in waits if w > 0), default=0.0)
 
     # -- one pass -----------------------------------------------------------------------
 
     async def reconcile(self, group: str) -> Next:
-        """Take one step for ``group``."""
+        """Take the one step ``group`` calls for (the table in the module docstring)."""
         view = self._mirror.group(group)
-        if view.switch is None and view.holder is not None and view.queue:
-            return await self._prefetch(view)
-        if view.switch is None and (view.holder is not None or not view.queue):
-            return Next.IDLE
-        if view.driver is not None and view.driver_lease != self._auth.lease:
-            return Next.IDLE  # another live replica drives this group
-        if view.driver is None and not await self._store.claim_driver(group, self._auth):
-            return Next.IDLE
         if view.switch is not None:
             # Ours in flight, or left by a driver that died: carry it on from its phase.
+            if not await self._drives(view):
+                return Next.IDLE
             return await self._advance(view.switch)
+        if not view.queue:
+            return Next.IDLE
         head = order(self._config.policy, view)[0]
+        if view.holder is not None:
+            return await self._prefetch(view, head)
+        if not await self._drives(view):
+            return Next.IDLE
         agents = self._mirror.agents()
         missing = [n for n in view.static_members if n not in agents]
         if missing:
@@ -259,7 +225,44 @@ class SwitchDriver:
         assert steps is not None  # nothing is protected without a holder
         if not steps:
             return await self._grant_in_place(view, head)
-        attempt = self._attempts.get((group, head.job, head.revision), 0) + 1
+        retry = self._retries.get((group, head.job, head.revision))
+        if retry is not None and retry.due > time.monotonic():
+            return Next.WAIT  # its last switch failed and rolled back just now
+        attempt = retry.attempts + 1 if retry is not None else 1
+        return await self._begin(view, head, steps, attempt)
+
+    async def _drives(self, view: GroupView) -> bool:
+        """Whether this replica drives ``view``'s group, claiming the role if it is free."""
+        group = view.group
+        if view.driver is not None and view.driver_lease != self._auth.lease:
+            return False  # another live replica drives this group
+        if view.driver is None and not await self._store.claim_driver(group, self._auth):
+            return False
+        return True
+
+    async def _prefetch(self, view: GroupView, head: QueuedJob) -> Next:
+        """While the holder runs, bring the next waiter's state in if it fits beside it."""
+        if not self._config.prefetch or view.holder is None:
+            return Next.IDLE
+        steps = plan(
+            view, head.job, self._mirror.agents(), co_residency=True,
+            protect=view.holder.record.job,
+        )  # fmt: skip
+        if not steps:
+            return Next.IDLE  # already resident, or it does not fit beside the holder
+        if not await self._drives(view):
+            return Next.IDLE
+        return await self._begin(view, head, steps, attempt=1)
+
+    async def _begin(
+        self, view: GroupView, head: QueuedJob, steps: list[NodeStep], attempt: int
+    ) -> Next:
+        """Write the switch record towards ``head``, then drive it.
+
+        With the group free this is a switch; beside a holder it is a prefetch, which moves
+        only what fits next to the holder and ends without a grant.
+        """
+        group = view.group
         record = SwitchRecord(
             switch_id=new_switch_id(),
             group=group,
@@ -270,53 +273,31 @@ class SwitchDriver:
             driver=self._config.replica_id,
             started_at=time.time(),
             attempt=attempt,
+            prefetch=view.holder is not None,
         )
-        switch = await self._store.begin_switch(group, self._auth, record, view.resident_revision)
+        # The record's create revision is the epoch of every directive of the switch.
+        if view.holder is None:
+            switch = await self._store.begin_switch(
+                group, self._auth, record, view.resident_revision
+            )
+        else:  # a prefetch: it runs beside the holder, which must not change meanwhile
+            switch = await self._store.begin_switch(
+                view.group, self._auth, record, view.resident_revision, view.holder.mod_revision
+            )
         if switch is None:
             return Next.AGAIN  # the group changed underneath; look again
-        log.info(
-            "group %s: switch %s -> %s on %d node(s), epoch %d (attempt %d)",
-            group,
-            ",".join(record.from_jobs) or "-",
-            head.job,
-            len(steps),
-            switch.create_revision,
-            attempt,
-        )
-        return await self._advance(switch)
-
-    async def _prefetch(self, view: GroupView) -> Next:
-        """While the holder runs, bring the next waiter's state in if it fits beside it."""
-        if not self._config.prefetch or view.holder is None:
-            return Next.IDLE
-        if view.driver is not None and view.driver_lease != self._auth.lease:
-            return Next.IDLE
-        head = order(self._config.policy, view)[0]
-        steps = plan(
-            view, head.job, self._mirror.agents(), co_residency=True,
-            protect=view.holder.record.job,
-        )  # fmt: skip
-        if not steps:
-            return Next.IDLE  # already resident, or it does not fit beside the holder
-        if view.driver is None and not await self._store.claim_driver(view.group, self._auth):
-            return Next.IDLE
-        record = SwitchRecord(
-            switch_id=new_switch_id(),
-            group=view.group,
-            to_job=head.job,
-            to_revision=head.revision,
-            steps=steps,
-            phase=Phase.CHECKPOINT,
-            driver=self._config.replica_id,
-            started_at=time.time(),
-            prefetch=True,
-        )
-        switch = await self._store.begin_switch(
-            view.group, self._auth, record, view.resident_revision, view.holder.mod_revision
-        )
-        if switch is None:
-            return Next.AGAIN
-        log.info("group %s: prefetching %s beside %s", view.group, head.job, view.holder.record.job)
+        if view.holder is not None:
+            log.info("group %s: prefetching %s beside %s", group, head.job, view.holder.record.job)
+        else:
+            log.info(
+                "group %s: switch %s -> %s on %d node(s), epoch %d (attempt %d)",
+                group,
+                ",".join(record.from_jobs) or "-",
+                head.job,
+                len(steps),
+                switch.create_revision,
+                attempt,
+            )
         return await self._advance(switch)
 
     async def _grant_in_place(self, view: GroupView, head: QueuedJob) -> Next:
@@ -371,7 +352,9 @@ class SwitchDriver:
         started = time.monotonic()
         if record.phase is Phase.CHECKPOINT:
             evictions = [s for s in record.steps if s.evict]
-            results = await self._fan_out(switch, DirectiveKind.CHECKPOINT, evictions, "evict")
+            results = await self._directives.fan_out(
+                switch, DirectiveKind.CHECKPOINT, evictions, "evict"
+            )
             failed = [r for r in results if r.failed]
             next_phase = Phase.ROLLBACK if failed else Phase.RESTORE
             if failed:
@@ -391,7 +374,7 @@ class SwitchDriver:
         record = switch.record
         group = record.group
         restores = [s for s in record.steps if s.restore]
-        results = await self._fan_out(switch, DirectiveKind.RESTORE, restores, "restore")
+        results = await self._directives.fan_out(switch, DirectiveKind.RESTORE, restores, "restore")
         if any(r.unavailable for r in results):
             return Next.LATER  # keep the record; the same directives go again
         view = self._mirror.group(group)
@@ -440,7 +423,7 @@ class SwitchDriver:
         )
         if epoch is None:
             return Next.LATER  # the mirror lagged or the waiter re-attached: retry the commit
-        self._attempts.pop((group, head.job, head.revision), None)
+        self._retries.pop((group, head.job, head.revision), None)
         self._metrics.switches.labels(outcome="committed").inc()
         self._metrics.switch_seconds.observe(elapsed)
         self._metrics.grants.labels(kind="switch").inc()
@@ -455,7 +438,9 @@ class SwitchDriver:
         record = switch.record
         group = record.group
         evictions = [s for s in record.steps if s.evict]
-        results = await self._fan_out(switch, DirectiveKind.RESTORE, evictions, "rollback")
+        results = await self._directives.fan_out(
+            switch, DirectiveKind.RESTORE, evictions, "rollback"
+        )
         if any(r.unavailable for r in results):
             return Next.LATER
         view = self._mirror.group(group)
@@ -475,12 +460,15 @@ class SwitchDriver:
         if record.prefetch:
             return Next.IDLE  # an optimisation that did not work out: the switch will do it
         key = (group, record.to_job, record.to_revision)
-        attempt = max(self._attempts.get(key, 0), record.attempt)
+        retry = self._retries.get(key)
+        attempt = max(retry.attempts if retry is not None else 0, record.attempt)
         if attempt < self._config.max_attempts:
-            self._attempts[key] = attempt
-            await asyncio.sleep(self._config.retry_backoff * 2 ** (attempt - 1))
-            return Next.AGAIN
-        self._attempts.pop(key, None)
+            # Not a sleep: the next pass finds the retry not yet due and the work queue
+            # brings the group back when it is (our own writes kick it earlier in vain).
+            backoff = self._config.retry_backoff * 2 ** (attempt - 1)
+            self._retries[key] = _Retry(attempt, time.monotonic() + backoff)
+            return Next.WAIT
+        self._retries.pop(key, None)
         view = self._mirror.group(group)
         head = view.queued(record.to_job)
         if head is None or head.revision != record.to_revision:
@@ -510,84 +498,3 @@ class SwitchDriver:
             previous_job=previous,
             switch_seconds=switch_seconds,
         )
-
-    # -- directives ---------------------------------------------------------------------
-
-    async def _fan_out(
-        self,
-        switch: Stored[SwitchRecord],
-        kind: DirectiveKind,
-        steps: list[NodeStep],
-        purpose: str,
-    ) -> list[NodeResult]:
-        """Send one directive per node concurrently and gather every node's outcome."""
-        with self._tracer.start_as_current_span(
-            f"timeslice.{purpose}",
-            attributes={"timeslice.group": switch.record.group, "timeslice.nodes": len(steps)},
-        ) as span:
-            results = list(
-                await asyncio.gather(*(self._run_step(switch, kind, s, purpose) for s in steps))
-            )
-            failed = [r.node for r in results if not r.ok]
-            if failed:
-                span.set_status(StatusCode.ERROR, f"failed on {', '.join(failed)}")
-            return results
-
-    async def _run_step(
-        self, switch: Stored[SwitchRecord], kind: DirectiveKind, step: NodeStep, purpose: str
-    ) -> NodeResult:
-        job = step.evict if purpose in ("evict", "rollback") else step.restore
-        agent = self._mirror.agents().get(step.node)
-        with self._tracer.start_as_current_span(
-            f"timeslice.{purpose} {step.node}",
-            kind=SpanKind.CLIENT,
-            attributes={
-                "timeslice.group": switch.record.group,
-                "timeslice.node": step.node,
-                "timeslice.job": job,
-                "timeslice.epoch": switch.create_revision,
-                "timeslice.directive": kind.name.lower(),
-                "timeslice.backend": agent.backend if agent else "",
-                "timeslice.emulated": bool(agent and agent.emulated),
-            },
-        ) as span:
-            directive = Directive(
-                directive_id=f"{switch.record.switch_id}-{purpose}-{step.node}-{job}",
-                group_id=switch.record.group,
-                epoch=switch.create_revision,
-                kind=kind,
-                job_id=job,
-                deadline_ms=int(self._config.directive_timeout * 1000),
-                trace_context=carrier_of(span),
-            )
-            result = await self._execute(step.node, directive, kind)
-            span.set_attributes(
-                {
-                    "timeslice.bytes_moved": result.bytes_moved,
-                    "timeslice.backend_seconds": result.elapsed,
-                }
-            )
-            if not result.ok:
-                span.set_status(StatusCode.ERROR, result.error)
-            return result
-
-    async def _execute(self, node: str, directive: Directive, kind: DirectiveKind) -> NodeResult:
-        started = time.monotonic()
-        label = kind.name.lower()
-        try:
-            ack = await self._router.execute(node, directive, self._config.directive_timeout + 1)
-        except AgentTimeout as exc:
-            # Connected but silent past the deadline: a failure, like a backend error.
-            self._metrics.directives.labels(kind=label, status="timeout").inc()
-            return NodeResult(node, False, str(exc), 0, time.monotonic() - started)
-        except AgentGone as exc:
-            # Final: the node left its groups; whatever it held is no longer counted on.
-            self._metrics.directives.labels(kind=label, status="gone").inc()
-            return NodeResult(node, False, str(exc), 0, time.monotonic() - started, gone=True)
-        except AgentUnavailable as exc:
-            self._metrics.directives.labels(kind=label, status="unavailable").inc()
-            return NodeResult(node, False, str(exc), 0, time.monotonic() - started, True)
-        self._metrics.directives.labels(kind=label, status=ack.status.name.lower()).inc()
-        ok = ack.status == AckStatus.OK
-        error = "" if ok else f"{ack.status.name.lower()}: {ack.error}"
-        return NodeResult(node, ok, error, ack.bytes_moved, ack.elapsed_seconds)

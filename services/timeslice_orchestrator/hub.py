@@ -58,6 +58,8 @@ class AgentGone(AgentUnavailable):
 
 @dataclass(eq=False)
 class AgentConnection:
+    """One agent's stream on this replica: what it sends us, and the acks we wait for."""
+
     node: str
     record: AgentRecord
     outgoing: asyncio.Queue[OrchestratorMessage] = field(default_factory=asyncio.Queue)
@@ -73,7 +75,8 @@ class AgentConnection:
         self.pending.clear()
 
 
-def _workers(infos: list[WorkerInfo]) -> list[WorkerRecord]:
+def _worker_records(infos: list[WorkerInfo]) -> list[WorkerRecord]:
+    """The valid ones of an agent's worker registrations, as stored records."""
     out = []
     for w in infos:
         try:
@@ -93,6 +96,8 @@ def _workers(infos: list[WorkerInfo]) -> list[WorkerRecord]:
 
 
 class AgentHub(AgentHubBase):
+    """The AgentHub service: one stream per node agent, and directives sent down it."""
+
     def __init__(
         self, store: GroupStore, replica_id: str, agent_ttl: int, metrics: Metrics
     ) -> None:
@@ -126,7 +131,7 @@ class AgentHub(AgentHubBase):
             backend=hello.backend,
             emulated=hello.emulated,
             connected_at=time.time(),
-            workers=_workers(hello.workers),
+            workers=_worker_records(hello.workers),
             devices=len(hello.devices),
             capacity_bytes=hello.capacity_bytes,
             default_state_bytes=hello.default_state_bytes,
@@ -153,7 +158,7 @@ class AgentHub(AgentHubBase):
                 self._store.keep_agent_lease(conn.lease, self._agent_ttl).run(),
                 name=f"agent-lease-{node}",
             )
-            await self._reconcile(node, hello.jobs)
+            await self._forget_off_device(node, hello.jobs)
             yield OrchestratorMessage(welcome=Welcome(replica_id=self._replica_id))
             closed = asyncio.ensure_future(conn.closed.wait())
             try:
@@ -185,7 +190,7 @@ class AgentHub(AgentHubBase):
             # to another replica, and its jobs' state is still on its node meanwhile.
             log.info("agent %s disconnected", node)
 
-    async def _reconcile(self, node: str, jobs: list[JobReport]) -> None:
+    async def _forget_off_device(self, node: str, jobs: list[JobReport]) -> None:
         """Trust the agent about what is on its devices: after a crash or a lost stream, a job
         the group still lists as resident there may in truth be parked, half-moved or faulted.
         """
@@ -222,7 +227,7 @@ class AgentHub(AgentHubBase):
                 if fut is not None and not fut.done():
                     fut.set_result(msg.ack)
             elif msg.workers is not None:
-                conn.record.workers = _workers(msg.workers.workers)
+                conn.record.workers = _worker_records(msg.workers.workers)
                 await self._store.publish_agent(conn.record, conn.lease)
 
     async def execute(self, node: str, directive: Directive, timeout: float) -> DirectiveAck:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import enum
 import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
+from timeslice import AcquireStage
 from timeslice.errors import (
     Cancelled,
     GroupFaulted,
@@ -48,15 +48,9 @@ _RELEASED_KEPT = 1024
 MAX_TTL = 3600
 
 
-class Stage(enum.Enum):
-    QUEUED = 1
-    SWITCHING = 2
-    GRANTED = 3
-
-
 @dataclass(frozen=True, slots=True)
 class Progress:
-    stage: Stage
+    stage: AcquireStage
     position: int = 0
     epoch: int = 0
     waited_seconds: float = 0.0
@@ -147,11 +141,13 @@ class LockService:
         await self._mirror.wait_for_revision(enqueued.revision, MIRROR_LAG_TIMEOUT)
         if enqueued.epoch:
             # Granted by the enqueue itself: a hold with nothing waited, restored or moved.
-            yield Progress(Stage.GRANTED, epoch=enqueued.epoch, ticket=enqueued.entry_revision)
+            yield Progress(
+                AcquireStage.GRANTED, epoch=enqueued.epoch, ticket=enqueued.entry_revision
+            )
             return
         topic = group_topic(group)
         granted = False
-        last: tuple[Stage, int] | None = None
+        last: tuple[AcquireStage, int] | None = None
         self._metrics.waiters.inc()
         try:
             while True:
@@ -161,7 +157,7 @@ class LockService:
                     self._progress(view, session_id, job, enqueued.entry_revision),
                     ticket=enqueued.entry_revision,
                 )
-                if progress.stage is Stage.GRANTED:
+                if progress.stage is AcquireStage.GRANTED:
                     granted = True
                     log.debug("%s granted %s after %.3f s", job, group, time.monotonic() - started)
                     yield progress
@@ -215,7 +211,7 @@ class LockService:
         ):
             h = holder.record
             return Progress(
-                Stage.GRANTED,
+                AcquireStage.GRANTED,
                 epoch=holder.create_revision,
                 waited_seconds=h.waited_seconds,
                 restored=h.restored,
@@ -232,9 +228,9 @@ class LockService:
             raise Cancelled(f"the queue entry of {job} in {view.group} was removed")
         switch = view.switch
         if switch is not None and switch.record.to_job == job:
-            return Progress(Stage.SWITCHING, 0)
+            return Progress(AcquireStage.SWITCHING, 0)
         served = [q.job for q in order(self.policy, view)]
-        return Progress(Stage.QUEUED, served.index(job) if job in served else 0)
+        return Progress(AcquireStage.QUEUED, served.index(job) if job in served else 0)
 
     async def release_unsent(self, group: str, job: str, session_id: str, epoch: int) -> None:
         """Give back a grant the client never received (it left as the grant was sent)."""

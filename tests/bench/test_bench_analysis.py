@@ -21,7 +21,7 @@ from bench.analysis import (
     split_switches,
 )
 from bench.controlplane import CyclesResult, FanoutResult, HandoffResult
-from bench.profiles import Phase
+from bench.profiles import StepPhase
 from bench.report import check_targets, render_summary, switch_table, workload_table
 from bench.run import _finite, output_name, same_code
 from bench.workload import REFERENCE_COSTS, Baseline, RunResult, SimCosts, _cluster_kwargs
@@ -30,9 +30,9 @@ from timeslice_tools.dev.timeline import Interval
 
 
 def ph(
-    job: str, phase: Phase, step: int, start: float, end: float, group: str = "g"
+    job: str, phase: StepPhase, step: int, start: float, end: float, group: str = "g"
 ) -> PhaseSample:
-    on_group = phase.on_accelerator or phase is Phase.QUEUE
+    on_group = phase.on_accelerator or phase is StepPhase.QUEUE
     return PhaseSample(job, group if on_group else "", phase, step, start, end)
 
 
@@ -59,12 +59,12 @@ def test_stats_use_nearest_rank_percentiles() -> None:
 
 def test_duty_counts_overlaps_once_and_ignores_other_phases() -> None:
     samples = [
-        ph("a", Phase.ROLLOUT, 0, 0.0, 4.0),
-        ph("a", Phase.TRAIN, 0, 4.0, 5.0),
-        ph("b", Phase.ROLLOUT, 0, 4.5, 6.0),  # overlaps a's train by 0.5
-        ph("b", Phase.REWARD, 0, 6.0, 10.0),  # off the accelerators
-        ph("b", Phase.QUEUE, 0, 2.0, 4.5),  # waiting is not busy
-        ph("c", Phase.TRAIN, 0, 0.0, 10.0, group="other"),
+        ph("a", StepPhase.ROLLOUT, 0, 0.0, 4.0),
+        ph("a", StepPhase.TRAIN, 0, 4.0, 5.0),
+        ph("b", StepPhase.ROLLOUT, 0, 4.5, 6.0),  # overlaps a's train by 0.5
+        ph("b", StepPhase.REWARD, 0, 6.0, 10.0),  # off the accelerators
+        ph("b", StepPhase.QUEUE, 0, 2.0, 4.5),  # waiting is not busy
+        ph("c", StepPhase.TRAIN, 0, 0.0, 10.0, group="other"),
     ]
     duty = duty_by_group(samples, Interval(0.0, 10.0))
     assert duty == {"g": pytest.approx(0.6), "other": pytest.approx(1.0)}
@@ -72,18 +72,18 @@ def test_duty_counts_overlaps_once_and_ignores_other_phases() -> None:
 
 def test_active_window_is_when_every_job_is_past_warm_up() -> None:
     samples = [
-        ph("a", Phase.REWARD, 0, 0.0, 1.0), ph("a", Phase.TRAIN, 0, 1.0, 2.0),
-        ph("a", Phase.REWARD, 1, 2.0, 3.0), ph("a", Phase.TRAIN, 1, 3.0, 4.0),
-        ph("a", Phase.REWARD, 2, 4.0, 5.0), ph("a", Phase.TRAIN, 2, 5.0, 6.0),
-        ph("b", Phase.REWARD, 0, 0.5, 1.5), ph("b", Phase.TRAIN, 0, 1.5, 2.5),
-        ph("b", Phase.REWARD, 1, 2.5, 3.5), ph("b", Phase.TRAIN, 1, 3.5, 4.5),
+        ph("a", StepPhase.REWARD, 0, 0.0, 1.0), ph("a", StepPhase.TRAIN, 0, 1.0, 2.0),
+        ph("a", StepPhase.REWARD, 1, 2.0, 3.0), ph("a", StepPhase.TRAIN, 1, 3.0, 4.0),
+        ph("a", StepPhase.REWARD, 2, 4.0, 5.0), ph("a", StepPhase.TRAIN, 2, 5.0, 6.0),
+        ph("b", StepPhase.REWARD, 0, 0.5, 1.5), ph("b", StepPhase.TRAIN, 0, 1.5, 2.5),
+        ph("b", StepPhase.REWARD, 1, 2.5, 3.5), ph("b", StepPhase.TRAIN, 1, 3.5, 4.5),
     ]
     assert active_window(samples, ["a", "b"], warmup=1) == Interval(2.5, 4.5)
     assert active_window(samples, ["a"], warmup=0) == Interval(0.0, 6.0)
     assert mean_step_seconds(samples, "a", warmup=1) == pytest.approx(2.0)
     with pytest.raises(ValueError, match="no step after"):
         active_window(samples, ["b"], warmup=2)
-    late = [*samples, ph("c", Phase.TRAIN, 0, 7.0, 8.0), ph("c", Phase.TRAIN, 1, 8.0, 9.0)]
+    late = [*samples, ph("c", StepPhase.TRAIN, 0, 7.0, 8.0), ph("c", StepPhase.TRAIN, 1, 8.0, 9.0)]
     with pytest.raises(ValueError, match="never ran together"):
         active_window(late, ["a", "c"], warmup=1)
 

@@ -6,7 +6,7 @@ import pytest
 
 from bench.analysis import analytic_duty_bound
 from bench.model import simulate
-from bench.profiles import PROFILES, Hold, Phase, PhaseSpec, Profile
+from bench.profiles import PROFILES, Hold, PhaseSpec, Profile, StepPhase
 
 
 @pytest.mark.parametrize(("jobs", "switch"), [(2, 0.0), (2, 1.6), (2, 28.0), (3, 1.6), (3, 10.0)])
@@ -43,8 +43,8 @@ def test_the_model_is_deterministic_and_refuses_what_it_cannot_model() -> None:
     assert a == simulate(PROFILES["long-tail"], 2, switch_seconds=1.6, steps=12)
     split = Profile(
         "split", "two groups",
-        (Hold((PhaseSpec(Phase.ROLLOUT, 1.0),), role="a"),
-         Hold((PhaseSpec(Phase.TRAIN, 1.0),), role="b")),
+        (Hold((PhaseSpec(StepPhase.ROLLOUT, 1.0),), role="a"),
+         Hold((PhaseSpec(StepPhase.TRAIN, 1.0),), role="b")),
     )
     with pytest.raises(ValueError, match="one group"):
         simulate(split, 2, switch_seconds=0.0, steps=4)

@@ -16,24 +16,24 @@ from bench.profiles import (
     Jitter,
     LogNormalTail,
     OffPhase,
-    Phase,
     PhaseSpec,
     Profile,
+    StepPhase,
     get_profile,
     sync_profile,
 )
 
 STATED = {
-    "balanced": (0.40, {Phase.ROLLOUT: 0.60, Phase.LOGPROB: 0.07, Phase.TRAIN: 0.32,
-                        Phase.SYNC: 0.01}),
-    "rollout-heavy": (0.40, {Phase.ROLLOUT: 0.84, Phase.TRAIN: 0.14, Phase.SYNC: 0.02}),
-    "train-heavy": (0.55, {Phase.ROLLOUT: 0.49, Phase.LOGPROB: 0.07, Phase.TRAIN: 0.38,
-                           Phase.SYNC: 0.06}),
-    "async": (0.42, {Phase.TRAIN: 0.92, Phase.SYNC: 0.08}),
-    "long-tail": (0.40, {Phase.ROLLOUT: 0.60, Phase.LOGPROB: 0.07, Phase.TRAIN: 0.32,
-                         Phase.SYNC: 0.01}),
-    "balanced-fixed": (0.40, {Phase.ROLLOUT: 0.60, Phase.LOGPROB: 0.07, Phase.TRAIN: 0.32,
-                              Phase.SYNC: 0.01}),
+    "balanced": (0.40, {StepPhase.ROLLOUT: 0.60, StepPhase.LOGPROB: 0.07, StepPhase.TRAIN: 0.32,
+                        StepPhase.SYNC: 0.01}),
+    "rollout-heavy": (0.40, {StepPhase.ROLLOUT: 0.84, StepPhase.TRAIN: 0.14, StepPhase.SYNC: 0.02}),
+    "train-heavy": (0.55, {StepPhase.ROLLOUT: 0.49, StepPhase.LOGPROB: 0.07, StepPhase.TRAIN: 0.38,
+                           StepPhase.SYNC: 0.06}),
+    "async": (0.42, {StepPhase.TRAIN: 0.92, StepPhase.SYNC: 0.08}),
+    "long-tail": (0.40, {StepPhase.ROLLOUT: 0.60, StepPhase.LOGPROB: 0.07, StepPhase.TRAIN: 0.32,
+                         StepPhase.SYNC: 0.01}),
+    "balanced-fixed": (0.40, {StepPhase.ROLLOUT: 0.60, StepPhase.LOGPROB: 0.07,
+                              StepPhase.TRAIN: 0.32, StepPhase.SYNC: 0.01}),
 }
 
 
@@ -57,7 +57,7 @@ def test_sampled_steps_keep_the_fractions(name: str) -> None:
     rng = random.Random(7)
     plans = [profile.sample_step(rng) for _ in range(3000)]
     accelerator = math.fsum(p.accelerator_seconds for p in plans)
-    per_phase: dict[Phase, float] = {}
+    per_phase: dict[StepPhase, float] = {}
     for plan in plans:
         for phase, seconds in plan.phase_seconds().items():
             per_phase[phase] = per_phase.get(phase, 0.0) + seconds
@@ -116,15 +116,15 @@ def test_async_profile_is_paced_by_its_samplers() -> None:
 @pytest.mark.parametrize(
     "build",
     [
-        lambda: sync_profile("x", "x", {Phase.ROLLOUT: 0.5}, 0.4),  # fractions sum to 0.5
-        lambda: sync_profile("x", "x", {Phase.ROLLOUT: 1.0}, 0.0),  # never busy
-        lambda: sync_profile("x", "x", {Phase.ROLLOUT: 1.0}, 1.5),
-        lambda: PhaseSpec(Phase.REWARD, 1.0),  # not an accelerator phase
-        lambda: PhaseSpec(Phase.TRAIN, -1.0),
-        lambda: OffPhase(1.0, phase=Phase.TRAIN),
+        lambda: sync_profile("x", "x", {StepPhase.ROLLOUT: 0.5}, 0.4),  # fractions sum to 0.5
+        lambda: sync_profile("x", "x", {StepPhase.ROLLOUT: 1.0}, 0.0),  # never busy
+        lambda: sync_profile("x", "x", {StepPhase.ROLLOUT: 1.0}, 1.5),
+        lambda: PhaseSpec(StepPhase.REWARD, 1.0),  # not an accelerator phase
+        lambda: PhaseSpec(StepPhase.TRAIN, -1.0),
+        lambda: OffPhase(1.0, phase=StepPhase.TRAIN),
         lambda: Hold(()),
         lambda: Profile("x", "x", (OffPhase(1.0),)),  # no hold
-        lambda: Profile("x", "x", (OffPhase(1.0), Hold((PhaseSpec(Phase.TRAIN, 1.0),))),
+        lambda: Profile("x", "x", (OffPhase(1.0), Hold((PhaseSpec(StepPhase.TRAIN, 1.0),))),
                         sampler=AsyncSampler(1.0)),
         lambda: AsyncSampler(0.0),
         lambda: AsyncSampler(1.0, staleness=-1),
@@ -147,9 +147,9 @@ def test_separate_groups_show_as_roles() -> None:
         "split",
         "rollout and training on separate groups",
         (
-            Hold((PhaseSpec(Phase.ROLLOUT, 30.0),), role="rollout"),
+            Hold((PhaseSpec(StepPhase.ROLLOUT, 30.0),), role="rollout"),
             OffPhase(40.0),
-            Hold((PhaseSpec(Phase.TRAIN, 30.0),), role="train"),
+            Hold((PhaseSpec(StepPhase.TRAIN, 30.0),), role="train"),
         ),
     )
     assert profile.roles == ("rollout", "train")

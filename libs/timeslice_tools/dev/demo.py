@@ -39,8 +39,8 @@ from timeslice_tools.dev.cluster import ClusterError, LocalCluster
 from timeslice_tools.dev.etcd import EtcdError
 from timeslice_tools.dev.timeline import (
     Interval,
-    Phase,
     PhaseRecord,
+    StepPhase,
     accelerator_intervals,
     duty_cycle,
     hold_spans,
@@ -434,7 +434,7 @@ def _run_steps(
     profile: JobProfile,
     out: TextIO,
 ) -> None:
-    def record(phase: Phase, step: int, start: float, end: float, grant: Grant | None) -> None:
+    def record(phase: StepPhase, step: int, start: float, end: float, grant: Grant | None) -> None:
         rec = PhaseRecord(
             job=job_id,
             phase=phase,
@@ -450,17 +450,17 @@ def _run_steps(
         out.write(rec.to_json() + "\n")
 
     accelerator_phases = (
-        (Phase.ROLLOUT, profile.rollout_seconds),
-        (Phase.TRAIN, profile.train_seconds),
-        (Phase.SYNC, profile.sync_seconds),
+        (StepPhase.ROLLOUT, profile.rollout_seconds),
+        (StepPhase.TRAIN, profile.train_seconds),
+        (StepPhase.SYNC, profile.sync_seconds),
     )
     for step in range(steps):
         start = time.time()
         time.sleep(profile.reward_seconds)
-        record(Phase.REWARD, step, start, time.time(), None)
+        record(StepPhase.REWARD, step, start, time.time(), None)
         asked = time.time()
         with client.on_accelerators(group, timeout=_READY_TIMEOUT) as grant:
-            record(Phase.WAIT, step, asked, time.time(), grant)
+            record(StepPhase.WAIT, step, asked, time.time(), grant)
             for phase, seconds in accelerator_phases:
                 begin = time.time()
                 time.sleep(seconds)

@@ -18,8 +18,8 @@ from statistics import fmean
 
 __all__ = [
     "Interval",
-    "Phase",
     "PhaseRecord",
+    "StepPhase",
     "SwitchEvent",
     "accelerator_intervals",
     "covered_seconds",
@@ -55,8 +55,9 @@ class Interval:
         return max(0.0, min(self.end, other.end) - max(self.start, other.start))
 
 
-class Phase(enum.Enum):
-    """The phases of one synchronous-RL step, in order."""
+class StepPhase(enum.Enum):
+    """The phases of one synchronous-RL step, in order (``bench.profiles.StepPhase`` models
+    the same for benchmarks). Not a switch's phases: those are the orchestrator's."""
 
     REWARD = "reward"  # off the accelerators: environments, reward models on CPU
     WAIT = "wait"  # from calling acquire until the grant
@@ -66,7 +67,7 @@ class Phase(enum.Enum):
 
     @property
     def on_accelerator(self) -> bool:
-        return self in (Phase.ROLLOUT, Phase.TRAIN, Phase.SYNC)
+        return self in (StepPhase.ROLLOUT, StepPhase.TRAIN, StepPhase.SYNC)
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ class PhaseRecord:
     """
 
     job: str
-    phase: Phase
+    phase: StepPhase
     group: str
     step: int
     start: float
@@ -110,7 +111,7 @@ class PhaseRecord:
             data = json.loads(line)
             return cls(
                 job=str(data["job"]),
-                phase=Phase(data["phase"]),
+                phase=StepPhase(data["phase"]),
                 group=str(data["group"]),
                 step=int(data["step"]),
                 start=float(data["start"]),

@@ -1,0 +1,144 @@
+"""Sending one phase of a switch to its nodes, concurrently, and gathering every node's outcome.
+
+A directive's id is fixed by (switch, purpose, node, job), so a driver that carries on a switch
+after a crash re-sends the same ids and agents answer what they already did instead of doing it
+twice. Every outcome comes back as a NodeResult, never as an exception: the driver decides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from opentelemetry.trace import SpanKind, StatusCode, Tracer
+
+from timeslice.tracing import carrier_of
+from timeslice_orchestrator.hub import AgentGone, AgentTimeout, AgentUnavailable
+from timeslice_orchestrator.metrics import Metrics
+from timeslice_orchestrator.relay import DirectiveRouter
+from timeslice_orchestrator.store.cache import Mirror
+from timeslice_orchestrator.store.records import NodeStep, Stored, SwitchRecord
+from timeslice_proto.timeslice.v1 import AckStatus, Directive, DirectiveKind
+
+# Purposes whose directive acts on the step's evicted job (the others act on the restored one).
+_ON_EVICTED = ("evict", "rollback")
+
+
+@dataclass(frozen=True, slots=True)
+class NodeResult:
+    """One node's answer to one directive."""
+
+    node: str
+    ok: bool
+    error: str
+    bytes_moved: int
+    elapsed: float
+    unavailable: bool = False  # the agent could not be reached: the outcome is unknown
+    gone: bool = False  # the node left its groups (agent record expired): not waited for
+
+    @property
+    def failed(self) -> bool:
+        """A real failure: the node answered no, or did not answer by the deadline."""
+        return not self.ok and not self.gone
+
+
+class DirectiveSender:
+    """Sends switch directives through the router and reports, traces and counts them."""
+
+    def __init__(
+        self,
+        router: DirectiveRouter,
+        mirror: Mirror,
+        metrics: Metrics,
+        tracer: Tracer,
+        timeout: float,
+    ) -> None:
+        self._router = router
+        self._mirror = mirror
+        self._metrics = metrics
+        self._tracer = tracer
+        self._timeout = timeout
+
+    async def fan_out(
+        self,
+        switch: Stored[SwitchRecord],
+        kind: DirectiveKind,
+        steps: list[NodeStep],
+        purpose: str,
+    ) -> list[NodeResult]:
+        """Send one directive per step concurrently; the results are in ``steps``' order."""
+        with self._tracer.start_as_current_span(
+            f"timeslice.{purpose}",
+            attributes={"timeslice.group": switch.record.group, "timeslice.nodes": len(steps)},
+        ) as span:
+            results = list(
+                await asyncio.gather(*(self._run_step(switch, kind, s, purpose) for s in steps))
+            )
+            failed = [r.node for r in results if not r.ok]
+            if failed:
+                span.set_status(StatusCode.ERROR, f"failed on {', '.join(failed)}")
+            return results
+
+    async def _run_step(
+        self, switch: Stored[SwitchRecord], kind: DirectiveKind, step: NodeStep, purpose: str
+    ) -> NodeResult:
+        job = step.evict if purpose in _ON_EVICTED else step.restore
+        agent = self._mirror.agents().get(step.node)
+        with self._tracer.start_as_current_span(
+            f"timeslice.{purpose} {step.node}",
+            kind=SpanKind.CLIENT,
+            attributes={
+                "timeslice.group": switch.record.group,
+                "timeslice.node": step.node,
+                "timeslice.job": job,
+                "timeslice.epoch": switch.create_revision,
+                "timeslice.directive": kind.name.lower(),
+                "timeslice.backend": agent.backend if agent else "",
+                "timeslice.emulated": bool(agent and agent.emulated),
+            },
+        ) as span:
+            directive = Directive(
+                directive_id=f"{switch.record.switch_id}-{purpose}-{step.node}-{job}",
+                group_id=switch.record.group,
+                epoch=switch.create_revision,
+                kind=kind,
+                job_id=job,
+                deadline_ms=int(self._timeout * 1000),
+                trace_context=carrier_of(span),
+            )
+            result = await self._execute(step.node, directive, kind)
+            span.set_attributes(
+                {
+                    "timeslice.bytes_moved": result.bytes_moved,
+                    "timeslice.backend_seconds": result.elapsed,
+                }
+            )
+            if not result.ok:
+                span.set_status(StatusCode.ERROR, result.error)
+            return result
+
+    async def _execute(self, node: str, directive: Directive, kind: DirectiveKind) -> NodeResult:
+        started = time.monotonic()
+        label = kind.name.lower()
+        try:
+            # A second of grace past the deadline the agent works to, for its ack to come back.
+            ack = await self._router.execute(node, directive, self._timeout + 1)
+        except AgentTimeout as exc:
+            # Connected but silent past the deadline: a failure, like a backend error.
+            self._metrics.directives.labels(kind=label, status="timeout").inc()
+            return NodeResult(node, False, str(exc), 0, time.monotonic() - started)
+        except AgentGone as exc:
+            # Final: the node left its groups; whatever it held is no longer counted on.
+            self._metrics.directives.labels(kind=label, status="gone").inc()
+            return NodeResult(node, False, str(exc), 0, time.monotonic() - started, gone=True)
+        except AgentUnavailable as exc:
+            # Not reached, or the stream broke before the ack: the outcome is unknown.
+            self._metrics.directives.labels(kind=label, status="unavailable").inc()
+            return NodeResult(
+                node, False, str(exc), 0, time.monotonic() - started, unavailable=True
+            )
+        self._metrics.directives.labels(kind=label, status=ack.status.name.lower()).inc()
+        ok = ack.status == AckStatus.OK
+        error = "" if ok else f"{ack.status.name.lower()}: {ack.error}"
+        return NodeResult(node, ok, error, ack.bytes_moved, ack.elapsed_seconds)

@@ -1,0 +1,71 @@
+"""Which nodes checkpoint and restore what, so that a job's state is on all of its nodes.
+
+Pure functions of a group's view and the agents' records: the driver writes their answer into
+the switch record, and every node then acts on its own steps.
+"""
+
+from __future__ import annotations
+
+from timeslice_orchestrator.store.cache import GroupView
+from timeslice_orchestrator.store.records import AgentRecord, NodeStep
+
+
+def nodes_of(group: str, job: str, agents: dict[str, AgentRecord]) -> list[str]:
+    """Nodes where ``job`` has a registered worker of ``group``."""
+    return sorted(node for node, agent in agents.items() if job in agent.jobs_of(group))
+
+
+def plan(
+    view: GroupView,
+    job: str,
+    agents: dict[str, AgentRecord],
+    co_residency: bool = False,
+    protect: str = "",
+) -> list[NodeStep] | None:
+    """What must move so that ``job`` is resident on every node where it runs.
+
+    Those are the nodes where it registered workers, plus any node an operator pinned to the
+    group (static membership). On a node whose backend reports device capacity, jobs already
+    there stay as long as ``job`` fits next to them (least recently restored leave first);
+    elsewhere every other job leaves. A node where ``job`` is already resident needs nothing.
+
+    A node that evicts several jobs gets one step per job, the restore riding on the last. The
+    answer is None when ``job`` only fits by evicting ``protect`` (the holder, for a prefetch).
+    """
+    residency = view.residency()
+    nodes = sorted(set(nodes_of(view.group, job, agents)) | set(view.static_members))
+    steps: list[NodeStep] = []
+    for node in nodes:
+        on_device = residency.nodes.get(node, [])
+        if job in on_device:
+            continue
+        evict = _evictions(on_device, job, agents.get(node), co_residency, protect)
+        if protect and protect in evict:
+            return None
+        steps += [NodeStep(node=node, evict=other, restore="") for other in evict[:-1]]
+        steps.append(NodeStep(node=node, evict=evict[-1] if evict else "", restore=job))
+    return steps
+
+
+def _evictions(
+    on_device: list[str],
+    job: str,
+    agent: AgentRecord | None,
+    co_residency: bool,
+    protect: str,
+) -> list[str]:
+    """The jobs that leave one node's devices so that ``job`` fits there."""
+    if not (co_residency and agent is not None and agent.capacity_bytes):
+        return list(on_device)  # one job's state at a time
+    free = agent.capacity_bytes - sum(agent.job_bytes(j) for j in on_device)
+    evict = []
+    for other in on_device:  # least recently restored first
+        if free >= agent.job_bytes(job):
+            break
+        if other == protect:
+            continue
+        evict.append(other)
+        free += agent.job_bytes(other)
+    if free < agent.job_bytes(job):
+        return list(on_device)  # it does not fit even so: clear the node
+    return evict
