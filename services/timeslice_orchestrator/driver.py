@@ -47,8 +47,8 @@ from timeslice_orchestrator.store.groups import Authority, Fault, Grant, GroupSt
 from timeslice_orchestrator.store.records import (
     HolderRecord,
     NodeStep,
-    Phase,
     Stored,
+    SwitchPhase,
     SwitchRecord,
 )
 from timeslice_orchestrator.switch_plan import plan
@@ -88,7 +88,7 @@ class Next(enum.Enum):
 class SwitchFailed(Exception):
     """A switch phase failed on some nodes."""
 
-    def __init__(self, phase: Phase, failures: Sequence[NodeResult]) -> None:
+    def __init__(self, phase: SwitchPhase, failures: Sequence[NodeResult]) -> None:
         self.phase = phase
         self.failures = list(failures)
         detail = "; ".join(f"{f.node}: {f.error}" for f in failures)
@@ -269,7 +269,7 @@ class SwitchDriver:
             to_job=head.job,
             to_revision=head.revision,
             steps=steps,
-            phase=Phase.CHECKPOINT,
+            phase=SwitchPhase.CHECKPOINT,
             driver=self._config.replica_id,
             started_at=time.time(),
             attempt=attempt,
@@ -350,15 +350,15 @@ class SwitchDriver:
         """
         record = switch.record
         started = time.monotonic()
-        if record.phase is Phase.CHECKPOINT:
+        if record.phase is SwitchPhase.CHECKPOINT:
             evictions = [s for s in record.steps if s.evict]
             results = await self._directives.fan_out(
                 switch, DirectiveKind.CHECKPOINT, evictions, "evict"
             )
             failed = [r for r in results if r.failed]
-            next_phase = Phase.ROLLBACK if failed else Phase.RESTORE
+            next_phase = SwitchPhase.ROLLBACK if failed else SwitchPhase.RESTORE
             if failed:
-                error = SwitchFailed(Phase.CHECKPOINT, failed)
+                error = SwitchFailed(SwitchPhase.CHECKPOINT, failed)
                 log.warning("group %s: %s; rolling back", record.group, error)
                 self._metrics.switches.labels(outcome="rolled_back").inc()
                 self._last_error[record.group] = str(error)
@@ -366,7 +366,7 @@ class SwitchDriver:
             if moved is None:
                 return Next.AGAIN  # lost the driver role or raced: look again
             switch, record = moved, moved.record
-        if record.phase is Phase.RESTORE:
+        if record.phase is SwitchPhase.RESTORE:
             return await self._restore_and_commit(switch, started)
         return await self._roll_back(switch)
 
@@ -391,7 +391,7 @@ class SwitchDriver:
             head = None
         failed = [r for r in results if r.failed]
         if failed:
-            error = SwitchFailed(Phase.RESTORE, failed)
+            error = SwitchFailed(SwitchPhase.RESTORE, failed)
             stats.last_error = f"{record.to_job}: {error}"
             fault = Fault(head, str(error)) if head is not None else None
             ended = await self._store.end_switch(

@@ -40,11 +40,11 @@ from timeslice_orchestrator.store.records import (
     GroupStats,
     Hint,
     HolderRecord,
-    Phase,
     QueueRecord,
     ResidentRecord,
     SessionRecord,
     Stored,
+    SwitchPhase,
     SwitchRecord,
     UsageRecord,
 )
@@ -433,7 +433,7 @@ async def test_a_group_no_longer_as_seen_is_not_taken(store: GroupStore) -> None
     switch = await store.begin_switch(
         "g",
         auth,
-        SwitchRecord("s1", "g", "a", 1, [], Phase.CHECKPOINT, "r1", 0.0),
+        SwitchRecord("s1", "g", "a", 1, [], SwitchPhase.CHECKPOINT, "r1", 0.0),
         current["resident_revision"],
     )
     assert switch is not None

@@ -30,9 +30,9 @@ from timeslice_orchestrator.store.records import (
     GroupStats,
     HolderRecord,
     NodeStep,
-    Phase,
     ResidentRecord,
     Stored,
+    SwitchPhase,
     SwitchRecord,
 )
 
@@ -44,7 +44,7 @@ def _switch(to_job: str, to_revision: int, *, prefetch: bool = False) -> SwitchR
         to_job=to_job,
         to_revision=to_revision,
         steps=[NodeStep(node="n0", evict="a", restore=to_job)],
-        phase=Phase.CHECKPOINT,
+        phase=SwitchPhase.CHECKPOINT,
         driver="r1",
         started_at=time.time(),
         prefetch=prefetch,
@@ -132,15 +132,15 @@ async def test_a_switch_is_begun_advanced_and_committed(store: GroupStore) -> No
     switch = await _begin(store, auth, "b")
     keys = await snapshot(store)
     assert keys["groups/g/switch"].create_revision == switch.create_revision
-    assert SwitchRecord.decode(keys["groups/g/switch"].value).phase is Phase.CHECKPOINT
+    assert SwitchRecord.decode(keys["groups/g/switch"].value).phase is SwitchPhase.CHECKPOINT
     # Only one switch at a time.
     assert await store.begin_switch("g", auth, _switch("b", 1), 0) is None
-    moved = await store.update_switch("g", auth, switch, Phase.RESTORE)
+    moved = await store.update_switch("g", auth, switch, SwitchPhase.RESTORE)
     assert moved is not None
     assert moved.create_revision == switch.create_revision  # the switch's epoch stays
     assert moved.mod_revision > switch.mod_revision
     stored = SwitchRecord.decode((await snapshot(store))["groups/g/switch"].value)
-    assert stored.phase is Phase.RESTORE
+    assert stored.phase is SwitchPhase.RESTORE
     # The commit must name the switch as it is now: an older copy fails.
     assert await grant(store, auth, "b", switch=switch) is None
     epoch = await grant(store, auth, "b", switch=moved)
@@ -167,10 +167,10 @@ async def test_a_stale_copy_of_the_switch_cannot_advance_it(store: GroupStore) -
         switch.mod_revision,
         switch.lease,
     )
-    assert await store.update_switch("g", auth, switch, Phase.RESTORE) is not None
-    assert await store.update_switch("g", auth, copy, Phase.ROLLBACK) is None
+    assert await store.update_switch("g", auth, switch, SwitchPhase.RESTORE) is not None
+    assert await store.update_switch("g", auth, copy, SwitchPhase.ROLLBACK) is None
     stored = SwitchRecord.decode((await snapshot(store))["groups/g/switch"].value)
-    assert stored.phase is Phase.RESTORE
+    assert stored.phase is SwitchPhase.RESTORE
 
 
 async def test_a_switch_needs_the_group_free_and_a_prefetch_names_the_holder(
@@ -259,7 +259,7 @@ async def test_a_stale_driver_cannot_write(store: GroupStore, how: str) -> None:
         assert await store.claim_driver("g", Authority("r1", await store.etcd.grant_lease(30)))
     before = await snapshot(store)
     resident, stats = ResidentRecord({"n0": ["x"]}), GroupStats(last_error="zombie")
-    assert await store.update_switch("g", stale, switch, Phase.RESTORE) is None
+    assert await store.update_switch("g", stale, switch, SwitchPhase.RESTORE) is None
     assert await grant(store, stale, "a", switch=switch) is None
     assert not await store.end_switch("g", stale, switch, resident, stats)
     assert not await store.end_switch("g", stale, switch, resident, stats, Fault(waiter, "zombie"))

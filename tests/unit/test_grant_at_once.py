@@ -9,16 +9,16 @@ from timeslice_orchestrator.store.records import (
     AgentRecord,
     HolderRecord,
     NodeStep,
-    Phase,
     QueuedJob,
     QueueRecord,
     ResidentRecord,
     Stored,
+    SwitchPhase,
     SwitchRecord,
     WorkerRecord,
 )
 
-_SWITCH = SwitchRecord("s1", "g", "y", 6, [NodeStep("n0", "x", "y")], Phase.RESTORE, "r1", 1.0)
+_SWITCH = SwitchRecord("s1", "g", "y", 6, [NodeStep("n0", "x", "y")], SwitchPhase.RESTORE, "r1", 1.0)
 
 
 def _view(

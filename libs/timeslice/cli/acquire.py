@@ -49,7 +49,7 @@ def register(commands: Commands) -> None:
     )
 
 
-class _Stage(enum.Enum):
+class _SignalMode(enum.Enum):
     """Where ``timeslice acquire`` is, which decides what a signal does."""
 
     WAITING = "waiting"
@@ -64,13 +64,13 @@ def cmd_acquire(args: argparse.Namespace) -> int:
     targets = [str(t) for t in parse_targets(args.target)]
 
     stop = threading.Event()
-    stage = _Stage.WAITING
+    stage = _SignalMode.WAITING
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        if stage is _Stage.WAITING:
+        if stage is _SignalMode.WAITING:
             # Unwinds the blocking acquire; the SDK's cancel path removes our queue entry.
             raise Interrupted
-        if stage is _Stage.HOLDING:
+        if stage is _SignalMode.HOLDING:
             stop.set()
         # FINISHING: the yield is under way; a second Ctrl-C must not cut it short.
 
@@ -81,14 +81,14 @@ def cmd_acquire(args: argparse.Namespace) -> int:
             grant = client.acquire(group, timeout=args.timeout)
         except Interrupted:
             raise Cancelled(f"interrupted while waiting for {group}") from None
-        stage = _Stage.HOLDING
+        stage = _SignalMode.HOLDING
         out(f"granted epoch={grant.epoch} waited={grant.waited_seconds:.3f}")
         stop.wait(timeout=args.hold)
-        stage = _Stage.FINISHING
+        stage = _SignalMode.FINISHING
         client.yield_(group)
         out("yielded")
     finally:
-        stage = _Stage.FINISHING
+        stage = _SignalMode.FINISHING
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         # Ends the session: if we were interrupted between the grant and the yield, this is

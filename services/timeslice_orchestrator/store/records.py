@@ -101,7 +101,7 @@ class ResidentRecord(_Record):
         self.nodes[node] = [*jobs, job]
 
 
-class Phase(enum.Enum):
+class SwitchPhase(enum.Enum):
     CHECKPOINT = "checkpoint"
     RESTORE = "restore"
     ROLLBACK = "rollback"
@@ -123,7 +123,7 @@ class SwitchRecord(_Record):
     to_job: str
     to_revision: int  # create revision of the waiter's queue entry being served
     steps: list[NodeStep]
-    phase: Phase
+    phase: SwitchPhase
     driver: str
     started_at: float
     attempt: int = 1
@@ -134,7 +134,7 @@ class SwitchRecord(_Record):
     def _from_dict(cls, data: dict[str, Any]) -> Self:
         data = dict(data)
         data["steps"] = [NodeStep(**s) for s in data["steps"]]
-        data["phase"] = Phase(data["phase"])
+        data["phase"] = SwitchPhase(data["phase"])
         return cls(**data)
 
     @property

@@ -30,10 +30,10 @@ from timeslice_orchestrator.store.records import (
     FaultRecord,
     GroupStats,
     HolderRecord,
-    Phase,
     QueuedJob,
     ResidentRecord,
     Stored,
+    SwitchPhase,
     SwitchRecord,
 )
 
@@ -150,7 +150,7 @@ class SwitchStore(StoreBase):
         return Stored.of(result.reads[0][0], record)
 
     async def update_switch(
-        self, group: str, auth: Authority, switch: Stored[SwitchRecord], phase: Phase
+        self, group: str, auth: Authority, switch: Stored[SwitchRecord], phase: SwitchPhase
     ) -> Stored[SwitchRecord] | None:
         """Move the switch to ``phase``; None if it changed or this replica no longer drives."""
         k = self.keys
