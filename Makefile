@@ -26,6 +26,7 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check libs/timeslice libs/timeslice_tools services tests scripts bench
+	$(BIN)/ruff format --check libs/timeslice libs/timeslice_tools services tests scripts bench
 	PATH=$(abspath $(BIN)):$$PATH MYPYPATH=libs:services $(BIN)/mypy --strict $(PKGS)
 	PATH=$(abspath $(BIN)):$$PATH MYPYPATH=libs:services $(BIN)/mypy --strict bench tests
 

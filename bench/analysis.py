@@ -103,8 +103,9 @@ class Stats:
 
     def scaled(self, factor: float) -> Stats:
         """The same summary in other units (seconds to milliseconds: 1000)."""
-        return Stats(self.n, self.p50 * factor, self.p99 * factor, self.mean * factor,
-                     self.max * factor)
+        return Stats(
+            self.n, self.p50 * factor, self.p99 * factor, self.mean * factor, self.max * factor
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -168,8 +168,9 @@ async def handoff_latency(
                     await holder.yield_(group)
                     t_yield = time.perf_counter()
                     recorder.hold(
-                        Hold(holder.job_id, group, grant.epoch, grant.ticket, granted_at,
-                             released_at)
+                        Hold(
+                            holder.job_id, group, grant.epoch, grant.ticket, granted_at, released_at
+                        )
                     )
                     async with asyncio.timeout(_CALL_TIMEOUT):
                         grant, t1 = await task
@@ -483,15 +484,22 @@ async def switch_fanout(
                 took = time.perf_counter() - t0
                 granted = time.time()
                 await client.yield_(group)
-                recorder.hold(Hold(client.job_id, group, grant.epoch, grant.ticket, granted,
-                                   granted))
+                recorder.hold(
+                    Hold(client.job_id, group, grant.epoch, grant.ticket, granted, granted)
+                )
                 if i >= warmup:
                     acquires.append(took)
                     grants.append(
                         GrantSample(
-                            job=client.job_id, group=group, step=i, asked_at=asked,
-                            granted_at=granted, released_at=granted, epoch=grant.epoch,
-                            ticket=grant.ticket, restored=grant.restored,
+                            job=client.job_id,
+                            group=group,
+                            step=i,
+                            asked_at=asked,
+                            granted_at=granted,
+                            released_at=granted,
+                            epoch=grant.epoch,
+                            ticket=grant.ticket,
+                            restored=grant.restored,
                             previous_job=grant.previous_job_id or "",
                             switch_seconds=grant.switch_seconds,
                             waited_seconds=grant.waited_seconds,
@@ -564,9 +572,7 @@ async def profile_orchestrator(
     with tempfile.TemporaryDirectory(prefix="timeslice-profile-") as scratch:
         work_dir = keep_in or Path(scratch)
         prefix = await asyncio.to_thread(_fresh_profile_dir, work_dir)
-        path = os.pathsep.join(
-            p for p in (str(PROFILER_DIR), os.environ.get("PYTHONPATH")) if p
-        )
+        path = os.pathsep.join(p for p in (str(PROFILER_DIR), os.environ.get("PYTHONPATH")) if p)
         env = {"PYTHONPATH": path, "TIMESLICE_BENCH_PROFILE": str(prefix)}
         result = await cycle_throughput(groups, 1, seconds=seconds, cluster_kwargs={"env": env})
         total, rows, areas = await asyncio.to_thread(_rank_profile, work_dir, top)
@@ -585,8 +591,10 @@ _AREAS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("orchestrator code", ("timeslice_orchestrator/",)),
     ("etcd client (aetcd, grpcio)", ("/aetcd/", "/grpc/")),
     ("gRPC server (grpclib, h2)", ("/grpclib/", "/h2/", "/hpack/")),
-    ("protobuf (betterproto2, protobuf)", ("/betterproto2/", "/google/protobuf/",
-                                            "timeslice_proto/")),
+    (
+        "protobuf (betterproto2, protobuf)",
+        ("/betterproto2/", "/google/protobuf/", "timeslice_proto/"),
+    ),
     ("builtins (str, dict, ...)", ("~",)),
     ("Python stdlib (asyncio, json, ...)", ("/python3.11/",)),
 )
@@ -599,9 +607,7 @@ def _area(path: str) -> str:
     return "other"
 
 
-def _rank_profile(
-    work_dir: Path, top: int
-) -> tuple[float, list[ProfileRow], dict[str, float]]:
+def _rank_profile(work_dir: Path, top: int) -> tuple[float, list[ProfileRow], dict[str, float]]:
     dumps = sorted(work_dir.glob("replica.prof.*"))
     if not dumps:
         raise RuntimeError(f"the replica wrote no profile under {work_dir}")

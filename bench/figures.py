@@ -86,13 +86,25 @@ def _duty_axes(
     fig = Figure(figsize=(7, 4.2))
     ax = fig.subplots()
     xs = [p.x for p in points]
-    ax.plot(xs, [p.bound for p in points], "--", color="grey", marker="o", mfc="none",
-            label="analytic bound")
-    ax.plot(xs, [p.measured for p in points], "-", color=_COLOURS[0], marker="o",
-            label="measured")
+    ax.plot(
+        xs,
+        [p.bound for p in points],
+        "--",
+        color="grey",
+        marker="o",
+        mfc="none",
+        label="analytic bound",
+    )
+    ax.plot(xs, [p.measured for p in points], "-", color=_COLOURS[0], marker="o", label="measured")
     for p in points:
-        ax.annotate(f"{p.measured:.1%}", (p.x, p.measured), textcoords="offset points",
-                    xytext=(0, -14), ha="center", fontsize=8)
+        ax.annotate(
+            f"{p.measured:.1%}",
+            (p.x, p.measured),
+            textcoords="offset points",
+            xytext=(0, -14),
+            ha="center",
+            fontsize=8,
+        )
     if log_x:
         ax.set_xscale("symlog", linthresh=1.0)
     if not log_x:
@@ -135,14 +147,22 @@ def cycles_figure(results: Sequence[CyclesResult], path: Path) -> Path:
     ax = fig.subplots()
     for i, replicas in enumerate(sorted({r.replicas for r in results})):
         rows = sorted((r for r in results if r.replicas == replicas), key=lambda r: r.groups)
-        ax.plot([r.groups for r in rows], [r.cycles_per_second for r in rows], marker="o",
-                color=_COLOURS[i], label=f"{replicas} replica{'s' if replicas > 1 else ''}")
+        ax.plot(
+            [r.groups for r in rows],
+            [r.cycles_per_second for r in rows],
+            marker="o",
+            color=_COLOURS[i],
+            label=f"{replicas} replica{'s' if replicas > 1 else ''}",
+        )
     ax.axhline(500, color="grey", ls="--", label="target (100 groups)")
     ax.set_xscale("log")
     ax.set_xlabel("groups (one job each; up to 100 acquires in flight)")
     ax.set_ylabel("acquire/yield cycles per second")
-    ax.set_title("Acquire/yield throughput, no data movement\n(one 2-core machine runs "
-                 "etcd, the replicas and the load generator)", fontsize=10)
+    ax.set_title(
+        "Acquire/yield throughput, no data movement\n(one 2-core machine runs "
+        "etcd, the replicas and the load generator)",
+        fontsize=10,
+    )
     ax.grid(alpha=0.3)
     ax.legend()
     return _save(fig, path)
@@ -154,18 +174,35 @@ def fanout_figure(results: Sequence[FanoutResult], path: Path) -> Path:
     ax = fig.subplots()
     rows = sorted(results, key=lambda r: r.nodes)
     nodes = [r.nodes for r in rows]
-    ax.plot(nodes, [r.control_ms.p50 for r in rows], marker="o", color=_COLOURS[0],
-            label="control plane p50")
-    ax.plot(nodes, [r.control_ms.p99 for r in rows], marker="o", color=_COLOURS[1],
-            label="control plane p99")
-    ax.plot(nodes, [r.backend_ms.p50 for r in rows], marker="s", color="grey", ls=":",
-            label="slowest node's agent time p50")
+    ax.plot(
+        nodes,
+        [r.control_ms.p50 for r in rows],
+        marker="o",
+        color=_COLOURS[0],
+        label="control plane p50",
+    )
+    ax.plot(
+        nodes,
+        [r.control_ms.p99 for r in rows],
+        marker="o",
+        color=_COLOURS[1],
+        label="control plane p99",
+    )
+    ax.plot(
+        nodes,
+        [r.backend_ms.p50 for r in rows],
+        marker="s",
+        color="grey",
+        ls=":",
+        label="slowest node's agent time p50",
+    )
     ax.axhline(20, color="grey", ls="--", label="target p50 (4 nodes)")
     ax.set_xticks(nodes)
     ax.set_xlabel("nodes in the group (one agent each)")
     ax.set_ylabel("milliseconds per switch")
-    ax.set_title(f"Switch fan-out with free transfers (--sim-time-scale 0)\n({SIM_LABEL})",
-                 fontsize=10)
+    ax.set_title(
+        f"Switch fan-out with free transfers (--sim-time-scale 0)\n({SIM_LABEL})", fontsize=10
+    )
     ax.grid(alpha=0.3)
     ax.legend()
     return _save(fig, path)

@@ -52,58 +52,72 @@ def check_targets(
     two = runs.get("balanced-n2")
     if two is not None:
         slow = two.max_slowdown - 1
-        out.append(TargetCheck(
-            "balanced, 2 jobs, default sim costs",
-            "duty >= 78% (bound 80%), slowdown <= 5%",
-            f"duty {_pct(two.main_duty)} (bound {_pct(two.analytic_bound)}), "
-            f"worst slowdown {slow:+.1%}",
-            two.main_duty >= 0.78 and slow <= 0.05,
-            f"an ideal platform gets {_pct(two.model_duty)} and "
-            f"{max(two.model_slowdown) - 1:+.1%} on the same draws, "
-            f"{_pct(two.model_long_duty)} and {max(two.model_long_slowdown) - 1:+.1%} "
-            "over 400 steps",
-        ))
+        out.append(
+            TargetCheck(
+                "balanced, 2 jobs, default sim costs",
+                "duty >= 78% (bound 80%), slowdown <= 5%",
+                f"duty {_pct(two.main_duty)} (bound {_pct(two.analytic_bound)}), "
+                f"worst slowdown {slow:+.1%}",
+                two.main_duty >= 0.78 and slow <= 0.05,
+                f"an ideal platform gets {_pct(two.model_duty)} and "
+                f"{max(two.model_slowdown) - 1:+.1%} on the same draws, "
+                f"{_pct(two.model_long_duty)} and {max(two.model_long_slowdown) - 1:+.1%} "
+                "over 400 steps",
+            )
+        )
     three = runs.get("balanced-n3")
     if three is not None:
-        out.append(TargetCheck(
-            "balanced, 3 jobs, default sim costs", "duty >= 90%",
-            f"duty {_pct(three.main_duty)} (bound {_pct(three.analytic_bound)})",
-            three.main_duty >= 0.90,
-            f"ideal platform, same draws: {_pct(three.model_duty)}",
-        ))
+        out.append(
+            TargetCheck(
+                "balanced, 3 jobs, default sim costs",
+                "duty >= 90%",
+                f"duty {_pct(three.main_duty)} (bound {_pct(three.analytic_bound)})",
+                three.main_duty >= 0.90,
+                f"ideal platform, same draws: {_pct(three.model_duty)}",
+            )
+        )
     for n in (2, 3):
         ref = runs.get(f"balanced-n{n}-reference")
         if ref is not None:
-            out.append(TargetCheck(
-                f"balanced, {n} jobs, reference switch costs (21 s + 7 s)",
-                f"report next to the reference's {REFERENCE_DUTY:.0%}",
-                f"duty {_pct(ref.main_duty)} (bound {_pct(ref.analytic_bound)})",
-                None,
-                "the reference's 87% is for its own jobs and step length; see the bound",
-            ))
+            out.append(
+                TargetCheck(
+                    f"balanced, {n} jobs, reference switch costs (21 s + 7 s)",
+                    f"report next to the reference's {REFERENCE_DUTY:.0%}",
+                    f"duty {_pct(ref.main_duty)} (bound {_pct(ref.analytic_bound)})",
+                    None,
+                    "the reference's 87% is for its own jobs and step length; see the bound",
+                )
+            )
     for h in handoff:
-        out.append(TargetCheck(
-            f"handoff latency, {h.replicas} replica{'s' if h.replicas > 1 else ''}",
-            "p50 <= 5 ms, p99 <= 25 ms",
-            f"p50 {_ms(h.handoff_ms.p50)}, p99 {_ms(h.handoff_ms.p99)}",
-            h.handoff_ms.p50 <= 5 and h.handoff_ms.p99 <= 25,
-        ))
+        out.append(
+            TargetCheck(
+                f"handoff latency, {h.replicas} replica{'s' if h.replicas > 1 else ''}",
+                "p50 <= 5 ms, p99 <= 25 ms",
+                f"p50 {_ms(h.handoff_ms.p50)}, p99 {_ms(h.handoff_ms.p99)}",
+                h.handoff_ms.p50 <= 5 and h.handoff_ms.p99 <= 25,
+            )
+        )
     for f in fanout:
         if f.nodes == 4:
-            out.append(TargetCheck(
-                "switch control-plane overhead, 4-node group", "p50 <= 20 ms",
-                f"p50 {_ms(f.control_ms.p50)}, p99 {_ms(f.control_ms.p99)}",
-                f.control_ms.p50 <= 20,
-            ))
+            out.append(
+                TargetCheck(
+                    "switch control-plane overhead, 4-node group",
+                    "p50 <= 20 ms",
+                    f"p50 {_ms(f.control_ms.p50)}, p99 {_ms(f.control_ms.p99)}",
+                    f.control_ms.p50 <= 20,
+                )
+            )
     for c in cycles:
         if c.groups == 100:
-            out.append(TargetCheck(
-                f"acquire/yield throughput, 100 groups, {c.replicas} "
-                f"replica{'s' if c.replicas > 1 else ''}",
-                ">= 500 cycles/s",
-                f"{c.cycles_per_second:.0f} cycles/s",
-                c.cycles_per_second >= 500,
-            ))
+            out.append(
+                TargetCheck(
+                    f"acquire/yield throughput, 100 groups, {c.replicas} "
+                    f"replica{'s' if c.replicas > 1 else ''}",
+                    ">= 500 cycles/s",
+                    f"{c.cycles_per_second:.0f} cycles/s",
+                    c.cycles_per_second >= 500,
+                )
+            )
     return out
 
 
@@ -125,18 +139,38 @@ def workload_table(runs: Sequence[RunResult]) -> list[str]:
     """Duty and slowdown per run, next to the ideal platform and the analytic bound."""
     rows = [
         [
-            r.label, r.jobs, f"{r.switch_seconds_real:g} s", _pct(r.main_duty),
-            _pct(r.model_duty), _pct(r.model_long_duty), _pct(r.analytic_bound),
-            _pct(r.analytic_bound_measured), _slowdowns(r.slowdown),
-            _slowdowns(r.model_slowdown), _slowdowns(r.model_long_slowdown),
-            f"{r.analytic_step_ratio - 1:+.1%}", "ok" if r.ok else "VIOLATION",
+            r.label,
+            r.jobs,
+            f"{r.switch_seconds_real:g} s",
+            _pct(r.main_duty),
+            _pct(r.model_duty),
+            _pct(r.model_long_duty),
+            _pct(r.analytic_bound),
+            _pct(r.analytic_bound_measured),
+            _slowdowns(r.slowdown),
+            _slowdowns(r.model_slowdown),
+            _slowdowns(r.model_long_slowdown),
+            f"{r.analytic_step_ratio - 1:+.1%}",
+            "ok" if r.ok else "VIOLATION",
         ]
         for r in runs
     ]
     return _table(
-        ["run", "jobs", "switch (real)", "duty", "ideal, same draws", "ideal, long run",
-         "bound", "bound (measured switch)", "slowdown per job", "ideal slowdown, same draws",
-         "ideal slowdown, long run", "least slowdown (bound)", "invariants"],
+        [
+            "run",
+            "jobs",
+            "switch (real)",
+            "duty",
+            "ideal, same draws",
+            "ideal, long run",
+            "bound",
+            "bound (measured switch)",
+            "slowdown per job",
+            "ideal slowdown, same draws",
+            "ideal slowdown, long run",
+            "least slowdown (bound)",
+            "invariants",
+        ],
         rows,
     )
 
@@ -145,15 +179,28 @@ def switch_table(runs: Sequence[RunResult]) -> list[str]:
     """Switches per run: wall time split into data movement and control plane; waits."""
     rows = [
         [
-            r.label, r.switches, _stats_cells(r.switch_wall_ms), _stats_cells(r.switch_data_ms),
-            _stats_cells(r.switch_control_ms), _stats_cells(r.queue_wait_ms),
-            f"{r.phases_per_second:.2f}", f"{r.steps_per_second:.2f}",
+            r.label,
+            r.switches,
+            _stats_cells(r.switch_wall_ms),
+            _stats_cells(r.switch_data_ms),
+            _stats_cells(r.switch_control_ms),
+            _stats_cells(r.queue_wait_ms),
+            f"{r.phases_per_second:.2f}",
+            f"{r.steps_per_second:.2f}",
         ]
         for r in runs
     ]
     return _table(
-        ["run", "switches", "switch wall p50/p99 ms", "data p50/p99 ms",
-         "control p50/p99 ms", "queue wait p50/p99 ms", "acc. phases/s", "holds/s"],
+        [
+            "run",
+            "switches",
+            "switch wall p50/p99 ms",
+            "data p50/p99 ms",
+            "control p50/p99 ms",
+            "queue wait p50/p99 ms",
+            "acc. phases/s",
+            "holds/s",
+        ],
         rows,
     )
 
@@ -205,8 +252,10 @@ def render_summary(
     lines += ["## Targets", ""]
     lines += _table(
         ["target", "asks", "measured", "verdict"],
-        [[t.name, t.target, t.measured + (f" ({t.note})" if t.note else ""), t.verdict]
-         for t in targets],
+        [
+            [t.name, t.target, t.measured + (f" ({t.note})" if t.note else ""), t.verdict]
+            for t in targets
+        ],
     )
     lines.append("")
     if runs:
@@ -241,35 +290,69 @@ def render_summary(
     if handoff:
         lines += ["## Handoff latency (yield -> next waiter granted, no data movement)", ""]
         lines += _table(
-            ["replicas", "samples", "handoff p50 / p99 / max ms", "yield call p50 / p99 ms",
-             "status call p50 / p99 ms", "CPU s (orchestrator / etcd / bench)", "invariants"],
-            [[h.replicas, h.samples,
-              f"{h.handoff_ms.p50:.2f} / {h.handoff_ms.p99:.2f} / {h.handoff_ms.max:.2f}",
-              f"{h.yield_call_ms.p50:.2f} / {h.yield_call_ms.p99:.2f}",
-              f"{h.status_call_ms.p50:.2f} / {h.status_call_ms.p99:.2f}",
-              " / ".join(f"{h.cpu_seconds.get(k, 0):.2f}"
-                         for k in ("orchestrator", "etcd", "bench")),
-              "ok" if not h.violations else "VIOLATION"] for h in handoff],
+            [
+                "replicas",
+                "samples",
+                "handoff p50 / p99 / max ms",
+                "yield call p50 / p99 ms",
+                "status call p50 / p99 ms",
+                "CPU s (orchestrator / etcd / bench)",
+                "invariants",
+            ],
+            [
+                [
+                    h.replicas,
+                    h.samples,
+                    f"{h.handoff_ms.p50:.2f} / {h.handoff_ms.p99:.2f} / {h.handoff_ms.max:.2f}",
+                    f"{h.yield_call_ms.p50:.2f} / {h.yield_call_ms.p99:.2f}",
+                    f"{h.status_call_ms.p50:.2f} / {h.status_call_ms.p99:.2f}",
+                    " / ".join(
+                        f"{h.cpu_seconds.get(k, 0):.2f}" for k in ("orchestrator", "etcd", "bench")
+                    ),
+                    "ok" if not h.violations else "VIOLATION",
+                ]
+                for h in handoff
+            ],
         )
         lines.append("")
     if cycles:
         lines += ["## Acquire/yield throughput (one job per group, no data movement)", ""]
         lines += _table(
-            ["groups", "replicas", "clients", "in flight", "cycles/s", "cycle p50 / p99 ms",
-             "CPU ms per cycle (orchestrator / etcd / bench)", "invariants"],
-            [[c.groups, c.replicas, c.clients, c.in_flight, f"{c.cycles_per_second:.0f}",
-              f"{c.cycle_ms.p50:.1f} / {c.cycle_ms.p99:.1f}",
-              " / ".join(f"{c.cpu_ms_per_cycle.get(k, 0):.2f}"
-                         for k in ("orchestrator", "etcd", "bench")),
-              "ok" if not c.violations else "VIOLATION"] for c in cycles],
+            [
+                "groups",
+                "replicas",
+                "clients",
+                "in flight",
+                "cycles/s",
+                "cycle p50 / p99 ms",
+                "CPU ms per cycle (orchestrator / etcd / bench)",
+                "invariants",
+            ],
+            [
+                [
+                    c.groups,
+                    c.replicas,
+                    c.clients,
+                    c.in_flight,
+                    f"{c.cycles_per_second:.0f}",
+                    f"{c.cycle_ms.p50:.1f} / {c.cycle_ms.p99:.1f}",
+                    " / ".join(
+                        f"{c.cpu_ms_per_cycle.get(k, 0):.2f}"
+                        for k in ("orchestrator", "etcd", "bench")
+                    ),
+                    "ok" if not c.violations else "VIOLATION",
+                ]
+                for c in cycles
+            ],
         )
         lines.append("")
     if memory is not None:
         lines += ["## Orchestrator memory per group (VmRSS of the replica)", ""]
         rows = [[0, f"{memory.points[0][1] / 2**20:.1f} MiB", "-"]]
-        rows += [[n, f"{rss / 2**20:.1f} MiB", f"{per / 1024:.1f} KiB"]
-                 for (n, rss), per in zip(memory.points[1:], memory.bytes_per_group,
-                                          strict=True)]
+        rows += [
+            [n, f"{rss / 2**20:.1f} MiB", f"{per / 1024:.1f} KiB"]
+            for (n, rss), per in zip(memory.points[1:], memory.bytes_per_group, strict=True)
+        ]
         lines += _table(["groups", "RSS", "per group (vs 0 groups)"], rows)
         lines.append("")
     if fanout:
@@ -281,11 +364,27 @@ def render_summary(
             "",
         ]
         lines += _table(
-            ["nodes", "switches", "wall p50 / p99 ms", "agents p50 / p99 ms",
-             "control p50 / p99 ms", "acquire p50 / p99 ms", "invariants"],
-            [[f.nodes, f.switches, _stats_cells(f.wall_ms), _stats_cells(f.backend_ms),
-              _stats_cells(f.control_ms), _stats_cells(f.acquire_ms),
-              "ok" if not f.violations else "VIOLATION"] for f in fanout],
+            [
+                "nodes",
+                "switches",
+                "wall p50 / p99 ms",
+                "agents p50 / p99 ms",
+                "control p50 / p99 ms",
+                "acquire p50 / p99 ms",
+                "invariants",
+            ],
+            [
+                [
+                    f.nodes,
+                    f.switches,
+                    _stats_cells(f.wall_ms),
+                    _stats_cells(f.backend_ms),
+                    _stats_cells(f.control_ms),
+                    _stats_cells(f.acquire_ms),
+                    "ok" if not f.violations else "VIOLATION",
+                ]
+                for f in fanout
+            ],
         )
         lines.append("")
     if profile is not None:
@@ -301,8 +400,16 @@ def render_summary(
         lines.append("")
         lines += _table(
             ["function", "own time share", "own s", "cumulative s", "calls"],
-            [[f"`{r.function}`", f"{r.own_share:.1%}", f"{r.own_seconds:.2f}",
-              f"{r.cumulative_seconds:.2f}", r.calls] for r in profile.top],
+            [
+                [
+                    f"`{r.function}`",
+                    f"{r.own_share:.1%}",
+                    f"{r.own_seconds:.2f}",
+                    f"{r.cumulative_seconds:.2f}",
+                    r.calls,
+                ]
+                for r in profile.top
+            ],
         )
         lines.append("")
     if figures:

@@ -131,8 +131,9 @@ class SuiteResults:
     def violations(self) -> list[str]:
         found = [f"{k}: {v}" for k, r in self.runs.items() for v in r.violations]
         found += [f"handoff r{h.replicas}: {v}" for h in self.handoff for v in h.violations]
-        found += [f"cycles g{c.groups} r{c.replicas}: {v}" for c in self.cycles
-                  for v in c.violations]
+        found += [
+            f"cycles g{c.groups} r{c.replicas}: {v}" for c in self.cycles for v in c.violations
+        ]
         found += [f"fanout n{f.nodes}: {v}" for f in self.fanout for v in f.violations]
         if self.memory is not None:
             found += [f"memory: {v}" for v in self.memory.violations]
@@ -231,8 +232,7 @@ async def _step(results: SuiteResults, name: str, action: Callable[[], Awaitable
     started = time.monotonic()
     try:
         value = await action()
-    except (WorkloadError, ClusterError, TimeSliceError, OSError, RuntimeError,
-            ValueError) as exc:
+    except (WorkloadError, ClusterError, TimeSliceError, OSError, RuntimeError, ValueError) as exc:
         results.errors[name] = f"{type(exc).__name__}: {exc}"
         _say(f"{name} FAILED after {time.monotonic() - started:.0f} s: {exc}")
         return None
@@ -243,11 +243,15 @@ async def _step(results: SuiteResults, name: str, action: Callable[[], Awaitable
 async def _workloads(cfg: SuiteConfig, results: SuiteResults) -> None:
     balanced = get_profile("balanced")
     common: dict[str, Any] = {
-        "time_scale": cfg.time_scale, "steps": cfg.steps, "nodes": cfg.nodes, "seed": cfg.seed,
+        "time_scale": cfg.time_scale,
+        "steps": cfg.steps,
+        "nodes": cfg.nodes,
+        "seed": cfg.seed,
     }
     most = max((*cfg.jobs_sweep, *cfg.reference_jobs, 2 if cfg.switch_sweep else 1))
     base = await _step(
-        results, f"baseline balanced x{most}",
+        results,
+        f"baseline balanced x{most}",
         lambda: measure_baseline(balanced, most, **common),
     )
     if base is None:
@@ -255,8 +259,11 @@ async def _workloads(cfg: SuiteConfig, results: SuiteResults) -> None:
     results.baselines["balanced"] = base
 
     async def shared(label: str, jobs: int, sim: SimCosts) -> RunResult | None:
-        run = await _step(results, label, lambda: arun_profile(
-            balanced, jobs, sim=sim, baseline=base, label=label, **common))
+        run = await _step(
+            results,
+            label,
+            lambda: arun_profile(balanced, jobs, sim=sim, baseline=base, label=label, **common),
+        )
         if run is not None:
             results.runs[label] = run
         return run
@@ -278,40 +285,58 @@ async def _workloads(cfg: SuiteConfig, results: SuiteResults) -> None:
             await shared(f"balanced-n2-switch{seconds:g}s", 2, sim)
         points = [r for r in results.runs.values() if r.profile == "balanced" and r.jobs == 2]
         results.switch_sweep = sorted(
-            (DutyPoint(r.switch_seconds_real, r.main_duty, r.analytic_bound, r.label)
-             for r in points),
+            (
+                DutyPoint(r.switch_seconds_real, r.main_duty, r.analytic_bound, r.label)
+                for r in points
+            ),
             key=lambda p: p.x,
         )
     for name in cfg.other_profiles:
         label = f"{name}-n2"
-        run = await _step(results, label, functools.partial(
-            arun_profile, get_profile(name), 2, label=label, **common))
+        run = await _step(
+            results,
+            label,
+            functools.partial(arun_profile, get_profile(name), 2, label=label, **common),
+        )
         if run is not None:
             results.runs[label] = run
 
 
 async def _controlplane(cfg: SuiteConfig, results: SuiteResults) -> None:
     for r in cfg.handoff_replicas:
-        h = await _step(results, f"handoff r{r}", functools.partial(
-            controlplane.handoff_latency, r, cfg.handoff_samples))
+        h = await _step(
+            results,
+            f"handoff r{r}",
+            functools.partial(controlplane.handoff_latency, r, cfg.handoff_samples),
+        )
         if h is not None:
             results.handoff.append(h)
     for r in cfg.cycle_replicas:
         for g in cfg.cycle_groups:
-            c = await _step(results, f"cycles g{g} r{r}", functools.partial(
-                controlplane.cycle_throughput, g, r, seconds=cfg.cycle_seconds))
+            c = await _step(
+                results,
+                f"cycles g{g} r{r}",
+                functools.partial(controlplane.cycle_throughput, g, r, seconds=cfg.cycle_seconds),
+            )
             if c is not None:
                 results.cycles.append(c)
-    results.memory = await _step(results, "memory",
-                                 lambda: controlplane.memory_per_group(cfg.memory_counts))
+    results.memory = await _step(
+        results, "memory", lambda: controlplane.memory_per_group(cfg.memory_counts)
+    )
     for n in cfg.fanout_nodes:
-        f = await _step(results, f"fanout n{n}", functools.partial(
-            controlplane.switch_fanout, n, cfg.fanout_switches))
+        f = await _step(
+            results,
+            f"fanout n{n}",
+            functools.partial(controlplane.switch_fanout, n, cfg.fanout_switches),
+        )
         if f is not None:
             results.fanout.append(f)
     if cfg.profile_orchestrator:
-        results.profile = await _step(results, "profile", lambda: controlplane.profile_orchestrator(
-            100, seconds=cfg.cycle_seconds))
+        results.profile = await _step(
+            results,
+            "profile",
+            lambda: controlplane.profile_orchestrator(100, seconds=cfg.cycle_seconds),
+        )
 
 
 def output_name(suite: str, name: str) -> str:
@@ -339,11 +364,17 @@ def _figures(results: SuiteResults, out: Path) -> list[str]:
         if run is not None:
             made.append(figures.timeline_figure(run, at(f"timeline-{label}.png")))
     if len(results.jobs_sweep) > 1:
-        made.append(figures.duty_vs_jobs_figure(results.jobs_sweep, at("duty-vs-jobs.png"),
-                                                time_scale=scale))
+        made.append(
+            figures.duty_vs_jobs_figure(
+                results.jobs_sweep, at("duty-vs-jobs.png"), time_scale=scale
+            )
+        )
     if len(results.switch_sweep) > 1:
-        made.append(figures.duty_vs_switch_figure(
-            results.switch_sweep, at("duty-vs-switch-cost.png"), time_scale=scale))
+        made.append(
+            figures.duty_vs_switch_figure(
+                results.switch_sweep, at("duty-vs-switch-cost.png"), time_scale=scale
+            )
+        )
     if results.cycles:
         made.append(figures.cycles_figure(results.cycles, at("cycles-vs-groups.png")))
     if results.fanout:
@@ -405,12 +436,14 @@ def _finite(value: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.run", description=__doc__,
+        prog="python -m bench.run",
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--suite", choices=sorted(SUITES), default="quick")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR,
-                        help="output directory (default: bench/results)")
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS_DIR, help="output directory (default: bench/results)"
+    )
     args = parser.parse_args(argv)
     cfg = SUITES[args.suite]
     out: Path = args.out

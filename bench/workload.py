@@ -165,8 +165,15 @@ class Baseline:
     duty: list[float]  # each job's duty cycle on its own group over its own steps
     violations: list[str] = field(default_factory=list)
 
-    def covers(self, profile: Profile, jobs: int, steps: int, seed: int, time_scale: float,
-               warmup_steps: int) -> bool:
+    def covers(
+        self,
+        profile: Profile,
+        jobs: int,
+        steps: int,
+        seed: int,
+        time_scale: float,
+        warmup_steps: int,
+    ) -> bool:
         """Whether this baseline was measured for (at least) these jobs and settings."""
         return (
             self.profile == profile.name
@@ -435,8 +442,7 @@ async def _run_jobs(
                 )
             else:
                 runs.append(
-                    _async_job(spec, profile, d.plans, d.batches, log, time_scale,
-                               acquire_timeout)
+                    _async_job(spec, profile, d.plans, d.batches, log, time_scale, acquire_timeout)
                 )
         async with asyncio.timeout(deadline):
             results = await asyncio.gather(*runs, return_exceptions=True)
@@ -473,7 +479,9 @@ def _check_history(log: _RunLog, journal: list[JournalEntry]) -> list[str]:
 
 def _journal(cluster: LocalCluster, groups: set[str]) -> list[JournalEntry]:
     return [
-        e for path in cluster.agent_journals.values() for e in read_journal(path)
+        e
+        for path in cluster.agent_journals.values()
+        for e in read_journal(path)
         if e.group in groups
     ]
 
@@ -533,7 +541,13 @@ async def _baseline_in(
     ]
     draws = [draw_job(profile, i, steps, seed) for i in range(jobs)]
     log = await _run_jobs(
-        cluster, profile, job_groups, draws, time_scale, client_kwargs, acquire_kwargs,
+        cluster,
+        profile,
+        job_groups,
+        draws,
+        time_scale,
+        client_kwargs,
+        acquire_kwargs,
         _acquire_timeout(profile, 1, time_scale, sim),
         _deadline(profile, 1, steps, time_scale, sim),
     )
@@ -568,8 +582,16 @@ async def measure_baseline(
     kwargs = _cluster_kwargs(nodes, sim, time_scale, cluster_kwargs)
     async with running_cluster(**kwargs) as cluster:
         return await _baseline_in(
-            cluster, profile, jobs, steps, seed, time_scale, warmup_steps, sim,
-            client_kwargs or {}, _acquire_kwargs_fn(acquire_kwargs),
+            cluster,
+            profile,
+            jobs,
+            steps,
+            seed,
+            time_scale,
+            warmup_steps,
+            sim,
+            client_kwargs or {},
+            _acquire_kwargs_fn(acquire_kwargs),
         )
 
 
@@ -599,8 +621,10 @@ async def arun_profile(
     if baseline is not None and not baseline.covers(
         profile, jobs, steps, seed, time_scale, warmup_steps
     ):
-        raise ValueError(f"baseline {baseline.profile}/{baseline.jobs} jobs does not cover "
-                         "this run (profile, jobs, steps, seed, time scale, warm-up)")
+        raise ValueError(
+            f"baseline {baseline.profile}/{baseline.jobs} jobs does not cover "
+            "this run (profile, jobs, steps, seed, time scale, warm-up)"
+        )
     label = label or f"{profile.name}-n{jobs}"
     kwargs = _cluster_kwargs(nodes, sim, time_scale, cluster_kwargs)
     client_kw = dict(client_kwargs or {})
@@ -609,8 +633,16 @@ async def arun_profile(
     async with running_cluster(**kwargs) as cluster:
         if baseline is None:
             baseline = await _baseline_in(
-                cluster, profile, jobs, steps, seed, time_scale, warmup_steps, sim,
-                client_kw, acquire_fn,
+                cluster,
+                profile,
+                jobs,
+                steps,
+                seed,
+                time_scale,
+                warmup_steps,
+                sim,
+                client_kw,
+                acquire_fn,
             )
         job_groups = [
             (f"{profile.name}-{i}", {r: f"{profile.name}-{r}" for r in profile.roles})
@@ -618,7 +650,13 @@ async def arun_profile(
         ]
         draws = [draw_job(profile, i, steps, seed) for i in range(jobs)]
         log = await _run_jobs(
-            cluster, profile, job_groups, draws, time_scale, client_kw, acquire_fn,
+            cluster,
+            profile,
+            job_groups,
+            draws,
+            time_scale,
+            client_kw,
+            acquire_fn,
             _acquire_timeout(profile, jobs, time_scale, sim),
             _deadline(profile, jobs, steps, time_scale, sim),
         )
@@ -627,9 +665,23 @@ async def arun_profile(
         metrics = await scrape_metrics(cluster.replica_http)
         replicas = len(cluster.replica_ids)
     return _result(
-        label, profile, jobs, nodes, replicas, time_scale, steps, seed, warmup_steps, sim,
-        list(kwargs.get("orchestrator_args", [])), baseline, log, journal, metrics,
-        [job for job, _ in job_groups], time.monotonic() - started,
+        label,
+        profile,
+        jobs,
+        nodes,
+        replicas,
+        time_scale,
+        steps,
+        seed,
+        warmup_steps,
+        sim,
+        list(kwargs.get("orchestrator_args", [])),
+        baseline,
+        log,
+        journal,
+        metrics,
+        [job for job, _ in job_groups],
+        time.monotonic() - started,
     )
 
 
@@ -675,9 +727,19 @@ def run_profile(
     """
     return asyncio.run(
         arun_profile(
-            profile, jobs, time_scale=time_scale, steps=steps, cluster_kwargs=cluster_kwargs,
-            sim=sim, nodes=nodes, seed=seed, warmup_steps=warmup_steps, baseline=baseline,
-            client_kwargs=client_kwargs, acquire_kwargs=acquire_kwargs, label=label,
+            profile,
+            jobs,
+            time_scale=time_scale,
+            steps=steps,
+            cluster_kwargs=cluster_kwargs,
+            sim=sim,
+            nodes=nodes,
+            seed=seed,
+            warmup_steps=warmup_steps,
+            baseline=baseline,
+            client_kwargs=client_kwargs,
+            acquire_kwargs=acquire_kwargs,
+            label=label,
         )
     )
 
@@ -690,10 +752,22 @@ def _models(
         nan = float("nan")
         none = ModelOutcome(nan, [nan] * jobs, 0)
         return none, none
-    same = simulate(profile, jobs, switch_seconds=sim.switch_seconds, steps=steps, seed=seed,
-                    warmup_steps=warmup_steps)
-    long = simulate(profile, jobs, switch_seconds=sim.switch_seconds, steps=MODEL_LONG_STEPS,
-                    seed=seed, warmup_steps=warmup_steps)
+    same = simulate(
+        profile,
+        jobs,
+        switch_seconds=sim.switch_seconds,
+        steps=steps,
+        seed=seed,
+        warmup_steps=warmup_steps,
+    )
+    long = simulate(
+        profile,
+        jobs,
+        switch_seconds=sim.switch_seconds,
+        steps=MODEL_LONG_STEPS,
+        seed=seed,
+        warmup_steps=warmup_steps,
+    )
     return same, long
 
 
@@ -727,8 +801,7 @@ def _result(
     splits = split_switches(log.grants, journal)
     switch_grants = [g for g in log.grants if g.is_switch]
     in_window = [
-        s for s in log.samples
-        if s.phase.on_accelerator and window.start <= s.end <= window.end
+        s for s in log.samples if s.phase.on_accelerator and window.start <= s.end <= window.end
     ]
     holds_in_window = [g for g in log.grants if window.start <= g.released_at <= window.end]
     # The measured switch cost relative to the step of a job alone, both in bench seconds.
@@ -778,7 +851,8 @@ def _result(
         switch_control_ms=Stats.of(s.control for s in splits).scaled(1000),
         queue_wait_ms=Stats.of(g.wait for g in log.grants).scaled(1000),
         orchestrator_metrics={
-            k: v for k, v in metrics.items()
+            k: v
+            for k, v in metrics.items()
             if k.startswith(("timeslice_switches_total", "timeslice_grants_total"))
         },
         violations=violations,
@@ -789,4 +863,3 @@ def _result(
         switch_spans=[(s.start - t0, s.end - t0) for s in splits],
         baseline=baseline,
     )
-

@@ -1,6 +1,6 @@
 """Summarise the recovery times the fault tests recorded (p50/p99 per scenario).
 
-    .venv/bin/pytest tests/faults -n auto && python scripts/faultreport.py
+.venv/bin/pytest tests/faults -n auto && python scripts/faultreport.py
 """
 
 from __future__ import annotations

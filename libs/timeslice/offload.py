@@ -219,9 +219,7 @@ class TorchOffloader:
         with self._lock:
             self._open(tag).tensors.extend(tensors)
 
-    def set_mode(
-        self, tag: str, mode: OffloadMode, *, recreate: RecreateFn | None = None
-    ) -> None:
+    def set_mode(self, tag: str, mode: OffloadMode, *, recreate: RecreateFn | None = None) -> None:
         """Set what offload does with ``tag`` (default :attr:`OffloadMode.OFFLOAD`).
 
         ``recreate`` (``DISCARD`` only) is called on restore with each tracked tensor of the
@@ -318,11 +316,19 @@ class TorchOffloader:
             plans = [plan for plan in self._plan(pending) if plan.slots]
             if not plans:
                 return 0
-            self._run([
-                _Copy(dst=piece.host, src=_bytes_of(slot.storage, piece),
-                      device=slot.storage.device, lane=piece.lane)
-                for plan in plans for slot in plan.slots for piece in slot.pieces
-            ])  # a failure here leaves every storage as it was
+            self._run(
+                [
+                    _Copy(
+                        dst=piece.host,
+                        src=_bytes_of(slot.storage, piece),
+                        device=slot.storage.device,
+                        lane=piece.lane,
+                    )
+                    for plan in plans
+                    for slot in plan.slots
+                    for piece in slot.pieces
+                ]
+            )  # a failure here leaves every storage as it was
             # Storages with a host copy go first: if freeing fails half-way, those can be
             # brought back unchanged.
             order = sorted((s for p in plans for s in p.slots), key=lambda s: not s.pieces)
@@ -501,10 +507,14 @@ class TorchOffloader:
             else:
                 buffers.append(torch.empty(need, dtype=torch.uint8, pin_memory=pin))
         slots = [
-            _Slot(storage, storage.nbytes(), [
-                _Piece(start, buffers[b][w:w + n], (lane + b) % self.num_streams)
-                for start, b, w, n in spans
-            ])
+            _Slot(
+                storage,
+                storage.nbytes(),
+                [
+                    _Piece(start, buffers[b][w : w + n], (lane + b) % self.num_streams)
+                    for start, b, w, n in spans
+                ],
+            )
             for storage, spans in placed
         ]
         return slots, buffers
@@ -518,11 +528,18 @@ class TorchOffloader:
             for slot in slots:
                 _resize(slot.storage, slot.nbytes)
                 allocated.append(slot)
-            self._run([
-                _Copy(dst=_bytes_of(slot.storage, piece), src=piece.host,
-                      device=slot.storage.device, lane=piece.lane)
-                for slot in slots for piece in slot.pieces
-            ])
+            self._run(
+                [
+                    _Copy(
+                        dst=_bytes_of(slot.storage, piece),
+                        src=piece.host,
+                        device=slot.storage.device,
+                        lane=piece.lane,
+                    )
+                    for slot in slots
+                    for piece in slot.pieces
+                ]
+            )
             with torch.no_grad():
                 for slot in slots:
                     if not slot.pieces:
@@ -582,8 +599,15 @@ class TorchOffloader:
         discarded = sum(slot.nbytes for slot in slots if not slot.pieces)
         seconds = time.perf_counter() - started
         self._last = CycleStats(copied, discarded, len(slots), seconds)
-        log.info("%s tags %s: %d bytes copied, %d discarded, %d storages in %.3fs",
-                 verb, names, copied, discarded, len(slots), seconds)
+        log.info(
+            "%s tags %s: %d bytes copied, %d discarded, %d storages in %.3fs",
+            verb,
+            names,
+            copied,
+            discarded,
+            len(slots),
+            seconds,
+        )
         return copied
 
 
@@ -592,9 +616,7 @@ def _storage_key(tensor: torch.Tensor) -> int:
     return key
 
 
-def _storages(
-    tensors: Iterable[torch.Tensor], seen: set[int]
-) -> Iterator[torch.UntypedStorage]:
+def _storages(tensors: Iterable[torch.Tensor], seen: set[int]) -> Iterator[torch.UntypedStorage]:
     """The distinct, allocated, non-meta storages of ``tensors`` not yet in ``seen``."""
     for tensor in tensors:
         if tensor.device.type == "meta":
@@ -619,7 +641,7 @@ def _whole(storage: torch.UntypedStorage) -> torch.Tensor:
 
 
 def _bytes_of(storage: torch.UntypedStorage, piece: _Piece) -> torch.Tensor:
-    return _whole(storage)[piece.start:piece.start + piece.host.numel()]
+    return _whole(storage)[piece.start : piece.start + piece.host.numel()]
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool) -> None:

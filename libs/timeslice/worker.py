@@ -196,8 +196,9 @@ class WorkerRegistration:
                     log.error("the agent refused worker %s: %s", self.info.pid, error)
                 return
             if self._first.done():
-                log.warning("lost the timeslice agent at %s (%s); re-registering",
-                            self.socket_path, error)
+                log.warning(
+                    "lost the timeslice agent at %s (%s); re-registering", self.socket_path, error
+                )
             await asyncio.sleep(backoff.next_delay())
 
     async def _serve_once(self) -> None:
@@ -220,8 +221,9 @@ class WorkerRegistration:
                         if not self._first.done():
                             self._first.set_result(None)
                         else:
-                            log.info("re-registered with the timeslice agent at %s",
-                                     self.socket_path)
+                            log.info(
+                                "re-registered with the timeslice agent at %s", self.socket_path
+                            )
                         continue
                     await self._handle(stub, command)
         finally:
@@ -234,10 +236,14 @@ class WorkerRegistration:
         elif command.kind == HookKind.AFTER_RESTORE:
             callback = self._on_restore
         else:
-            await self._complete(stub, CommandResult(
-                command_id=command.command_id, ok=False,
-                error=f"unknown hook kind {command.kind!r}",
-            ))
+            await self._complete(
+                stub,
+                CommandResult(
+                    command_id=command.command_id,
+                    ok=False,
+                    error=f"unknown hook kind {command.kind!r}",
+                ),
+            )
             return
         if callback is None:
             # This worker has no hook of that kind: nothing to do is success.
@@ -260,7 +266,8 @@ class WorkerRegistration:
             moved = 0
         if isinstance(moved, bool) or not isinstance(moved, int) or not 0 <= moved <= _UINT64_MAX:
             return CommandResult(
-                command_id=command.command_id, ok=False,
+                command_id=command.command_id,
+                ok=False,
                 error=f"{name} returned {moved!r}; expected a byte count (int >= 0) or None",
             )
         return CommandResult(command_id=command.command_id, ok=True, bytes_moved=moved)
@@ -273,8 +280,7 @@ class WorkerRegistration:
             if mapped is None:
                 raise
             # The agent bounds the hook with its own deadline; it will report the failure.
-            log.warning("could not report command %s to the agent: %s", result.command_id,
-                        mapped)
+            log.warning("could not report command %s to the agent: %s", result.command_id, mapped)
             return
         self.commands_handled += 1
 

@@ -112,9 +112,7 @@ def checksums(events: Sequence[HoldEvent]) -> dict[str, Any]:
     }
 
 
-def nvml_check(
-    events: Sequence[HoldEvent], *, skipped: str, limit_bytes: int
-) -> dict[str, Any]:
+def nvml_check(events: Sequence[HoldEvent], *, skipped: str, limit_bytes: int) -> dict[str, Any]:
     """While a job holds the group after a switch, the peer holds at most ``limit_bytes``.
 
     ``skipped`` non-empty: NVML was not used (the reason). A check NVML cannot answer (it

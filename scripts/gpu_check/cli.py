@@ -175,8 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
-    print(f"[gpu-check] device {args.device}, {args.size_gb:g} GiB per job, "
-          f"{args.switches} switches, backends {args.backend_names}, out {args.out}", flush=True)
+    print(
+        f"[gpu-check] device {args.device}, {args.size_gb:g} GiB per job, "
+        f"{args.switches} switches, backends {args.backend_names}, out {args.out}",
+        flush=True,
+    )
     try:
         result, broke = run_all(args, started)
     except Exception:

@@ -130,18 +130,26 @@ def _details(name: str, r: dict[str, Any]) -> list[str]:
             f"seconds {_range(j['seconds'])}; GB/s {_range(j['gbps'])}"
         )
     seen = r["switch_seen_by_waiter"]
-    lines.append(f"- switch, holder's yield to waiter's grant: seconds {_range(seen['seconds'])}; "
-                 f"GB/s both directions {_range(seen['gbps_both_directions'])}")
-    lines.append("- switch as the orchestrator timed it: seconds "
-                 f"{_range(seen['orchestrator_switch_seconds'])}")
+    lines.append(
+        f"- switch, holder's yield to waiter's grant: seconds {_range(seen['seconds'])}; "
+        f"GB/s both directions {_range(seen['gbps_both_directions'])}"
+    )
+    lines.append(
+        "- switch as the orchestrator timed it: seconds "
+        f"{_range(seen['orchestrator_switch_seconds'])}"
+    )
     if "adapter_restore" in r:
         a = r["adapter_restore"]
-        lines.append(f"- adapter restore in the job process: seconds {_range(a['seconds'])}; "
-                     f"GB/s {_range(a['gbps'])}")
+        lines.append(
+            f"- adapter restore in the job process: seconds {_range(a['seconds'])}; "
+            f"GB/s {_range(a['gbps'])}"
+        )
     nv = r["nvml"]
     if "peer_bytes" in nv:
-        lines.append(f"- NVML while holding after a switch: own GiB {_gib(nv['own_bytes'])}, "
-                     f"peer GiB {_gib(nv['peer_bytes'])}, limit {nv['limit_bytes'] / GIB:.2f}")
+        lines.append(
+            f"- NVML while holding after a switch: own GiB {_gib(nv['own_bytes'])}, "
+            f"peer GiB {_gib(nv['peer_bytes'])}, limit {nv['limit_bytes'] / GIB:.2f}"
+        )
     lines.append(f"- checksum seconds {_range(r['checksums']['seconds'], 3)}")
     lines.append(f"- orchestrator: {r.get('orchestrator_group_status')}")
     return [*lines, ""]

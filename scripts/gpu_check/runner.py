@@ -357,9 +357,7 @@ def _run_jobs(
         return procs
     pids = {str(i): read_json(files.ready(i))["pid"] for i in range(2)}
     write_json(files.go, {"pids": pids})
-    outcome.findings += _supervise(
-        spec.name, procs, files, cluster, job_deadline, stall_seconds
-    )
+    outcome.findings += _supervise(spec.name, procs, files, cluster, job_deadline, stall_seconds)
     outcome.findings += _stop_jobs(procs, KILL_GRACE_SECONDS)
     outcome.findings += [
         _job_failure(files, i, p) for i, p in enumerate(procs) if p.returncode not in (0, None)

@@ -236,8 +236,12 @@ class Agent:
             )
         source = self.finder.source if self.finder is not None else "off"
         self.metrics.describe(self.backend.mechanism, source)
-        log.info("backend %s runs %s; process discovery: %s", self.backend.name,
-                 self.backend.mechanism, source)
+        log.info(
+            "backend %s runs %s; process discovery: %s",
+            self.backend.name,
+            self.backend.mechanism,
+            source,
+        )
 
     def _hello(self) -> AgentHello:
         return AgentHello(

@@ -186,8 +186,9 @@ class WorkerRegistry:
         if not changed:
             return
         for job, pid in sorted(fresh.keys() - self._discovered.keys()):
-            log.info("process discovered: job %s group %s pid %d", job, fresh[job, pid].group_id,
-                     pid)
+            log.info(
+                "process discovered: job %s group %s pid %d", job, fresh[job, pid].group_id, pid
+            )
         self._discovered = fresh
         for job_id in sorted(changed):
             self._on_change(job_id)

@@ -36,16 +36,27 @@ def ph(
     return PhaseSample(job, group if on_group else "", phase, step, start, end)
 
 
-def grant(job: str, epoch: int, *, previous: str = "", restored: bool = True,
-          switch: float = 0.0, asked: float = 0.0, granted: float = 0.0) -> GrantSample:
-    return GrantSample(job, "g", 0, asked, granted, granted, epoch, epoch, restored, previous,
-                       switch, 0.0)
+def grant(
+    job: str,
+    epoch: int,
+    *,
+    previous: str = "",
+    restored: bool = True,
+    switch: float = 0.0,
+    asked: float = 0.0,
+    granted: float = 0.0,
+) -> GrantSample:
+    return GrantSample(
+        job, "g", 0, asked, granted, granted, epoch, epoch, restored, previous, switch, 0.0
+    )
 
 
-def entry(kind: str, job: str, epoch: int, node: str, start: float, end: float,
-          status: str = "ok") -> JournalEntry:
-    return JournalEntry(node, f"s{epoch}-{kind}-{node}", "g", epoch, kind, job, status, "", 0,
-                        start, end)
+def entry(
+    kind: str, job: str, epoch: int, node: str, start: float, end: float, status: str = "ok"
+) -> JournalEntry:
+    return JournalEntry(
+        node, f"s{epoch}-{kind}-{node}", "g", epoch, kind, job, status, "", 0, start, end
+    )
 
 
 def test_stats_use_nearest_rank_percentiles() -> None:
@@ -72,11 +83,16 @@ def test_duty_counts_overlaps_once_and_ignores_other_phases() -> None:
 
 def test_active_window_is_when_every_job_is_past_warm_up() -> None:
     samples = [
-        ph("a", StepPhase.REWARD, 0, 0.0, 1.0), ph("a", StepPhase.TRAIN, 0, 1.0, 2.0),
-        ph("a", StepPhase.REWARD, 1, 2.0, 3.0), ph("a", StepPhase.TRAIN, 1, 3.0, 4.0),
-        ph("a", StepPhase.REWARD, 2, 4.0, 5.0), ph("a", StepPhase.TRAIN, 2, 5.0, 6.0),
-        ph("b", StepPhase.REWARD, 0, 0.5, 1.5), ph("b", StepPhase.TRAIN, 0, 1.5, 2.5),
-        ph("b", StepPhase.REWARD, 1, 2.5, 3.5), ph("b", StepPhase.TRAIN, 1, 3.5, 4.5),
+        ph("a", StepPhase.REWARD, 0, 0.0, 1.0),
+        ph("a", StepPhase.TRAIN, 0, 1.0, 2.0),
+        ph("a", StepPhase.REWARD, 1, 2.0, 3.0),
+        ph("a", StepPhase.TRAIN, 1, 3.0, 4.0),
+        ph("a", StepPhase.REWARD, 2, 4.0, 5.0),
+        ph("a", StepPhase.TRAIN, 2, 5.0, 6.0),
+        ph("b", StepPhase.REWARD, 0, 0.5, 1.5),
+        ph("b", StepPhase.TRAIN, 0, 1.5, 2.5),
+        ph("b", StepPhase.REWARD, 1, 2.5, 3.5),
+        ph("b", StepPhase.TRAIN, 1, 3.5, 4.5),
     ]
     assert active_window(samples, ["a", "b"], warmup=1) == Interval(2.5, 4.5)
     assert active_window(samples, ["a"], warmup=0) == Interval(0.0, 6.0)
@@ -177,9 +193,16 @@ def test_sim_costs_model_the_switch() -> None:
 
 
 def test_cluster_kwargs_put_the_callers_agent_args_last() -> None:
-    kwargs = _cluster_kwargs(3, SimCosts(), 0.5, {
-        "replicas": 3, "agent_args": ["--sim-state-gb", "1"], "orchestrator_args": ["--x"],
-    })
+    kwargs = _cluster_kwargs(
+        3,
+        SimCosts(),
+        0.5,
+        {
+            "replicas": 3,
+            "agent_args": ["--sim-state-gb", "1"],
+            "orchestrator_args": ["--x"],
+        },
+    )
     assert kwargs["agents"] == 3 and kwargs["replicas"] == 3
     assert kwargs["orchestrator_args"] == ["--x"]
     assert kwargs["agent_args"][-2:] == ["--sim-state-gb", "1"]
@@ -206,17 +229,44 @@ def test_baseline_covers_only_matching_runs() -> None:
 def _run(label: str, jobs: int, duty: float, slowdown: list[float]) -> RunResult:
     s = Stats.of([1.0])
     return RunResult(
-        label=label, profile="balanced", jobs=jobs, nodes=2, replicas=1, time_scale=0.03,
-        steps=12, seed=1, sim={}, orchestrator_args=[], busy_fraction=0.4,
-        step_seconds_real=100.0, switch_seconds_real=1.6, wall_seconds=1.0, window_seconds=1.0,
-        duty={"balanced-main": duty}, analytic_bound=0.787, analytic_bound_measured=0.78,
-        analytic_step_ratio=1.016, model_duty=0.77, model_slowdown=[1.02] * jobs,
-        model_long_duty=0.776, model_long_slowdown=[1.03] * jobs,
+        label=label,
+        profile="balanced",
+        jobs=jobs,
+        nodes=2,
+        replicas=1,
+        time_scale=0.03,
+        steps=12,
+        seed=1,
+        sim={},
+        orchestrator_args=[],
+        busy_fraction=0.4,
+        step_seconds_real=100.0,
+        switch_seconds_real=1.6,
+        wall_seconds=1.0,
+        window_seconds=1.0,
+        duty={"balanced-main": duty},
+        analytic_bound=0.787,
+        analytic_bound_measured=0.78,
+        analytic_step_ratio=1.016,
+        model_duty=0.77,
+        model_slowdown=[1.02] * jobs,
+        model_long_duty=0.776,
+        model_long_slowdown=[1.03] * jobs,
         baseline_step_seconds=[3.0] * jobs,
-        shared_step_seconds=[3.0 * x for x in slowdown], slowdown=slowdown,
-        steps_per_second=1.0, phases_per_second=4.0, switches=10, switch_wall_ms=s,
-        switch_data_ms=s, switch_control_ms=s, queue_wait_ms=s, orchestrator_metrics={},
-        violations=[], holds=[], switch_spans=[], baseline=_baseline(),
+        shared_step_seconds=[3.0 * x for x in slowdown],
+        slowdown=slowdown,
+        steps_per_second=1.0,
+        phases_per_second=4.0,
+        switches=10,
+        switch_wall_ms=s,
+        switch_data_ms=s,
+        switch_control_ms=s,
+        queue_wait_ms=s,
+        orchestrator_metrics={},
+        violations=[],
+        holds=[],
+        switch_spans=[],
+        baseline=_baseline(),
     )
 
 
@@ -228,10 +278,14 @@ def test_targets_are_judged_against_the_brief() -> None:
         "balanced-n3": _run("balanced-n3", 3, 0.89, [1.2, 1.2, 1.2]),
         "balanced-n2-reference": _run("balanced-n2-reference", 2, 0.55, [1.4, 1.4]),
     }
-    handoff = [HandoffResult(1, 10, fast, fast, fast, {}, []),
-               HandoffResult(3, 10, slow, slow, slow, {}, [])]
-    cycles = [CyclesResult(100, 1, 16, 100, 5.0, 3000, 600.0, fast, {}, {}, []),
-              CyclesResult(10, 1, 10, 10, 5.0, 100, 20.0, fast, {}, {}, [])]
+    handoff = [
+        HandoffResult(1, 10, fast, fast, fast, {}, []),
+        HandoffResult(3, 10, slow, slow, slow, {}, []),
+    ]
+    cycles = [
+        CyclesResult(100, 1, 16, 100, 5.0, 3000, 600.0, fast, {}, {}, []),
+        CyclesResult(10, 1, 10, 10, 5.0, 100, 20.0, fast, {}, {}, []),
+    ]
     fanout = [FanoutResult(4, 60, slow, fast, Stats(60, 25.0, 40.0, 26.0, 41.0), slow, {}, [])]
     verdicts = {t.name: t.met for t in check_targets(runs, handoff, cycles, fanout)}
     assert verdicts == {
@@ -251,10 +305,21 @@ def test_targets_are_judged_against_the_brief() -> None:
 def test_summary_renders_every_section_and_labels_the_emulation() -> None:
     runs = {"balanced-n2": _run("balanced-n2", 2, 0.785, [1.03, 1.04])}
     text = render_summary(
-        suite="quick", machine={"cpus": 2}, time_scale=0.03, steps=12, runs=runs,
-        baseline_duty={"balanced": 0.4}, handoff=[], cycles=[], memory=None, fanout=[],
-        profile=None, targets=check_targets(runs, [], [], []), figures=["x.png"],
-        errors={"cycles g1 r1": "boom"}, wall_seconds=60.0,
+        suite="quick",
+        machine={"cpus": 2},
+        time_scale=0.03,
+        steps=12,
+        runs=runs,
+        baseline_duty={"balanced": 0.4},
+        handoff=[],
+        cycles=[],
+        memory=None,
+        fanout=[],
+        profile=None,
+        targets=check_targets(runs, [], [], []),
+        figures=["x.png"],
+        errors={"cycles g1 r1": "boom"},
+        wall_seconds=60.0,
     )
     assert "emulated data movement" in text
     assert "| balanced-n2 | 2 | 1.6 s | 78.5% |" in text
@@ -300,6 +365,4 @@ def test_metric_parsing_and_cpu_roles() -> None:
         {"r0": 1.0, "r1": 1.0, "node-0": 0.5, "etcd": 2.0, "bench": 1.0},
         {"r0": 2.0, "r1": 1.5, "node-0": 0.75, "etcd": 2.5, "bench": 1.25},
     )
-    assert roles == pytest.approx(
-        {"orchestrator": 1.5, "agents": 0.25, "etcd": 0.5, "bench": 0.25}
-    )
+    assert roles == pytest.approx({"orchestrator": 1.5, "agents": 0.25, "etcd": 0.5, "bench": 0.25})

@@ -42,9 +42,12 @@ def test_the_model_is_deterministic_and_refuses_what_it_cannot_model() -> None:
     a = simulate(PROFILES["long-tail"], 2, switch_seconds=1.6, steps=12)
     assert a == simulate(PROFILES["long-tail"], 2, switch_seconds=1.6, steps=12)
     split = Profile(
-        "split", "two groups",
-        (Hold((PhaseSpec(StepPhase.ROLLOUT, 1.0),), role="a"),
-         Hold((PhaseSpec(StepPhase.TRAIN, 1.0),), role="b")),
+        "split",
+        "two groups",
+        (
+            Hold((PhaseSpec(StepPhase.ROLLOUT, 1.0),), role="a"),
+            Hold((PhaseSpec(StepPhase.TRAIN, 1.0),), role="b"),
+        ),
     )
     with pytest.raises(ValueError, match="one group"):
         simulate(split, 2, switch_seconds=0.0, steps=4)

@@ -24,16 +24,44 @@ from bench.profiles import (
 )
 
 STATED = {
-    "balanced": (0.40, {StepPhase.ROLLOUT: 0.60, StepPhase.LOGPROB: 0.07, StepPhase.TRAIN: 0.32,
-                        StepPhase.SYNC: 0.01}),
+    "balanced": (
+        0.40,
+        {
+            StepPhase.ROLLOUT: 0.60,
+            StepPhase.LOGPROB: 0.07,
+            StepPhase.TRAIN: 0.32,
+            StepPhase.SYNC: 0.01,
+        },
+    ),
     "rollout-heavy": (0.40, {StepPhase.ROLLOUT: 0.84, StepPhase.TRAIN: 0.14, StepPhase.SYNC: 0.02}),
-    "train-heavy": (0.55, {StepPhase.ROLLOUT: 0.49, StepPhase.LOGPROB: 0.07, StepPhase.TRAIN: 0.38,
-                           StepPhase.SYNC: 0.06}),
+    "train-heavy": (
+        0.55,
+        {
+            StepPhase.ROLLOUT: 0.49,
+            StepPhase.LOGPROB: 0.07,
+            StepPhase.TRAIN: 0.38,
+            StepPhase.SYNC: 0.06,
+        },
+    ),
     "async": (0.42, {StepPhase.TRAIN: 0.92, StepPhase.SYNC: 0.08}),
-    "long-tail": (0.40, {StepPhase.ROLLOUT: 0.60, StepPhase.LOGPROB: 0.07, StepPhase.TRAIN: 0.32,
-                         StepPhase.SYNC: 0.01}),
-    "balanced-fixed": (0.40, {StepPhase.ROLLOUT: 0.60, StepPhase.LOGPROB: 0.07,
-                              StepPhase.TRAIN: 0.32, StepPhase.SYNC: 0.01}),
+    "long-tail": (
+        0.40,
+        {
+            StepPhase.ROLLOUT: 0.60,
+            StepPhase.LOGPROB: 0.07,
+            StepPhase.TRAIN: 0.32,
+            StepPhase.SYNC: 0.01,
+        },
+    ),
+    "balanced-fixed": (
+        0.40,
+        {
+            StepPhase.ROLLOUT: 0.60,
+            StepPhase.LOGPROB: 0.07,
+            StepPhase.TRAIN: 0.32,
+            StepPhase.SYNC: 0.01,
+        },
+    ),
 }
 
 
@@ -124,8 +152,12 @@ def test_async_profile_is_paced_by_its_samplers() -> None:
         lambda: OffPhase(1.0, phase=StepPhase.TRAIN),
         lambda: Hold(()),
         lambda: Profile("x", "x", (OffPhase(1.0),)),  # no hold
-        lambda: Profile("x", "x", (OffPhase(1.0), Hold((PhaseSpec(StepPhase.TRAIN, 1.0),))),
-                        sampler=AsyncSampler(1.0)),
+        lambda: Profile(
+            "x",
+            "x",
+            (OffPhase(1.0), Hold((PhaseSpec(StepPhase.TRAIN, 1.0),))),
+            sampler=AsyncSampler(1.0),
+        ),
         lambda: AsyncSampler(0.0),
         lambda: AsyncSampler(1.0, staleness=-1),
         lambda: Jitter(-0.1),

@@ -211,8 +211,9 @@ class OrchestratorState:
         status = GroupStatus(
             group_id=name,
             queue=[
-                QueueEntry(job_id=e.job, priority=e.priority, enqueued_at=e.enqueued_at,
-                           revision=e.ticket)
+                QueueEntry(
+                    job_id=e.job, priority=e.priority, enqueued_at=e.enqueued_at, revision=e.ticket
+                )
                 for e in g.queue
             ],
         )
@@ -264,8 +265,13 @@ class Frontend(TimeSliceBase):
             )
         entry = next((e for e in g.queue if e.session_id == session.session_id), None)
         if entry is None:
-            entry = Entry(message.job_id, session.session_id, message.priority, time.time(),
-                          state.next_revision())
+            entry = Entry(
+                message.job_id,
+                session.session_id,
+                message.priority,
+                time.time(),
+                state.next_revision(),
+            )
             g.queue.append(entry)
             g.notify()
         started = time.monotonic()
@@ -335,8 +341,11 @@ class Frontend(TimeSliceBase):
         self._enter("ListGroups")
         return ListGroupsResponse(
             groups=[
-                GroupSummary(group_id=g.name, holder_job_id=g.holder.job if g.holder else "",
-                             queue_length=len(g.queue))
+                GroupSummary(
+                    group_id=g.name,
+                    holder_job_id=g.holder.job if g.holder else "",
+                    queue_length=len(g.queue),
+                )
                 for g in self.state.groups.values()
             ]
         )
@@ -460,8 +469,9 @@ class FakeOrchestrator:
 class FakeAgent(WorkerLinkBase):
     """The node agent's worker socket: accepts a worker, then sends scripted hook commands."""
 
-    def __init__(self, commands: list[WorkerCommand] | None = None,
-                 refuse: grpclib.GRPCError | None = None) -> None:
+    def __init__(
+        self, commands: list[WorkerCommand] | None = None, refuse: grpclib.GRPCError | None = None
+    ) -> None:
         self.commands = commands or []
         self.refuse = refuse
         self.registered: list[WorkerInfo] = []
@@ -474,8 +484,12 @@ class FakeAgent(WorkerLinkBase):
             raise self.refuse
         self.registered.append(message)
         try:
-            yield WorkerCommand(command_id="reg", kind=HookKind.REGISTERED,
-                                job_id=message.job_id, group_id=message.group_id)
+            yield WorkerCommand(
+                command_id="reg",
+                kind=HookKind.REGISTERED,
+                job_id=message.job_id,
+                group_id=message.group_id,
+            )
             for command in self.commands:
                 yield command
             await asyncio.Event().wait()  # the registration lasts as long as the stream

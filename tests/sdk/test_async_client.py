@@ -143,20 +143,29 @@ async def test_body_exception_is_not_masked_by_a_failing_yield(
     orch: FakeOrchestrator, caplog: pytest.LogCaptureFixture
 ) -> None:
     async with client_for(orch) as client:
-        orch.do(lambda s: s.fail.__setitem__(
-            "Yield", grpclib.GRPCError(Status.INTERNAL, "[internal] store exploded")))
+        orch.do(
+            lambda s: s.fail.__setitem__(
+                "Yield", grpclib.GRPCError(Status.INTERNAL, "[internal] store exploded")
+            )
+        )
         with caplog.at_level(logging.ERROR, logger="timeslice"):
             with pytest.raises(ValueError, match="body failed"):
                 async with client.on_accelerators("g1"):
                     raise ValueError("body failed")
-        assert any("store exploded" in r.getMessage() or (r.exc_info and "store exploded" in
-                   str(r.exc_info[1])) for r in caplog.records)
+        assert any(
+            "store exploded" in r.getMessage()
+            or (r.exc_info and "store exploded" in str(r.exc_info[1]))
+            for r in caplog.records
+        )
 
         # Without a body exception the yield's own error is what the caller sees.
         orch.do(lambda s: s.fail.clear())
         await client.yield_("g1")  # the failed yield left the grant recorded: give it back
-        orch.do(lambda s: s.fail.__setitem__(
-            "Yield", grpclib.GRPCError(Status.INTERNAL, "[internal] store exploded")))
+        orch.do(
+            lambda s: s.fail.__setitem__(
+                "Yield", grpclib.GRPCError(Status.INTERNAL, "[internal] store exploded")
+            )
+        )
         with pytest.raises(InternalError, match="store exploded"):
             async with client.on_accelerators("g1"):
                 pass
@@ -424,8 +433,11 @@ async def test_untyped_status_maps_by_code(
 
 
 async def test_group_faulted_from_acquire(orch: FakeOrchestrator) -> None:
-    orch.do(lambda s: s.fail.__setitem__(
-        "Acquire", wire_error(GroupFaulted("restore of job-a failed on node-3"))))
+    orch.do(
+        lambda s: s.fail.__setitem__(
+            "Acquire", wire_error(GroupFaulted("restore of job-a failed on node-3"))
+        )
+    )
     async with client_for(orch) as client:
         with pytest.raises(GroupFaulted, match="node-3"):
             await client.acquire("g1", timeout=5)

@@ -91,8 +91,9 @@ def train_step(model: TinyLM, opt: torch.optim.Optimizer, seed: int) -> None:
 class FailOn:
     """Wraps a function; raises on the ``nth`` call that ``match`` accepts."""
 
-    def __init__(self, real: Callable[..., None], nth: int,
-                 match: Callable[..., bool] = lambda *a, **k: True) -> None:
+    def __init__(
+        self, real: Callable[..., None], nth: int, match: Callable[..., bool] = lambda *a, **k: True
+    ) -> None:
         self.real, self.nth, self.match, self.calls = real, nth, match, 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:

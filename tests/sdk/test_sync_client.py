@@ -93,9 +93,7 @@ def test_body_exception_propagates_from_sync_decorator(
         assert orch.do(lambda s: s.holder_of("g1")) is None
 
 
-async def test_sync_client_decorates_async_functions(
-    orch: FakeOrchestrator, job_env: str
-) -> None:
+async def test_sync_client_decorates_async_functions(orch: FakeOrchestrator, job_env: str) -> None:
     client = TimeSliceOrchestratorClient(orch.target)
     try:
 
@@ -173,8 +171,9 @@ def test_close_is_idempotent_and_final(orch: FakeOrchestrator, job_env: str) -> 
     client.close()
     client.close()
     assert orch.do(lambda s: s.holder_of("g1")) is None
-    assert not any(t.name.startswith("timeslice-client-") and t.is_alive()
-                   for t in threading.enumerate())
+    assert not any(
+        t.name.startswith("timeslice-client-") and t.is_alive() for t in threading.enumerate()
+    )
     with pytest.raises(Cancelled):
         client.acquire("g1")
     with pytest.raises(Cancelled):
@@ -215,7 +214,9 @@ EXIT_WITHOUT_CLOSE = textwrap.dedent(
 def test_open_clients_are_closed_at_exit(orch: FakeOrchestrator) -> None:
     result = subprocess.run(
         [sys.executable, "-c", EXIT_WITHOUT_CLOSE, orch.target],
-        capture_output=True, text=True, timeout=30,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "granted"

@@ -76,10 +76,18 @@ def agent_server(loop_thread: LoopThread, short_dir: Path) -> Iterator[AgentServ
 
 
 def test_register_runs_hooks_and_reports_results(agent_server: AgentServer) -> None:
-    agent = agent_server.start(FakeAgent(commands=[
-        WorkerCommand(command_id="c1", kind=HookKind.BEFORE_CHECKPOINT, job_id="j", group_id="g"),
-        WorkerCommand(command_id="c2", kind=HookKind.AFTER_RESTORE, job_id="j", group_id="g"),
-    ]))
+    agent = agent_server.start(
+        FakeAgent(
+            commands=[
+                WorkerCommand(
+                    command_id="c1", kind=HookKind.BEFORE_CHECKPOINT, job_id="j", group_id="g"
+                ),
+                WorkerCommand(
+                    command_id="c2", kind=HookKind.AFTER_RESTORE, job_id="j", group_id="g"
+                ),
+            ]
+        )
+    )
     calls: list[str] = []
 
     def checkpoint() -> int:
@@ -91,8 +99,13 @@ def test_register_runs_hooks_and_reports_results(agent_server: AgentServer) -> N
         raise RuntimeError("CUDA context lost")
 
     with register(
-        "g", job_id="j", state_bytes=4096, socket=str(agent_server.path),
-        on_checkpoint=checkpoint, on_restore=restore, timeout=5,
+        "g",
+        job_id="j",
+        state_bytes=4096,
+        socket=str(agent_server.path),
+        on_checkpoint=checkpoint,
+        on_restore=restore,
+        timeout=5,
     ) as registration:
         assert registration.connected
         agent_server.wait_for(lambda a: len(a.results) == 2)
@@ -113,15 +126,23 @@ def test_register_runs_hooks_and_reports_results(agent_server: AgentServer) -> N
 def test_register_without_hooks(agent_server: AgentServer, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TIMESLICE_JOB_ID", "env-job")
     monkeypatch.setenv("TIMESLICE_AGENT_SOCKET", str(agent_server.path))
-    agent = agent_server.start(FakeAgent(commands=[
-        WorkerCommand(command_id="c1", kind=HookKind.BEFORE_CHECKPOINT),
-    ]))
+    agent = agent_server.start(
+        FakeAgent(
+            commands=[
+                WorkerCommand(command_id="c1", kind=HookKind.BEFORE_CHECKPOINT),
+            ]
+        )
+    )
     registration = register("g", pid=4242, acquirer=True)
     try:
         agent_server.wait_for(lambda a: len(a.results) == 1)
         info = agent.registered[0]
         assert (info.job_id, info.pid, info.acquirer, info.app_callbacks) == (
-            "env-job", 4242, True, False)
+            "env-job",
+            4242,
+            True,
+            False,
+        )
         assert agent.results[0].ok, "no hook of that kind: nothing to do"
     finally:
         registration.close()
@@ -131,7 +152,9 @@ def test_register_without_hooks(agent_server: AgentServer, monkeypatch: pytest.M
 def start_agent_process(path: Path) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.sdk.agent_proc", str(path)],
-        cwd=REPO, stdout=subprocess.PIPE, text=True,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert proc.stdout is not None
     assert proc.stdout.readline() == "ready\n"
@@ -177,8 +200,13 @@ def test_unreachable_agent_is_unavailable(short_dir: Path) -> None:
 
 
 def test_agent_refusal_is_a_typed_error(agent_server: AgentServer) -> None:
-    agent_server.start(FakeAgent(refuse=grpclib.GRPCError(
-        Status.INVALID_ARGUMENT, "[invalid_argument] group g is not on this node")))
+    agent_server.start(
+        FakeAgent(
+            refuse=grpclib.GRPCError(
+                Status.INVALID_ARGUMENT, "[invalid_argument] group g is not on this node"
+            )
+        )
+    )
     with pytest.raises(InvalidArgument, match="not on this node"):
         register("g", job_id="j", socket=str(agent_server.path), timeout=5)
 
@@ -209,5 +237,4 @@ async def test_async_hooks_are_refused() -> None:
         return 0
 
     with pytest.raises(InvalidArgument, match="non-async"):
-        register("g", job_id="j", socket="/nonexistent/agent.sock",
-                 on_restore=hook)  # type: ignore[arg-type]
+        register("g", job_id="j", socket="/nonexistent/agent.sock", on_restore=hook)  # type: ignore[arg-type]

@@ -18,7 +18,9 @@ from timeslice_orchestrator.store.records import (
     WorkerRecord,
 )
 
-_SWITCH = SwitchRecord("s1", "g", "y", 6, [NodeStep("n0", "x", "y")], SwitchPhase.RESTORE, "r1", 1.0)
+_SWITCH = SwitchRecord(
+    "s1", "g", "y", 6, [NodeStep("n0", "x", "y")], SwitchPhase.RESTORE, "r1", 1.0
+)
 
 
 def _view(

@@ -324,8 +324,12 @@ class CudaBackend(Backend):
         chosen = []
         for pid, state in zip(pids, states, strict=True):
             if isinstance(state, CudaCallError):
-                log.info("cuda: pid %d of job %s has no CUDA state (%s); left alone",
-                         pid, job.job_id, state.error)
+                log.info(
+                    "cuda: pid %d of job %s has no CUDA state (%s); left alone",
+                    pid,
+                    job.job_id,
+                    state.error,
+                )
             elif isinstance(state, BaseException):
                 raise state
             else:
