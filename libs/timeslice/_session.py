@@ -34,7 +34,7 @@ from timeslice_proto.timeslice.v1 import (
 log = logging.getLogger("timeslice")
 
 Spawn = Callable[[Coroutine[Any, Any, None], str], "asyncio.Task[None]"]
-"""Starts a supervised background task (see :class:`timeslice._tasks.Supervisor`)."""
+"""Starts a supervised background task (see :class:`timeslice.tasks.Supervisor`)."""
 
 
 class Session:

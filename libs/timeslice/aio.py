@@ -36,7 +36,6 @@ from timeslice._acquire import AcquireCall, ProgressCallback
 from timeslice._scope import AcceleratorScope
 from timeslice._session import Session
 from timeslice._streams import Retry, retrying_stream
-from timeslice._tasks import Supervisor
 from timeslice._transport import Transport
 from timeslice._types import AcquireProgress, AcquireStage, Grant
 from timeslice._validate import check_positive, check_priority, check_seconds
@@ -54,6 +53,7 @@ from timeslice.errors import (
 from timeslice.ids import validate_group_id, validate_job_id
 from timeslice.runner import ClientRunner
 from timeslice.targets import Target, targets_from_env
+from timeslice.tasks import Supervisor
 from timeslice_proto.timeslice.v1 import (
     GetGroupStatusRequest,
     GroupEvent,

@@ -12,11 +12,14 @@ import asyncio
 import contextlib
 import logging
 import signal
+from collections.abc import Coroutine
+from typing import Any
 
 from aiohttp import web
 from grpclib.server import Server
 from opentelemetry.sdk.trace import TracerProvider
 
+from timeslice.tasks import Supervisor
 from timeslice.tracing import provider_from_env, tracer_for
 from timeslice_orchestrator.api import TimeSliceService
 from timeslice_orchestrator.config import OrchestratorConfig
@@ -35,6 +38,7 @@ from timeslice_orchestrator.store.relay import RelayStore
 log = logging.getLogger(__name__)
 
 SYNC_TIMEOUT = 30.0
+CLOSE_SECONDS = 5.0
 
 
 class Orchestrator:
@@ -45,7 +49,8 @@ class Orchestrator:
         self.keys = Keyspace(config.prefix)
         self.store = GroupStore(self.etcd, self.keys)
         self.mirror = Mirror(self.etcd, self.keys)
-        self._tasks: list[asyncio.Task[None]] = []
+        # The replica cannot live without its lease keeper and mirror: either ending is fatal.
+        self._tasks = Supervisor(f"replica {config.replica_id}")
         self._server: Server | None = None
         self._runner: web.AppRunner | None = None
         self._keeper: LeaseKeeper | None = None
@@ -66,8 +71,8 @@ class Orchestrator:
             and not self._keeper.lost.is_set()
         )
 
-    def _spawn(self, coro: object, name: str) -> None:
-        self._tasks.append(asyncio.create_task(coro, name=name))  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        self._tasks.spawn(coro, name, kind=name, critical=True)
 
     async def start(self) -> None:
         cfg = self.config
@@ -134,22 +139,17 @@ class Orchestrator:
         assert self._keeper is not None
         stopper = asyncio.create_task(stop.wait(), name="stop-signal")
         lost = asyncio.create_task(self._keeper.lost.wait(), name="lease-lost")
-        done, _ = await asyncio.wait(
-            {stopper, lost, *self._tasks}, return_when=asyncio.FIRST_COMPLETED
-        )
+        fatal = asyncio.create_task(self._tasks.wait_fatal(), name="fatal-task")
+        done, _ = await asyncio.wait({stopper, lost, fatal}, return_when=asyncio.FIRST_COMPLETED)
         code = 0
-        for task in done:
-            if task is stopper:
-                continue
+        if lost in done:
             code = 1
-            if task is lost:
-                log.error("replica lease lost: stopping so others take over cleanly")
-            elif task.exception() is not None:
-                log.error("task %s failed", task.get_name(), exc_info=task.exception())
-            else:
-                log.error("task %s ended unexpectedly", task.get_name())
-        stopper.cancel()
-        lost.cancel()
+            log.error("replica lease lost: stopping so others take over cleanly")
+        if fatal in done:
+            code = 1  # the supervisor logged the failure with its traceback
+            log.error("a critical task ended (%r): stopping", fatal.result())
+        for waiter in (stopper, lost, fatal):
+            waiter.cancel()
         return code
 
     async def close(self) -> None:
@@ -174,9 +174,7 @@ class Orchestrator:
             # Revoking frees this replica's groups and agent records at once.
             with contextlib.suppress(Exception):
                 await self.etcd.revoke_lease(self._keeper.lease_id)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.cancel_all(CLOSE_SECONDS)
         await self.etcd.close()
         if self._tracing is not None:
             await asyncio.to_thread(self._tracing.shutdown)  # flush spans queued for export
