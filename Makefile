@@ -48,6 +48,7 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(PY) -m bench.run --suite quick --out bench/results
+	$(PY) -m bench.floor --rounds 1 --json bench/results/floor-quick.json
 
 soak: $(STAMP)
 	$(PY) -m bench.soak --duration 600 --out bench/results/soak-600s.json
