@@ -297,11 +297,13 @@ class CudaBackend(Backend):
     def mechanism(self) -> str:
         return self._driver.mechanism
 
-    def _pids(self, job: JobContext) -> tuple[int, ...]:
-        for pid in job.pids:
+    def _pids(self, job: JobContext, pids: tuple[int, ...] | None = None) -> tuple[int, ...]:
+        """``pids`` (default: all of the job's), refusing pid 1 and the agent itself."""
+        chosen = job.pids if pids is None else pids
+        for pid in chosen:
             if pid <= 1 or pid == self._own_pid:
                 raise BackendRefused(f"job {job.job_id}: refusing to checkpoint pid {pid}")
-        return job.pids
+        return chosen
 
     def admit_checkpoint(self, job: JobContext) -> None:
         self._pids(job)
@@ -344,8 +346,7 @@ class CudaBackend(Backend):
 
     async def restore(self, job: JobContext) -> Transfer:
         # Only what the checkpoint moved: a process that joined the job since is running.
-        pids = job.saved_pids
-        self._pids(job)
+        pids = self._pids(job, job.saved_pids)
         steps = self._driver.restore_steps(self._lock_timeout_ms)
         return await self._move(job, "restore", pids, steps)
 
