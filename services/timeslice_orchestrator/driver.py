@@ -38,6 +38,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Tracer
 
 from timeslice_orchestrator.directives import DirectiveSender, NodeResult
+from timeslice_orchestrator.grants import holder_for, in_place
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.policy import Policy, order
 from timeslice_orchestrator.relay import DirectiveRouter
@@ -45,7 +46,6 @@ from timeslice_orchestrator.store.cache import AGENTS_TOPIC, GroupView, Mirror, 
 from timeslice_orchestrator.store.etcd import StoreUnavailable
 from timeslice_orchestrator.store.groups import Authority, Fault, Grant, GroupStore, new_switch_id
 from timeslice_orchestrator.store.records import (
-    HolderRecord,
     NodeStep,
     Stored,
     SwitchPhase,
@@ -301,13 +301,12 @@ class SwitchDriver:
         return await self._advance(switch)
 
     async def _grant_in_place(self, view: GroupView, head: QueuedJob) -> Next:
-        holder = self._holder(head, restored=False, previous="", switch_seconds=0.0)
+        residency = in_place(view, head.job, self._mirror.agents())
+        if residency is None:
+            return Next.AGAIN  # the agents changed since the plan: plan again
+        holder = holder_for(head)
         stats = view.stats
         stats.grants += 1
-        residency = view.residency()
-        for node, jobs in list(residency.nodes.items()):
-            if head.job in jobs:
-                residency.place(node, head.job)  # most recently used: evicted last
         epoch = await self._store.grant(
             self._auth, Grant(view.group, head, holder, residency, view.resident_revision, stats)
         )
@@ -410,7 +409,7 @@ class SwitchDriver:
                 self._metrics.switches.labels(outcome=outcome).inc()
             return Next.AGAIN
         elapsed = max(time.monotonic() - started, time.time() - record.started_at)
-        holder = self._holder(
+        holder = holder_for(
             head, restored=True, previous=",".join(record.from_jobs), switch_seconds=elapsed
         )
         stats.switches += 1
@@ -480,21 +479,3 @@ class SwitchDriver:
         await self._store.fault_waiter(group, self._auth, Fault(head, reason), stats)
         self._metrics.switches.labels(outcome="gave_up").inc()
         return Next.AGAIN
-
-    def _holder(
-        self, head: QueuedJob, *, restored: bool, previous: str, switch_seconds: float
-    ) -> HolderRecord:
-        now = time.time()
-        entry = head.entry.record
-        return HolderRecord(
-            job=head.job,
-            session=entry.session,
-            request_id=entry.request_id,
-            attempt=entry.attempt,
-            ticket=head.revision,
-            granted_at=now,
-            waited_seconds=max(0.0, now - entry.enqueued_at),
-            restored=restored,
-            previous_job=previous,
-            switch_seconds=switch_seconds,
-        )

@@ -27,18 +27,21 @@ from timeslice.errors import (
     SessionExpired,
 )
 from timeslice.ids import validate_group_id, validate_job_id, validate_node
+from timeslice_orchestrator.grants import holder_for, in_place, resident_after_grant
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.policy import Policy, order
 from timeslice_orchestrator.store.cache import GroupView, Mirror, group_topic
+from timeslice_orchestrator.store.etcd import StoreUnavailable
 from timeslice_orchestrator.store.groups import (
     Enqueued,
     EnqueueRequest,
     FreeGroup,
+    Grant,
     GroupStore,
     Hold,
     lease_of,
 )
-from timeslice_orchestrator.store.records import AgentRecord, Hint, ResidentRecord
+from timeslice_orchestrator.store.records import Hint
 
 log = logging.getLogger(__name__)
 
@@ -243,21 +246,59 @@ class LockService:
             log.exception("could not release undelivered grant of %s on %s", job, group)
 
     async def release(self, session_id: str, job: str, group: str, epoch: int) -> None:
+        """Yield; then, if the next waiter's state is already where it runs, grant it here.
+
+        The hand-over saves the hop through the mirror to the driver and its pass: the
+        waiter's grant commits before this call returns. It is an optimisation only; when
+        it cannot be made (state must move, the group changed) the driver grants as usual.
+        """
         validate_job_id(job)
         validate_group_id(group)
         if session_id:
             lease_of(session_id)
         if epoch <= 0:
             raise InvalidArgument("epoch must be the positive fencing token of the grant")
+        before = self._mirror.group(group)
         revision = await self._store.release(
             Hold(group, job, epoch, session_id),
-            Hint(self._mirror.holder(group)),
-            Hint(self._mirror.usage(group)),
+            Hint(before.holder),
+            Hint(before.usage),
         )
         self._released[group] = revision
         if len(self._released) > _RELEASED_KEPT:
             seen = self._mirror.revision
             self._released = {g: r for g, r in self._released.items() if r > seen}
+        if before.queue:
+            await self._hand_over(dataclasses.replace(before, holder=None))
+
+    async def _hand_over(self, view: GroupView) -> None:
+        """Grant the group's next waiter in place, as the driver would (``view``: the group
+        just after the release, as this replica saw it; every part of it the grant relies on
+        is compared, so a stale view costs only the driver's usual pass)."""
+        head = order(self.policy, view)[0]
+        residency = in_place(view, head.job, self._mirror.agents())
+        if residency is None:
+            return
+        holder = holder_for(head)
+        stats = view.stats
+        stats.grants += 1
+        grant = Grant(
+            view.group,
+            head,
+            holder,
+            residency,
+            view.resident_revision,
+            stats,
+            stats_revision=view.stats_revision,
+        )
+        try:
+            epoch = await self._store.grant(None, grant)
+        except StoreUnavailable as exc:
+            log.info("group %s: no hand-over on yield (%s); the driver grants", view.group, exc)
+            return
+        if epoch is not None:
+            self._metrics.grants.labels(kind="on_yield").inc()
+            self._metrics.acquire_wait_seconds.observe(holder.waited_seconds)
 
     async def set_members(self, group: str, nodes: list[str]) -> None:
         validate_group_id(group)
@@ -273,29 +314,6 @@ class LockService:
         if not view.exists:
             raise NotFound(f"group {group} does not exist")
         return view
-
-
-def resident_after_grant(
-    view: GroupView, job: str, agents: dict[str, AgentRecord]
-) -> ResidentRecord | None:
-    """The residency after granting ``job`` the group at once, or None if it cannot be.
-
-    At once is what the driver does for a lone waiter whose state needs no moving: the group
-    is free, nobody waits, no switch runs, every pinned node's agent is present, and the job's
-    state is already on every node where it runs (its workers' nodes and the pinned ones).
-    """
-    if view.holder is not None or view.queue or view.switch is not None:
-        return None
-    if any(node not in agents for node in view.static_members):
-        return None
-    residency = view.residency()
-    runs_on = {n for n, a in agents.items() if job in a.jobs_of(view.group)}
-    if any(job not in residency.nodes.get(n, []) for n in runs_on | set(view.static_members)):
-        return None
-    for node, jobs in list(residency.nodes.items()):
-        if job in jobs:
-            residency.place(node, job)  # most recently used: evicted last
-    return residency
 
 
 async def _shielded(coro: object) -> object:

@@ -104,3 +104,36 @@ async def test_a_free_group_costs_one_write_to_acquire_and_one_to_yield(
         await client.close()
     assert kv is not None and kv.create_revision == third.epoch
     assert HolderRecord.decode(kv.value).ticket == third.ticket
+
+
+async def test_a_yield_hands_the_group_to_a_waiter_whose_state_is_in_place(
+    cluster_factory: ClusterFactory,
+) -> None:
+    # Nothing has to move for b (no workers), so the replica that serves a's Yield grants b
+    # in place before it answers: b's hold is in etcd when the Yield returns.
+    cluster = cluster_factory(agents=0)
+    endpoint, prefix = cluster.etcd_endpoint, cluster.prefix
+    async with raw_stub(cluster.target) as stub:
+        a = (await stub.open_session(OpenSessionRequest(job_id="a", ttl_seconds=30))).session_id
+        b = (await stub.open_session(OpenSessionRequest(job_id="b", ttl_seconds=30))).session_id
+        first = await _granted(stub, AcquireRequest(a, "a", "g", request_id="r"))
+        waiter = asyncio.create_task(_granted(stub, AcquireRequest(b, "b", "g", request_id="s")))
+        while not (await stub.get_group_status(GetGroupStatusRequest("g"))).queue:
+            await asyncio.sleep(0.01)
+        _, writes = await _writes(
+            endpoint, prefix, lambda: stub.yield_(YieldRequest(a, "a", "g", first.epoch))
+        )
+        # Written before the Yield returned: the release, then b's grant (the driver may
+        # claim the group between them; it finds nothing left to do).
+        release = min(r for r, _, _ in writes)
+        assert {(t, k) for r, t, k in writes if r == release} == {
+            (EventType.DELETE, "/groups/g/holder"),
+            (EventType.PUT, "/groups/g/usage"),
+        }, writes
+        grants = {r for r, t, k in writes if (t, k) == (EventType.PUT, "/groups/g/holder")}
+        assert len(grants) == 1, writes
+        grant = grants.pop()
+        assert (grant, EventType.DELETE, "/groups/g/queue/b") in writes
+        second = await waiter
+        assert second.epoch == grant
+        assert first.epoch < second.ticket < second.epoch

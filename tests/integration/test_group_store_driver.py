@@ -123,6 +123,28 @@ async def test_a_grant_needs_the_residency_as_read(store: GroupStore) -> None:
     assert await holder(store) is None
 
 
+async def test_a_grant_without_the_driver_role_needs_the_stats_as_read(store: GroupStore) -> None:
+    # What a yield does to hand the group over at once: no driver key, but the stats (which
+    # the driver writes) must be as read, so the grant cannot overwrite the driver's writes.
+    await enqueue(store, await open_session(store, "a"))
+    waiter = await queued(store, "g", "a")
+    stats = await store.etcd.get(store.keys.stats("g"))
+    seen = stats.mod_revision if stats else 0
+
+    def handing_over(stats_revision: int | None) -> Grant:
+        holder = new_holder(waiter)
+        return Grant("g", waiter, holder, ResidentRecord(), 0, GroupStats(), None, stats_revision)
+
+    with pytest.raises(ValueError):
+        await store.grant(None, handing_over(None))
+    assert await store.grant(None, handing_over(seen + 1000)) is None
+    assert await holder(store) is None
+    epoch = await store.grant(None, handing_over(seen))
+    assert epoch is not None
+    held = await holder(store)
+    assert held is not None and held.create_revision == epoch and held.record.job == "a"
+
+
 # -- switches ---------------------------------------------------------------------------------
 
 

@@ -3,7 +3,7 @@ exactly when the driver would grant a lone waiter in place (nothing to move)."""
 
 from __future__ import annotations
 
-from timeslice_orchestrator.locks import resident_after_grant
+from timeslice_orchestrator.grants import resident_after_grant
 from timeslice_orchestrator.store.cache import GroupView
 from timeslice_orchestrator.store.records import (
     AgentRecord,

@@ -8,10 +8,12 @@ every decision that changes state is an etcd transaction with compares.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import heapq
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from timeslice.backoff import Backoff
 from timeslice_orchestrator.store.etcd import (
@@ -41,6 +43,19 @@ from timeslice_orchestrator.store.records import (
 )
 
 log = logging.getLogger(__name__)
+
+# The records of a group's keys (decoded once per write, see Mirror._decoded_record).
+_R = TypeVar(
+    "_R",
+    HolderRecord,
+    ResidentRecord,
+    SwitchRecord,
+    GroupStats,
+    MembersRecord,
+    UsageRecord,
+    QueueRecord,
+    FaultRecord,
+)
 
 __all__ = [
     "AGENTS_TOPIC",
@@ -114,6 +129,9 @@ class Mirror:
         # Keys indexed by topic (one group, the sessions, the agents, the relay), so reading
         # one group costs its own few keys.
         self._topics: dict[str, dict[KeyRef, KeyValue]] = {}
+        # Group records decoded once per write (a group is read several times per change):
+        # by key, the mod revision decoded and the record. Callers must not change them.
+        self._decoded: dict[KeyRef, tuple[int, Any]] = {}
         self._groups: set[str] = set()
         self.revision = 0
         self.synced = asyncio.Event()
@@ -184,27 +202,31 @@ class Mirror:
         usage: Stored[UsageRecord] | None = None
         stats_revision = members_revision = 0
         keys = self._topics.get(group_topic(group), {})
+        decoded = self._decoded_record
         for ref, kv in keys.items():
             match ref.kind:
                 case Kind.HOLDER:
-                    holder = Stored.of(kv, HolderRecord.decode(kv.value))
+                    holder = Stored.of(kv, decoded(ref, kv, HolderRecord))
                 case Kind.RESIDENT:
-                    resident = Stored.of(kv, ResidentRecord.decode(kv.value))
+                    resident = Stored.of(kv, decoded(ref, kv, ResidentRecord))
                 case Kind.SWITCH:
-                    switch = Stored.of(kv, SwitchRecord.decode(kv.value))
+                    switch = Stored.of(kv, decoded(ref, kv, SwitchRecord))
                 case Kind.DRIVER:
                     driver, driver_lease = kv.value.decode(), kv.lease
                 case Kind.STATS:
-                    stats, stats_revision = GroupStats.decode(kv.value), kv.mod_revision
+                    # A copy: callers count on it and write it back.
+                    stats = dataclasses.replace(decoded(ref, kv, GroupStats))
+                    stats_revision = kv.mod_revision
                 case Kind.MEMBERS:
-                    members = MembersRecord.decode(kv.value).nodes
+                    members = list(decoded(ref, kv, MembersRecord).nodes)
                     members_revision = kv.mod_revision
                 case Kind.USAGE:
-                    usage = Stored.of(kv, UsageRecord.decode(kv.value))
+                    usage = Stored.of(kv, decoded(ref, kv, UsageRecord))
                 case Kind.QUEUE:
-                    queue.append(QueuedJob(ref.name, Stored.of(kv, QueueRecord.decode(kv.value))))
+                    entry = Stored.of(kv, decoded(ref, kv, QueueRecord))
+                    queue.append(QueuedJob(ref.name, entry))
                 case Kind.FAULT:
-                    faults[ref.name] = Stored.of(kv, FaultRecord.decode(kv.value))
+                    faults[ref.name] = Stored.of(kv, decoded(ref, kv, FaultRecord))
         queue.sort(key=lambda q: q.revision)
         return GroupView(
             group,
@@ -224,6 +246,15 @@ class Mirror:
             members_revision,
         )
 
+    def _decoded_record(self, ref: KeyRef, kv: KeyValue, kind: type[_R]) -> _R:
+        seen = self._decoded.get(ref)
+        if seen is not None and seen[0] == kv.mod_revision:
+            record: _R = seen[1]
+            return record
+        record = kind.decode(kv.value)
+        self._decoded[ref] = (kv.mod_revision, record)
+        return record
+
     def _store(self, ref: KeyRef, kv: KeyValue) -> None:
         self._topics.setdefault(ref.topic, {})[ref] = kv
         if ref.group:
@@ -234,6 +265,7 @@ class Mirror:
         if keys is None:
             return
         keys.pop(ref, None)
+        self._decoded.pop(ref, None)
         if not keys:
             del self._topics[ref.topic]
             self._groups.discard(ref.group)
@@ -309,6 +341,7 @@ class Mirror:
         old = set(self._topics)
         self._topics = {}
         self._groups = set()
+        self._decoded = {}
         for kv in kvs:
             ref = self._keys.parse(kv.key)
             if ref is not None:

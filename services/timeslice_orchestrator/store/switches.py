@@ -8,6 +8,7 @@ paused or partitioned driver whose lease ran out cannot land a write when it wak
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
@@ -61,6 +62,10 @@ class Grant:
     resident_revision: int  # mod revision of the residency it was computed from (0: none)
     stats: GroupStats
     switch: Stored[SwitchRecord] | None = None  # the switch it ends; None: a grant in place
+    # Mod revision of the stats it was computed from: compared when the grant is made by a
+    # replica that does not drive the group (a yield handing over), so that it cannot
+    # overwrite what the driver wrote meanwhile. None: not compared (the driver's own writes).
+    stats_revision: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,16 +97,24 @@ class SwitchStore(StoreBase):
     def _driving(self, group: str, auth: Authority) -> Compare:
         return Compare(self.keys.driver(group), CompareTarget.LEASE, CompareOp.EQUAL, auth.lease)
 
-    async def grant(self, auth: Authority, grant: Grant) -> int | None:
+    async def grant(self, auth: Authority | None, grant: Grant) -> int | None:
         """Commit point: resident, holder (with a new epoch) and queue change in one txn.
+
+        ``auth`` None is a grant in place by a replica that need not drive the group (the
+        one that served the yield): it moves no data, so it needs no driver role, only the
+        group exactly as read (no switch, same residency and stats).
 
         Returns the epoch (the holder key's create revision) or None if a compare failed
         (the waiter left or re-attached, another replica drives, or the group changed).
         """
         k = self.keys
         group, job, entry = grant.group, grant.waiter.job, grant.waiter.entry
-        compare = [
-            self._driving(group, auth),
+        compare: list[Compare] = [] if auth is None else [self._driving(group, auth)]
+        if grant.stats_revision is not None:
+            compare.append(modified_at(k.stats(group), grant.stats_revision))
+        elif auth is None:
+            raise ValueError("a grant by a replica that does not drive must compare the stats")
+        compare += [
             absent(k.holder(group)),
             modified_at(k.queue_entry(group, job), entry.mod_revision),
             modified_at(k.resident(group), grant.resident_revision),
@@ -154,16 +167,18 @@ class SwitchStore(StoreBase):
     ) -> Stored[SwitchRecord] | None:
         """Move the switch to ``phase``; None if it changed or this replica no longer drives."""
         k = self.keys
-        switch.record.phase = phase
+        # A new record: the one read may be shared with the mirror, which must not change
+        # under it.
+        record = dataclasses.replace(switch.record, phase=phase)
         result = await self.etcd.txn(
             Txn(
                 [self._driving(group, auth), modified_at(k.switch(group), switch.mod_revision)],
-                [Put(k.switch(group), switch.record.encode()), Get(k.switch(group))],
+                [Put(k.switch(group), record.encode()), Get(k.switch(group))],
             )
         )
         if not result.succeeded:
             return None
-        return Stored.of(result.reads[0][0], switch.record)
+        return Stored.of(result.reads[0][0], record)
 
     async def end_switch(
         self,

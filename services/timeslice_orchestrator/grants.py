@@ -1,0 +1,71 @@
+"""What a grant writes: the new hold of a waiter, and the residency a grant in place leaves.
+
+A grant in place hands a group to a job whose state is already where it runs, so nothing
+moves. Three paths make one: the driver (a lone waiter after a switch-free pass), an Acquire
+of a free group nobody waits for (:func:`resident_after_grant`), and a Yield that finds the
+next waiter's state resident (the releasing replica grants it at once, see
+:meth:`timeslice_orchestrator.locks.LockService.release`). All three decide with the same
+function, so they agree on when nothing needs to move.
+"""
+
+from __future__ import annotations
+
+import time
+
+from timeslice_orchestrator.store.cache import GroupView, QueuedJob
+from timeslice_orchestrator.store.records import AgentRecord, HolderRecord, ResidentRecord
+
+
+def holder_for(
+    waiter: QueuedJob, *, restored: bool = False, previous: str = "", switch_seconds: float = 0.0
+) -> HolderRecord:
+    """The hold ``waiter`` gets; its ticket is its place in line (the entry's revision)."""
+    now = time.time()
+    entry = waiter.entry.record
+    return HolderRecord(
+        job=waiter.job,
+        session=entry.session,
+        request_id=entry.request_id,
+        attempt=entry.attempt,
+        ticket=waiter.revision,
+        granted_at=now,
+        waited_seconds=max(0.0, now - entry.enqueued_at),
+        restored=restored,
+        previous_job=previous,
+        switch_seconds=switch_seconds,
+    )
+
+
+def in_place(view: GroupView, job: str, agents: dict[str, AgentRecord]) -> ResidentRecord | None:
+    """The residency after granting ``job`` without moving anything, or None if it cannot be.
+
+    ``view`` is the group as the grant finds it (no holder). Nothing moves when no switch
+    runs, every pinned node's agent is present, and the job's state is already on every node
+    where it runs (its workers' nodes and the pinned ones): exactly when the switch plan has
+    no steps. The job becomes the most recently used on its nodes (evicted last).
+    """
+    if view.holder is not None or view.switch is not None:
+        return None
+    if any(node not in agents for node in view.static_members):
+        return None
+    residency = view.residency()
+    runs_on = {n for n, a in agents.items() if job in a.jobs_of(view.group)}
+    if any(job not in residency.nodes.get(n, []) for n in runs_on | set(view.static_members)):
+        return None
+    for node, jobs in list(residency.nodes.items()):
+        if job in jobs:
+            residency.place(node, job)
+    return residency
+
+
+def resident_after_grant(
+    view: GroupView, job: str, agents: dict[str, AgentRecord]
+) -> ResidentRecord | None:
+    """The residency after granting ``job`` a free group nobody waits for, or None.
+
+    What the driver would do for a lone waiter whose state needs no moving, so an Acquire
+    can take the group in its own transaction.
+    """
+    if view.queue:
+        return None
+    return in_place(view, job, agents)
