@@ -258,18 +258,18 @@ class LockService:
             lease_of(session_id)
         if epoch <= 0:
             raise InvalidArgument("epoch must be the positive fencing token of the grant")
-        before = self._mirror.group(group)
         revision = await self._store.release(
             Hold(group, job, epoch, session_id),
-            Hint(before.holder),
-            Hint(before.usage),
+            Hint(self._mirror.holder(group)),
+            Hint(self._mirror.usage(group)),
         )
         self._released[group] = revision
         if len(self._released) > _RELEASED_KEPT:
             seen = self._mirror.revision
             self._released = {g: r for g, r in self._released.items() if r > seen}
-        if before.queue:
-            await self._hand_over(dataclasses.replace(before, holder=None))
+        if self._mirror.has_waiters(group):
+            # The mirror may not show the release yet: the view is the group after it.
+            await self._hand_over(dataclasses.replace(self._mirror.group(group), holder=None))
 
     async def _hand_over(self, view: GroupView) -> None:
         """Grant the group's next waiter in place, as the driver would (``view``: the group

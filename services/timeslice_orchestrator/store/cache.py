@@ -44,9 +44,10 @@ from timeslice_orchestrator.store.records import (
 
 log = logging.getLogger(__name__)
 
-# The records of a group's keys (decoded once per write, see Mirror._decoded_record).
+# The records decoded once per write (see Mirror._decoded_record).
 _R = TypeVar(
     "_R",
+    SessionRecord,
     HolderRecord,
     ResidentRecord,
     SwitchRecord,
@@ -129,7 +130,7 @@ class Mirror:
         # Keys indexed by topic (one group, the sessions, the agents, the relay), so reading
         # one group costs its own few keys.
         self._topics: dict[str, dict[KeyRef, KeyValue]] = {}
-        # Group records decoded once per write (a group is read several times per change):
+        # Records decoded once per write (a group is read several times per change):
         # by key, the mod revision decoded and the record. Callers must not change them.
         self._decoded: dict[KeyRef, tuple[int, Any]] = {}
         self._groups: set[str] = set()
@@ -151,18 +152,25 @@ class Mirror:
         return sorted(self._groups)
 
     def session(self, session_id: str) -> Stored[SessionRecord] | None:
-        kv = self._kv(KeyRef(Kind.SESSION, name=session_id))
-        return Stored.of(kv, SessionRecord.decode(kv.value)) if kv else None
+        ref = KeyRef(Kind.SESSION, name=session_id)
+        kv = self._kv(ref)
+        return Stored.of(kv, self._decoded_record(ref, kv, SessionRecord)) if kv else None
 
     def holder(self, group: str) -> Stored[HolderRecord] | None:
         """The group's hold as last seen (None: free, or no such group)."""
-        kv = self._kv(KeyRef(Kind.HOLDER, group))
-        return Stored.of(kv, HolderRecord.decode(kv.value)) if kv else None
+        ref = KeyRef(Kind.HOLDER, group)
+        kv = self._kv(ref)
+        return Stored.of(kv, self._decoded_record(ref, kv, HolderRecord)) if kv else None
 
     def usage(self, group: str) -> Stored[UsageRecord] | None:
         """The group's usage ledger as last seen (None: nothing was ever released)."""
-        kv = self._kv(KeyRef(Kind.USAGE, group))
-        return Stored.of(kv, UsageRecord.decode(kv.value)) if kv else None
+        ref = KeyRef(Kind.USAGE, group)
+        kv = self._kv(ref)
+        return Stored.of(kv, self._decoded_record(ref, kv, UsageRecord)) if kv else None
+
+    def has_waiters(self, group: str) -> bool:
+        """Whether anyone was last seen waiting for ``group`` (cheaper than a whole view)."""
+        return any(ref.kind is Kind.QUEUE for ref in self._topics.get(group_topic(group), {}))
 
     def agents(self) -> dict[str, AgentRecord]:
         """Every node's agent record, by node; corrupt records are logged and left out."""
