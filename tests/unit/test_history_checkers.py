@@ -108,12 +108,12 @@ def test_fencing_passes_growing_epochs() -> None:
 def test_fencing_flags_a_stale_epoch_executed() -> None:
     stale = entry("n1", "s5", "restore", "a", 5, 6, 6.5)
     with pytest.raises(AssertionError, match=r"n1/g: executed s5-restore-n1-a \(epoch 5\)"):
-        check_fencing(switch(10, 0, "a", "b") + [stale])
+        check_fencing([*switch(10, 0, "a", "b"), stale])
 
 
 def test_fencing_ignores_a_stale_epoch_refused() -> None:
     refused = entry("n1", "s5", "restore", "a", 5, 6, 6.5, status="stale_epoch")
-    check_fencing(switch(10, 0, "a", "b") + [refused])
+    check_fencing([*switch(10, 0, "a", "b"), refused])
 
 
 def test_fencing_flags_an_empty_journal() -> None:
@@ -162,7 +162,7 @@ def test_two_phase_flags_a_restore_after_a_failed_checkpoint() -> None:
 def test_two_phase_flags_a_skipped_checkpoint() -> None:
     # b is on both nodes after epoch 10; epoch 20 restores a on n1 without checkpointing b.
     later = [e for e in switch(20, 3, "b", "a") if not (e.node == "n1" and e.kind == "checkpoint")]
-    with pytest.raises(AssertionError, match="n1/g: a restored .* over b.*skipped checkpoint"):
+    with pytest.raises(AssertionError, match=r"n1/g: a restored .* over b.*skipped checkpoint"):
         check_two_phase(switch(10, 0, "a", "b") + later)
 
 
@@ -174,7 +174,8 @@ def test_two_phase_flags_restores_with_no_checkpoint_at_all() -> None:
 
 def test_two_phase_accepts_a_rollback_in_the_switch_epoch() -> None:
     # n1's checkpoint fails; n0's evicted job is put back under the same epoch.
-    entries = switch(10, 0, "a", "b") + [
+    entries = [
+        *switch(10, 0, "a", "b"),
         entry("n0", "s20", "evict", "b", 20, 3, 4),
         entry("n1", "s20", "evict", "b", 20, 3, 4.5, status="failed"),
         entry("n0", "s20", "rollback", "b", 20, 5, 6),
@@ -187,7 +188,7 @@ def test_two_phase_accepts_a_rollback_in_the_switch_epoch() -> None:
 
 
 def test_two_phase_flags_a_switch_that_restores_and_rolls_back() -> None:
-    entries = switch(10, 0, "a", "b") + [entry("n0", "s10", "rollback", "a", 10, 3, 4)]
+    entries = [*switch(10, 0, "a", "b"), entry("n0", "s10", "rollback", "a", 10, 3, 4)]
     with pytest.raises(AssertionError, match="both restored its waiter and rolled back"):
         check_two_phase(entries)
 
