@@ -15,7 +15,14 @@ from timeslice import AsyncTimeSliceClient
 from timeslice_agent.journal import JournalEntry, read_journal
 from timeslice_proto.timeslice.v1 import GroupStatus
 from timeslice_tools.dev.cluster import LocalCluster
-from timeslice_tools.history import Attempt, Hold, Recorder
+from timeslice_tools.history import (
+    Attempt,
+    Hold,
+    Recorder,
+    TwoPhaseSummary,
+    check_fencing,
+    check_two_phase,
+)
 
 REPORT = Path(os.environ.get("TIMESLICE_FAULT_REPORT", ".timeslice/fault-recovery.jsonl"))
 
@@ -75,7 +82,19 @@ async def wait_for_status(
 
 
 def journals(cluster: LocalCluster) -> list[JournalEntry]:
+    """Every agent's journal; each must exist (an agent that never wrote one proves nothing)."""
+    missing = [str(p) for p in cluster.agent_journals.values() if not p.exists()]
+    assert not missing, f"agent journal(s) missing: {missing}"
     return [e for path in cluster.agent_journals.values() for e in read_journal(path)]
+
+
+def check_switches(cluster: LocalCluster, *, nodes: list[str] | None = None) -> TwoPhaseSummary:
+    """Fencing and two-phase order over every agent's journal, which must show switches."""
+    entries = journals(cluster)
+    check_fencing(entries, nodes=cluster.nodes if nodes is None else nodes)
+    summary = check_two_phase(entries)
+    assert summary.committed > 0, f"no committed switch in the journals: {summary}"
+    return summary
 
 
 def replica_index(replica_id: str) -> int:

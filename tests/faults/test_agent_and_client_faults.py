@@ -14,11 +14,10 @@ import time
 import pytest
 
 from tests.conftest import ClusterFactory
-from tests.faults.harness import journals, report_recovery, wait_for_status
+from tests.faults.harness import check_switches, report_recovery, wait_for_status
 from timeslice import AsyncTimeSliceClient, register
 from timeslice.errors import GroupFaulted
 from timeslice_proto.timeslice.v1 import SwitchPhase
-from timeslice_tools.history import check_fencing
 
 SLOW_SIM = ["--sim-bandwidth-gbps", "2", "--sim-state-gb", "2"]
 AGENT_TTL = 3
@@ -92,7 +91,10 @@ async def test_agent_killed_mid_checkpoint(cluster_factory: ClusterFactory, repe
     finally:
         for w in workers:
             w.close()
-    check_fencing(journals(cluster))
+    # node-1 died inside its first checkpoint, so only node-0 must have executed directives;
+    # the rollback and the switches after the restart are checked on both.
+    summary = check_switches(cluster, nodes=["node-0"])
+    assert summary.rolled_back > 0, f"the aborted checkpoint was not rolled back: {summary}"
 
 
 CLIENT = textwrap.dedent(

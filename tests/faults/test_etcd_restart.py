@@ -9,11 +9,10 @@ import time
 import pytest
 
 from tests.conftest import ClusterFactory
-from tests.faults.harness import cycle, journals, report_recovery
+from tests.faults.harness import check_switches, cycle, report_recovery
 from timeslice import AsyncTimeSliceClient, register
 from timeslice_tools.history import (
     Recorder,
-    check_fencing,
     check_fifo,
     check_mutual_exclusion,
     check_nothing_lost,
@@ -68,5 +67,5 @@ async def test_etcd_restart_under_load(cluster_factory: ClusterFactory, repeat: 
     check_mutual_exclusion(recorder.holds)
     check_fifo(recorder.holds)
     check_nothing_lost(recorder.attempts, dict.fromkeys(jobs, PHASES))
-    check_fencing(journals(cluster))
+    check_switches(cluster)
     assert cluster.exited() == {}, "every service rode out the outage"

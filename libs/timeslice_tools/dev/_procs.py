@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import http.client
 import os
 import signal
 import socket
@@ -24,22 +25,68 @@ _PR_SET_PDEATHSIG = 1
 _LOG_TAIL_BYTES = 16_384
 
 
+# Ports handed out come from a range the kernel never picks for an ephemeral bind (below
+# ip_local_port_range), cut into slices: each pytest-xdist worker of a run gets its own slice,
+# so two workers can no longer pick the same free port and race to bind it (a readiness probe
+# then talks to the other worker's server). Another process picking explicitly in the same
+# slice is still possible (a second test run); starts that fail on a taken port are retried.
+_PORT_FLOOR = 10_000
+_SLICE = 250
+_cursor: dict[int, int] = {}
+_cursor_lock = threading.Lock()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
+
+
+def _slice_start() -> int:
+    """The first port of this process's slice."""
+    slices = max(1, (_ephemeral_low() - _PORT_FLOOR) // _SLICE)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", "")
+    if worker.startswith("gw") and worker[2:].isdigit():
+        # Workers of one run take consecutive slices from an offset of the run's own.
+        offset = int.from_bytes(run.encode()[-4:] or b"\0", "big") % slices
+        index = (offset + int(worker[2:])) % slices
+    else:
+        index = os.getpid() % slices
+    return _PORT_FLOOR + index * _SLICE
+
+
+def _bindable(port: int, host: str) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """Return ``count`` distinct TCP ports that were free on ``host`` a moment ago.
 
-    All sockets stay bound until every port is picked, so one call never returns the same port
-    twice. Another process can still take a port before we use it; callers that can, retry.
+    Taken in turn from this process's slice (see ``_SLICE``), so one process never returns a
+    port twice while the slice lasts, and parallel test workers never return the same port.
     """
-    sockets: list[socket.socket] = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind((host, 0))
-            sockets.append(sock)
-        return [int(sock.getsockname()[1]) for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+    start = _slice_start()
+    ports: list[int] = []
+    with _cursor_lock:
+        cursor = _cursor.get(start, 0)
+        for _ in range(_SLICE):
+            port = start + cursor
+            cursor = (cursor + 1) % _SLICE
+            if port not in ports and _bindable(port, host):
+                ports.append(port)
+                if len(ports) == count:
+                    break
+        _cursor[start] = cursor
+    if len(ports) < count:
+        raise OSError(f"no {count} free ports left in {start}-{start + _SLICE - 1} on {host}")
+    return ports
 
 
 def log_tail(path: Path, max_lines: int = 40) -> str:
@@ -83,8 +130,9 @@ def http_status(url: str, timeout: float = 0.5) -> tuple[int, bytes] | None:
             return int(resp.status), resp.read()
     except urllib.error.HTTPError as exc:
         return int(exc.code), exc.read()
-    except (OSError, ValueError):
-        # Connection refused/reset, timeouts and half-started servers all mean "not yet".
+    except (OSError, ValueError, http.client.HTTPException):
+        # Connection refused/reset, timeouts and half-started servers all mean "not yet"; so
+        # does a server that does not speak HTTP/1 (a port someone else took meanwhile).
         return None
 
 
