@@ -31,7 +31,8 @@ async def test_workload_generator_runs_dedicated_then_shared(
     assert result.violations == []
     assert result.jobs == 2 and len(result.slowdown) == 2
     assert list(result.duty) == ["balanced-main"]
-    assert 0.2 < result.main_duty <= 1.0
+    # Sharing beats a dedicated group, whose duty is one job's busy fraction (40%).
+    assert result.busy_fraction < result.main_duty <= 1.0
     # Sharing can only make a job's steps longer (up to timer noise).
     assert all(s > 0.9 for s in result.slowdown)
     assert result.switches >= 2
@@ -66,7 +67,9 @@ async def test_control_plane_benchmarks_measure_and_check(etcd_server: EtcdServe
     on_etcd = {"etcd_endpoint": etcd_server.endpoint}
     handoff = await controlplane.handoff_latency(1, 10, warmup=2, cluster_kwargs=on_etcd)
     assert handoff.samples == 10 and handoff.violations == []
-    assert 0 < handoff.handoff_ms.p50 < 1000
+    # Generous (the target is 3 ms), but a lost wake-up shows: the driver looks at an idle
+    # group with waiters again only after 2 s.
+    assert 0 < handoff.handoff_ms.p50 < 250
     fanout = await controlplane.switch_fanout(2, 6, warmup=2, cluster_kwargs=on_etcd)
     assert fanout.violations == [] and fanout.switches == 6
     assert fanout.backend_ms.p50 > 0 and fanout.wall_ms.p50 >= fanout.backend_ms.p50

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -28,15 +27,13 @@ def _records(run_dir: Path) -> list[PhaseRecord]:
 @pytest.mark.slow
 def test_demo_runs_to_completion_and_shares_the_group(tmp_path: Path) -> None:
     steps = 5
-    started = time.monotonic()
+    # The timeout is the bound on the run: past it, subprocess raises and the test fails.
     result = subprocess.run(
         [sys.executable, "-m", "timeslice_tools.dev.demo", "--steps", str(steps),
          "--base-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
-    elapsed = time.monotonic() - started
     assert result.returncode == 0, result.stdout + result.stderr
-    assert elapsed < 120
     out = result.stdout
     for heading in ("Timelines", "Switches on the shared group", "Accelerator duty cycle",
                     "Mean step time per job"):  # fmt: skip
