@@ -17,6 +17,10 @@ BACKOFF_INITIAL = 0.05
 BACKOFF_MAX = 1.0
 """The delay never grows past this many seconds, unless a caller chooses another cap."""
 
+# One generator for every Backoff: seeding one per Backoff reads the OS's entropy, and the
+# SDK makes a Backoff per call.
+_SHARED_RNG = random.Random()
+
 
 class Backoff:
     """Delays that double from ``initial`` up to ``maximum`` seconds; :meth:`reset` starts over.
@@ -37,7 +41,7 @@ class Backoff:
         self._initial = initial
         self._maximum = maximum
         self._jitter = jitter
-        self._rng = rng if rng is not None else random.Random()
+        self._rng = rng if rng is not None else _SHARED_RNG
         self._next = initial
 
     def reset(self) -> None:
