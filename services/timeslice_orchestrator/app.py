@@ -273,9 +273,7 @@ class Orchestrator:
         if self._membership is not None:
             # First, so that no term starts while this one is taken down.
             self._membership.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                async with asyncio.timeout(CLOSE_SECONDS):
-                    await self._membership
+            await asyncio.wait({self._membership}, timeout=CLOSE_SECONDS)
         term, self._term = self._term, None
         if term is not None:
             await self._end_term(term)
