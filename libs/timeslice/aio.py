@@ -9,6 +9,8 @@ The client is put together from small parts:
 - :mod:`timeslice._transport`: channels to every replica, unary calls with failover;
 - :mod:`timeslice._session`: the session (lease, keepalive, loss, close);
 - :mod:`timeslice._acquire`: one acquire call (stream, failover, re-attach, abort);
+- :mod:`timeslice._release`: a yield the orchestrator did not confirm in time, retried until
+  it does;
 - :mod:`timeslice._streams`: the retrying stream both acquire and :meth:`watch` use;
 - :mod:`timeslice.runner`: the event loop the client lives on, and blocking use of it.
 
@@ -33,6 +35,7 @@ from types import TracebackType
 from typing import TypeVar, cast
 
 from timeslice._acquire import AcquireCall, ProgressCallback
+from timeslice._release import PendingRelease
 from timeslice._scope import AcceleratorScope
 from timeslice._session import Session
 from timeslice._streams import Retry, retrying_stream
@@ -122,6 +125,8 @@ class AsyncTimeSliceClient:
         self._session: Session | None = None
         self._session_lock = asyncio.Lock()
         self._grants: dict[str, Grant] = {}
+        # Yields not confirmed within call_timeout, still being sent (see timeslice._release).
+        self._releasing: dict[str, PendingRelease] = {}
         self._acquiring: set[str] = set()
         self._closed = False
         self._yield_requests: set[str] = set()
@@ -202,6 +207,10 @@ class AsyncTimeSliceClient:
                 switching, granted) on the client's event loop; an exception it raises
                 aborts the acquire.
 
+        If a yield of the group could not be confirmed (the orchestrator or etcd was away),
+        the client first waits for that release to land, within ``timeout``, and then
+        acquires as usual: at once when nobody else waits.
+
         Raises:
             Timeout: not granted within ``timeout``; the queue entry was removed.
             AlreadyExists: this client already holds the group or is acquiring it.
@@ -219,10 +228,18 @@ class AsyncTimeSliceClient:
     async def yield_(self, group_id: str) -> None:
         """Give ``group_id`` back. Lazy on the server: nothing moves unless another job waits.
 
+        The call retries within ``call_timeout``. If no replica confirmed the release by then,
+        it raises :class:`Unavailable` (or :class:`Timeout`) and the client stops using the
+        grant but keeps sending the release in the background until the orchestrator answers
+        (or the session ends), so the group is not left held. A later ``acquire`` of the
+        group waits for that release first; calling ``yield_`` again waits for it too.
+
         Raises:
             NotHolder: this client holds no grant for the group (checked locally, no call
                 is made), or the orchestrator says the grant is no longer valid.
             PermissionDenied: another job holds the group.
+            Unavailable: the release was not confirmed within ``call_timeout``; it goes on
+                in the background.
         """
         await self._runner.yield_(group_id)
 
@@ -404,6 +421,9 @@ class AsyncTimeSliceClient:
         self.last_session_loss = reason
         lost = sorted(self._grants)
         self._grants.clear()
+        for pending in self._releasing.values():
+            if pending.session is session:
+                pending.wake()  # its hold went with the session: nothing left to release
         log.warning(
             "session %s of job %s is gone (%s); holds released: %s; a new session opens on "
             "the next acquire",
@@ -435,6 +455,7 @@ class AsyncTimeSliceClient:
                 "in this client"
             )
         self._acquiring.add(group)
+        pending = self._pending_release(group)
         call = AcquireCall(
             self._transport,
             job_id=self._job_id,
@@ -451,6 +472,10 @@ class AsyncTimeSliceClient:
             limit = asyncio.timeout_at(deadline)
             try:
                 async with limit:
+                    if pending is not None:
+                        # Our own yield of the group is still on its way: let it land first
+                        # (now, not after its backoff), then queue as anyone would.
+                        await pending.wait()
                     await call.until_granted()
             except TimeoutError:
                 if limit.expired():
@@ -485,6 +510,11 @@ class AsyncTimeSliceClient:
             await self._tasks.finish_even_if_cancelled(
                 self._send_yield(session, group, epoch), f"timeslice-yield-{group}"
             )
+        except (Unavailable, Timeout) as exc:
+            # Not confirmed: keep sending it, as for a yield (the grant must not stay held).
+            log.warning("give-back of %s (epoch %d) not confirmed yet: %s", group, epoch, exc)
+            if not self._closed and not session.done:
+                self._release_later(session, group, epoch)
         except Exception as exc:
             # The acquire's own error is what propagates; this one must still be seen.
             log.error(
@@ -519,6 +549,18 @@ class AsyncTimeSliceClient:
 
     async def _yield(self, group: str) -> None:
         self._check_open()
+        pending = self._pending_release(group)
+        if pending is not None and group not in self._grants:
+            # A yield again after one that was not confirmed: done once that release is.
+            try:
+                async with asyncio.timeout(self._call_timeout):
+                    await pending.wait()
+            except TimeoutError:
+                raise Unavailable(
+                    f"the release of group {group} by job {self._job_id} is still not "
+                    f"confirmed after {pending.attempts} tries; it goes on in the background"
+                ) from None
+            return
         grant = self._grants.get(group)
         session = self._session
         if grant is None or session is None:
@@ -541,7 +583,32 @@ class AsyncTimeSliceClient:
         except SessionExpired as exc:
             session.lose(f"Yield: {exc}")
             raise
+        except (Unavailable, Timeout):
+            # Not confirmed: the hold may still be on the server. The job is done with it
+            # either way; the release goes on until the orchestrator answers.
+            self._forget(group, grant)
+            self._release_later(session, group, grant.epoch)
+            raise
         self._forget(group, grant)
+
+    def _pending_release(self, group: str) -> PendingRelease | None:
+        pending = self._releasing.get(group)
+        # One that has just ended may still be listed until its task's callback runs.
+        return pending if pending is not None and not pending.finished else None
+
+    def _release_later(self, session: Session, group: str, epoch: int) -> None:
+        async def send() -> int:
+            return await self._send_yield(session, group, epoch)
+
+        pending = PendingRelease(group, epoch, session, send)
+        self._releasing[group] = pending
+        task = self._tasks.spawn(pending.run(), f"timeslice-release-{group}", kind="release")
+
+        def finished(_: asyncio.Task[None]) -> None:
+            if self._releasing.get(group) is pending:
+                del self._releasing[group]
+
+        task.add_done_callback(finished)
 
     def _forget(self, group: str, grant: Grant) -> None:
         if self._grants.get(group) is grant:

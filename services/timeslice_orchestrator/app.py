@@ -1,9 +1,18 @@
-"""One orchestrator replica: wiring, start-up order, supervision and shutdown.
+"""One orchestrator replica: wiring, start-up order, supervision, rejoining and shutdown.
 
-Every long-running task is supervised: if the etcd mirror, the lease keeper or a server dies,
-the replica stops and exits non-zero (its supervisor restarts it; no state is lost because
-none is kept here). Losing its lease means other replicas may already drive its groups, so
-it exits at once rather than act on stale authority.
+Every long-running task is supervised: if the etcd mirror, the membership loop or a server
+dies, the replica stops and exits non-zero (its supervisor restarts it; no state is lost
+because none is kept here).
+
+A replica takes part in the cluster in terms. A term is one replica lease and what acts on
+its authority: the switch driver (its writes compare the driver key's lease) and the
+directive router (its relay posts live on the lease). When the lease is lost (etcd paused,
+restarted or unreachable for longer than the replica TTL), other replicas may already drive
+its groups, so the term ends at once: the driver and router stop and ``/readyz`` says not
+ready. The process stays up: client calls are answered (typed UNAVAILABLE while etcd is
+away), the mirror resumes its watch from the last revision it saw, and once etcd answers
+again the replica revokes the lost lease (freeing its driver keys at once instead of a TTL
+later), lets the mirror catch up, and starts a new term with a new lease.
 """
 
 from __future__ import annotations
@@ -13,12 +22,14 @@ import contextlib
 import logging
 import signal
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 from grpclib.server import Server
 from opentelemetry.sdk.trace import TracerProvider
 
+from timeslice.backoff import Backoff
 from timeslice.tasks import Supervisor
 from timeslice.tracing import provider_from_env, tracer_for
 from timeslice_orchestrator.api import TimeSliceService
@@ -30,7 +41,7 @@ from timeslice_orchestrator.locks import LockService
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.relay import DirectiveRouter
 from timeslice_orchestrator.store.cache import Mirror
-from timeslice_orchestrator.store.etcd import EtcdClient, LeaseKeeper
+from timeslice_orchestrator.store.etcd import EtcdClient, LeaseKeeper, StoreUnavailable, Txn
 from timeslice_orchestrator.store.groups import GroupStore
 from timeslice_orchestrator.store.keys import Keyspace
 from timeslice_orchestrator.store.relay import RelayStore
@@ -39,6 +50,28 @@ log = logging.getLogger(__name__)
 
 SYNC_TIMEOUT = 30.0
 CLOSE_SECONDS = 5.0
+# How far behind etcd the mirror may be when a term starts: longer, and the rejoin is retried.
+REJOIN_CATCH_UP = 10.0
+# Retries of a rejoin while etcd is still away (doubling up to the cap).
+REJOIN_BACKOFF = (0.1, 1.0)
+
+
+@dataclass(eq=False)
+class Term:
+    """One term of this replica: its lease and what acts on the lease's authority.
+
+    Nothing of a term is reused by the next one: its driver and router were built with its
+    lease, and every write they make compares it.
+    """
+
+    lease: int
+    keeper: LeaseKeeper
+    router: DirectiveRouter
+    driver: SwitchDriver
+
+    @property
+    def lost(self) -> bool:
+        return self.keeper.lost.is_set()
 
 
 class Orchestrator:
@@ -49,36 +82,43 @@ class Orchestrator:
         self.keys = Keyspace(config.prefix)
         self.store = GroupStore(self.etcd, self.keys)
         self.mirror = Mirror(self.etcd, self.keys)
-        # The replica cannot live without its lease keeper and mirror: either ending is fatal.
+        # The replica cannot live without its mirror and its membership loop: either ending
+        # is fatal. Losing the lease is not (see the module docstring).
         self._tasks = Supervisor(f"replica {config.replica_id}")
         self._server: Server | None = None
         self._runner: web.AppRunner | None = None
-        self._keeper: LeaseKeeper | None = None
-        self._driver: SwitchDriver | None = None
-        self._router: DirectiveRouter | None = None
+        self._term: Term | None = None
+        self._membership: asyncio.Task[None] | None = None
         self._hub: AgentHub | None = None
         self._locks: LockService | None = None
         self._ready = False
+        self.terms = 0
+        """Terms started so far: 1 after start, one more per rejoin."""
         self._tracing = (
             tracing if tracing is not None else provider_from_env("timeslice-orchestrator")
         )
 
+    @property
+    def lease(self) -> int | None:
+        """The lease of the current term; None between a lost lease and the rejoin."""
+        return self._term.lease if self._term is not None else None
+
     def ready(self) -> bool:
+        term = self._term
         return (
             self._ready
             and self.mirror.synced.is_set()
-            and self._keeper is not None
-            and not self._keeper.lost.is_set()
+            and term is not None
+            and not term.lost
+            and not term.keeper.failing
         )
 
-    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
-        self._tasks.spawn(coro, name, kind=name, critical=True)
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        return self._tasks.spawn(coro, name, kind=name, critical=True)
 
     async def start(self) -> None:
         cfg = self.config
         lease = await self._grant_lease()
-        self._keeper = LeaseKeeper(self.etcd, lease, cfg.replica_ttl)
-        self._spawn(self._keeper.run(), "lease-keeper")
         self._spawn(self.mirror.run(), "etcd-mirror")
         async with asyncio.timeout(SYNC_TIMEOUT):
             await self.mirror.synced.wait()
@@ -86,26 +126,8 @@ class Orchestrator:
         self._locks = locks = LockService(
             self.store, self.mirror, self.metrics, cfg.session_ttl, cfg.policy, cfg.max_hold
         )
-        self._router = DirectiveRouter(
-            hub, self.mirror, RelayStore(self.etcd, self.keys), cfg.replica_id, lease
-        )
-        self._router.start()
-        self._driver = SwitchDriver(
-            self.store,
-            self.mirror,
-            self._router,
-            self.metrics,
-            DriverConfig(
-                replica_id=cfg.replica_id,
-                directive_timeout=cfg.directive_timeout,
-                co_residency=cfg.co_residency,
-                prefetch=cfg.prefetch,
-                policy=cfg.policy,
-            ),
-            lease,
-            tracer_for(self._tracing),
-        )
-        self._driver.start()
+        self._term = self._begin_term(lease)
+        self._membership = self._spawn(self._keep_membership(), "membership")
         tracer = tracer_for(self._tracing)
         self._server = Server([TimeSliceService(locks, self.mirror, self.metrics, tracer), hub])
         await self._server.start(cfg.listen.host, cfg.listen.port)
@@ -134,21 +156,113 @@ class Orchestrator:
                 log.warning("waiting for etcd at %s: %s", self.config.etcd, exc)
                 await asyncio.sleep(0.5)
 
+    # -- terms ----------------------------------------------------------------------------
+
+    def _begin_term(self, lease: int) -> Term:
+        cfg = self.config
+        assert self._hub is not None
+        keeper = LeaseKeeper(self.etcd, lease, cfg.replica_ttl)
+        # Not critical: its end (a lost lease) ends the term, which the membership loop
+        # watches; a crash sets ``lost`` too (see LeaseKeeper.run).
+        self._tasks.spawn(keeper.run(), f"lease-keeper-{lease:x}", kind="lease-keeper")
+        router = DirectiveRouter(
+            self._hub, self.mirror, RelayStore(self.etcd, self.keys), cfg.replica_id, lease
+        )
+        router.start()
+        driver = SwitchDriver(
+            self.store,
+            self.mirror,
+            router,
+            self.metrics,
+            DriverConfig(
+                replica_id=cfg.replica_id,
+                directive_timeout=cfg.directive_timeout,
+                co_residency=cfg.co_residency,
+                prefetch=cfg.prefetch,
+                policy=cfg.policy,
+            ),
+            lease,
+            tracer_for(self._tracing),
+        )
+        driver.start()
+        self.terms += 1
+        self.metrics.replica_terms.inc()
+        return Term(lease, keeper, router, driver)
+
+    async def _end_term(self, term: Term) -> None:
+        """Stop everything acting on ``term``'s lease (bounded: the lease fences a straggler)."""
+        try:
+            async with asyncio.timeout(CLOSE_SECONDS):
+                await term.driver.stop()
+        except TimeoutError:
+            log.error("the driver of lease %x did not stop within %g s", term.lease, CLOSE_SECONDS)
+        try:
+            async with asyncio.timeout(CLOSE_SECONDS):
+                await term.router.stop()
+        except TimeoutError:
+            log.error("the router of lease %x did not stop within %g s", term.lease, CLOSE_SECONDS)
+
+    async def _keep_membership(self) -> None:
+        """End each term as soon as its lease is lost, and start the next once etcd is back."""
+        loop = asyncio.get_running_loop()
+        while True:
+            term = self._term
+            assert term is not None
+            await term.keeper.lost.wait()
+            lost_at = loop.time()
+            log.error(
+                "replica lease %x lost: no longer driving, rejoining when etcd is back",
+                term.lease,
+            )
+            await self._end_term(term)
+            self._term = None
+            lease = await self._rejoin(term.lease)
+            self._term = self._begin_term(lease)
+            log.warning(
+                "rejoined with lease %x, %.1f s after lease %x was lost",
+                lease,
+                loop.time() - lost_at,
+                term.lease,
+            )
+
+    async def _rejoin(self, lost: int) -> int:
+        """Wait until etcd answers, then revoke ``lost`` and grant a new lease.
+
+        Revoking drops what the lost lease still holds in etcd (an etcd restart extends every
+        lease by its TTL): our driver keys and relay posts go at once, so groups are driven
+        again within moments, by us or by another replica. The mirror then catches up with
+        the store as of now, so the new term's driver starts from what etcd holds after the
+        outage, not from before it. Retried (with backoff) until etcd is back; each step has
+        the etcd client's deadline.
+        """
+        backoff = Backoff(*REJOIN_BACKOFF, jitter=False)
+        revoked = False
+        while True:
+            try:
+                if not revoked:
+                    await self.etcd.revoke_lease(lost)  # an expired lease counts as revoked
+                    revoked = True
+                # A transaction without operations writes nothing; its header carries the
+                # store's current revision.
+                now = (await self.etcd.txn(Txn([]))).revision
+                await self.mirror.wait_for_revision(now, REJOIN_CATCH_UP)
+                return await self.etcd.grant_lease(self.config.replica_ttl)
+            except StoreUnavailable as exc:
+                log.info("rejoin: etcd not back yet (%s)", exc)
+            await asyncio.sleep(backoff.next_delay())
+
+    # -- running --------------------------------------------------------------------------
+
     async def run(self, stop: asyncio.Event) -> int:
         """Serve until ``stop`` is set (0) or a supervised task ends (1)."""
-        assert self._keeper is not None
         stopper = asyncio.create_task(stop.wait(), name="stop-signal")
-        lost = asyncio.create_task(self._keeper.lost.wait(), name="lease-lost")
         fatal = asyncio.create_task(self._tasks.wait_fatal(), name="fatal-task")
-        done, _ = await asyncio.wait({stopper, lost, fatal}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({stopper, fatal}, return_when=asyncio.FIRST_COMPLETED)
         code = 0
-        if lost in done:
-            code = 1
-            log.error("replica lease lost: stopping so others take over cleanly")
         if fatal in done:
             code = 1  # the supervisor logged the failure with its traceback
             log.error("a critical task ended (%r): stopping", fatal.result())
-        for waiter in (stopper, lost, fatal):
+        for waiter in (stopper, fatal):
             waiter.cancel()
         return code
 
@@ -156,10 +270,13 @@ class Orchestrator:
         self._ready = False
         if self._locks is not None:
             self._locks.draining = True
-        if self._driver is not None:
-            await self._driver.stop()
-        if self._router is not None:
-            await self._router.stop()
+        if self._membership is not None:
+            # First, so that no term starts while this one is taken down.
+            self._membership.cancel()
+            await asyncio.wait({self._membership}, timeout=CLOSE_SECONDS)
+        term, self._term = self._term, None
+        if term is not None:
+            await self._end_term(term)
         if self._hub is not None:
             self._hub.close()
             await asyncio.sleep(0.05)  # let the streams send their end before the server closes
@@ -170,10 +287,10 @@ class Orchestrator:
                     await self._server.wait_closed()
         if self._runner is not None:
             await self._runner.cleanup()
-        if self._keeper is not None and not self._keeper.lost.is_set():
+        if term is not None and not term.lost:
             # Revoking frees this replica's groups and agent records at once.
             with contextlib.suppress(Exception):
-                await self.etcd.revoke_lease(self._keeper.lease_id)
+                await self.etcd.revoke_lease(term.lease)
         await self._tasks.cancel_all(CLOSE_SECONDS)
         await self.etcd.close()
         if self._tracing is not None:

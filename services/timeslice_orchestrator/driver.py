@@ -150,6 +150,7 @@ class SwitchDriver:
 
     async def stop(self) -> None:
         """Stop driving: passes in flight are cancelled (a switch record carries them on)."""
+        self._mirror.remove_listener(self._on_change)
         await self._queue.shutdown()
 
     def kick(self, group: str) -> None:

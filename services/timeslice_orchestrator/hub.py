@@ -165,7 +165,7 @@ class AgentHub(AgentHubBase):
                 while True:
                     get = asyncio.ensure_future(conn.outgoing.get())
                     done, _ = await asyncio.wait(
-                        {get, reader, closed}, return_when=asyncio.FIRST_COMPLETED
+                        {get, reader, closed, keeper}, return_when=asyncio.FIRST_COMPLETED
                     )
                     if get in done:
                         yield get.result()
@@ -173,6 +173,11 @@ class AgentHub(AgentHubBase):
                     get.cancel()
                     if reader.done() and reader.exception() is not None:
                         log.warning("agent %s stream failed: %r", node, reader.exception())
+                    if keeper.done():
+                        # The agent lease ran out (etcd was away for longer than its TTL):
+                        # the agent's record is gone, or about to go. Ending the stream makes
+                        # the agent reconnect, publish a fresh record and reconcile.
+                        log.warning("agent %s: its lease was lost; ending its stream", node)
                     return
             finally:
                 closed.cancel()

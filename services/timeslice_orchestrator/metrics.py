@@ -43,6 +43,12 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        self.replica_terms = Counter(
+            "timeslice_replica_terms",
+            "Terms of this replica: one at start, one more each time it rejoins after losing "
+            "its lease",
+            registry=r,
+        )
         self.driver_errors = Counter(
             "timeslice_driver_errors", "Unexpected errors in the switch driver", registry=r
         )

@@ -44,8 +44,12 @@ class DirectiveRouter:
 
     def start(self) -> None:
         self._mirror.add_listener(self._on_change)
+        # Posts made before this router started (while this replica rejoined, its previous
+        # router gone) are waiting for us already: no change will announce them again.
+        self._on_change({RELAY_TOPIC})
 
     async def stop(self) -> None:
+        self._mirror.remove_listener(self._on_change)
         for task in self._forwarding.values():
             task.cancel()
         await asyncio.gather(*self._forwarding.values(), return_exceptions=True)

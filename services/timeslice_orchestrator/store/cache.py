@@ -299,6 +299,11 @@ class Mirror:
         """Call ``listener(topics)`` after every applied batch of changes."""
         self._listeners.append(listener)
 
+    def remove_listener(self, listener: Callable[[set[str]], None]) -> None:
+        """Stop calling ``listener`` (a driver or router of a replica term that ended)."""
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
     async def wait_for_revision(self, revision: int, timeout: float) -> None:
         """Wait until the mirror reflects ``revision`` (one of our own writes)."""
         if self.revision >= revision:

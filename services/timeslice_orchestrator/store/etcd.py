@@ -479,7 +479,9 @@ class LeaseKeeper:
     reports its loss.
 
     ``lost`` is set when etcd says the lease is gone, or when it could not be refreshed
-    for longer than its TTL; the owner must then stop acting on it.
+    for longer than its TTL (or when the keeper ends for any other reason: a lease nobody
+    refreshes cannot be relied on); the owner must then stop acting on it. ``failing`` says
+    that the last refresh did not go through (etcd is away, the lease may soon be lost).
     """
 
     def __init__(self, etcd: EtcdClient, lease_id: int, ttl: int) -> None:
@@ -487,22 +489,29 @@ class LeaseKeeper:
         self.lease_id = lease_id
         self.ttl = ttl
         self.lost = asyncio.Event()
+        self.failing = False
 
     async def run(self) -> None:
+        try:
+            await self._refresh_until_lost()
+        finally:
+            self.lost.set()
+
+    async def _refresh_until_lost(self) -> None:
         loop = asyncio.get_running_loop()
         last_ok = loop.time()
         while not self.lost.is_set():
             try:
                 await self._etcd.keepalive_once(self.lease_id)
                 last_ok = loop.time()
+                self.failing = False
             except LeaseExpired:
                 log.error("lease %x expired", self.lease_id)
-                self.lost.set()
                 return
             except StoreUnavailable as exc:
+                self.failing = True
                 if loop.time() - last_ok > self.ttl:
                     log.error("lease %x not refreshed for %.1f s: %s", self.lease_id, self.ttl, exc)
-                    self.lost.set()
                     return
                 log.warning("lease %x keepalive failed, retrying: %s", self.lease_id, exc)
                 await asyncio.sleep(min(0.2, self.ttl / 10))

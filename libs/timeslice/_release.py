@@ -1,0 +1,134 @@
+"""A release that must land: the Yield of a hold, retried until the orchestrator answers.
+
+``yield_`` sends Yield within the client's call timeout. When no replica confirms it in that
+time (etcd away, every replica unreachable), the hold may still be on the server and other
+jobs wait behind it. The job has said it is done with the group, so the client keeps sending
+the same Yield (same session, same epoch: it is a compare-and-delete, so a repeat cannot
+release anything else) in a supervised background task until the orchestrator answers: the
+hold is released, or it is already gone. The session ending ends it too, since its holds go
+with it.
+
+Meanwhile the group is the job's neither to use nor to hold again: a later ``acquire`` or
+``yield_`` of the group first waits for the release (and has it retried at once). So a job
+never believes it holds a group that the server released, and never queues behind its own
+stale hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from timeslice._session import Session
+from timeslice.backoff import Backoff
+from timeslice.errors import (
+    Cancelled,
+    NotHolder,
+    PermissionDenied,
+    SessionExpired,
+    Timeout,
+    TimeSliceError,
+    Unavailable,
+)
+
+log = logging.getLogger("timeslice")
+
+# Pauses between two Yield calls of a release (each call already retries within its budget).
+_RETRY_INITIAL = 0.1
+_RETRY_MAX = 1.0
+
+
+class PendingRelease:
+    """The release of a hold that its yield could not confirm; see the module docstring.
+
+    Args:
+        group, epoch: the hold being given back.
+        session: the session it was granted under.
+        send: one Yield of the hold, bounded by the client's call timeout.
+    """
+
+    def __init__(
+        self, group: str, epoch: int, session: Session, send: Callable[[], Awaitable[object]]
+    ) -> None:
+        self.group = group
+        self.epoch = epoch
+        self.session = session
+        self._send = send
+        self._wake = asyncio.Event()
+        self._finished = asyncio.Event()
+        self.attempts = 0
+        self.outcome = "pending"
+        """How it ended: ``released``, ``gone`` (the orchestrator no longer had the hold),
+        ``session ended``, or the error that stopped it."""
+
+    @property
+    def finished(self) -> bool:
+        return self._finished.is_set()
+
+    def wake(self) -> None:
+        """Retry now instead of after the current pause (someone waits, or the session ended)."""
+        self._wake.set()
+
+    async def wait(self) -> None:
+        """Until the release has ended, however it ended (the caller bounds the wait)."""
+        self.wake()
+        await self._finished.wait()
+
+    async def run(self) -> None:
+        """Send Yield until the orchestrator answers it, or the session ends."""
+        backoff = Backoff(_RETRY_INITIAL, _RETRY_MAX)
+        try:
+            while not self.session.done:
+                self.attempts += 1
+                try:
+                    await self._send()
+                except (NotHolder, PermissionDenied) as exc:
+                    # A previous try landed, or the hold went another way (its session expired
+                    # on the server): either way it is no longer ours.
+                    self.outcome = "gone"
+                    log.info("release of %s: the hold is already gone (%s)", self.group, exc)
+                    return
+                except SessionExpired as exc:
+                    self.session.lose(f"Yield: {exc}")
+                    break
+                except Cancelled:
+                    self.outcome = "client closed"  # its session is closed: holds released
+                    return
+                except (Unavailable, Timeout) as exc:
+                    log.warning(
+                        "release of %s (epoch %d) not confirmed yet (try %d), retrying: %s",
+                        self.group,
+                        self.epoch,
+                        self.attempts,
+                        exc,
+                    )
+                    self._wake.clear()
+                    try:
+                        async with asyncio.timeout(backoff.next_delay()):
+                            await self._wake.wait()
+                    except TimeoutError:
+                        pass
+                    continue
+                except TimeSliceError as exc:
+                    # Not something a retry fixes (a bug on one side): say so, and stop.
+                    self.outcome = repr(exc)
+                    log.error(
+                        "release of %s (epoch %d) failed for good; the hold stays until the "
+                        "session ends: %s",
+                        self.group,
+                        self.epoch,
+                        exc,
+                    )
+                    return
+                self.outcome = "released"
+                log.info(
+                    "release of %s (epoch %d) confirmed after %d tries",
+                    self.group,
+                    self.epoch,
+                    self.attempts,
+                )
+                return
+            self.outcome = "session ended"
+        finally:
+            self._finished.set()

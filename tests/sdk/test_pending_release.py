@@ -1,0 +1,126 @@
+"""A yield the orchestrator does not confirm in time: the client keeps releasing the hold.
+
+Against the fake orchestrator, Yield answers UNAVAILABLE (what a replica answers while etcd
+is away) until the test lets it through. The real-etcd scenarios are in
+``tests/faults/test_yield_outage.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpclib
+import pytest
+from grpclib.const import Status
+
+from tests.sdk.fakes import FakeOrchestrator, OrchestratorState
+from timeslice import AsyncTimeSliceClient, NotHolder, Timeout, Unavailable
+
+CALL_TIMEOUT = 1.0
+
+
+def _client(orch: FakeOrchestrator, job: str = "job-a") -> AsyncTimeSliceClient:
+    return AsyncTimeSliceClient(orch.target, job_id=job, call_timeout=CALL_TIMEOUT)
+
+
+def _yield_unavailable(state: OrchestratorState) -> None:
+    state.fail["Yield"] = grpclib.GRPCError(Status.UNAVAILABLE, "[unavailable] etcd is away")
+
+
+def _yield_answers(state: OrchestratorState) -> None:
+    state.fail.pop("Yield", None)
+
+
+async def _failed_yield(orch: FakeOrchestrator, client: AsyncTimeSliceClient) -> None:
+    orch.do(_yield_unavailable)
+    # Unavailable, or Timeout when the last answer came too late for the budget (a loaded
+    # machine): either way the release was not confirmed.
+    with pytest.raises((Unavailable, Timeout)):
+        await client.yield_("g1")
+    # The job is done with the grant, but the server still has the hold.
+    assert client.grants() == {}
+    assert orch.do(lambda s: s.holder_of("g1")) == "job-a"
+
+
+async def test_an_unconfirmed_yield_is_retried_until_it_lands(orch: FakeOrchestrator) -> None:
+    async with _client(orch) as client:
+        await client.acquire("g1")
+        await _failed_yield(orch, client)
+        orch.do(_yield_answers)
+        # Nobody calls the client again: the release lands on its own.
+        await orch.until(lambda s: s.holder_of("g1") is None, timeout=5)
+
+
+async def test_acquire_after_an_unconfirmed_yield_releases_first(
+    orch: FakeOrchestrator,
+) -> None:
+    async with _client(orch) as client:
+        first = await client.acquire("g1")
+        await _failed_yield(orch, client)
+        again = asyncio.create_task(client.acquire("g1", timeout=5))
+        await asyncio.sleep(0.3)
+        # Not refused (AlreadyExists), and not granted on top of the old hold either.
+        assert not again.done()
+        orch.do(_yield_answers)
+        second = await asyncio.wait_for(again, 5)
+        assert second.epoch > first.epoch
+        assert client.grants() == {"g1": second}
+        await client.yield_("g1")
+        assert orch.do(lambda s: s.holder_of("g1")) is None
+
+
+async def test_acquire_times_out_while_the_release_cannot_land(orch: FakeOrchestrator) -> None:
+    async with _client(orch) as client:
+        await client.acquire("g1")
+        await _failed_yield(orch, client)
+        with pytest.raises(Timeout):
+            await client.acquire("g1", timeout=0.5)
+        assert orch.do(lambda s: s.holder_of("g1")) == "job-a"
+        orch.do(_yield_answers)
+        await client.acquire("g1", timeout=5)
+        await client.yield_("g1")
+
+
+async def test_yield_again_waits_for_the_pending_release(orch: FakeOrchestrator) -> None:
+    async with _client(orch) as client:
+        await client.acquire("g1")
+        await _failed_yield(orch, client)
+        # Still failing: the second yield says so too, within its own call timeout.
+        with pytest.raises(Unavailable, match="still not confirmed"):
+            await client.yield_("g1")
+        orch.do(_yield_answers)
+        await client.yield_("g1")
+        assert orch.do(lambda s: s.holder_of("g1")) is None
+        with pytest.raises(NotHolder):
+            await client.yield_("g1")
+
+
+async def test_losing_the_session_ends_a_pending_release(orch: FakeOrchestrator) -> None:
+    async with AsyncTimeSliceClient(
+        orch.target, job_id="job-a", call_timeout=CALL_TIMEOUT, session_ttl=0.6
+    ) as client:
+        await client.acquire("g1")
+        session = client.session_id
+        assert session is not None
+        await _failed_yield(orch, client)
+        # The lease expires on the server: the hold goes with it, and the client learns of it
+        # at its next keepalive.
+        orch.do(lambda s: s.end_session(session))
+        orch.do(_yield_answers)
+        grant = await client.acquire("g1", timeout=5)
+        assert client.session_id != session
+        assert client.grants() == {"g1": grant}
+
+
+async def test_close_ends_a_pending_release_quietly(
+    orch: FakeOrchestrator, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = _client(orch)
+    await client.acquire("g1")
+    await _failed_yield(orch, client)
+    with caplog.at_level(logging.ERROR, logger="timeslice"):
+        await asyncio.wait_for(client.close(), 5)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    # CloseSession ended the session, and its hold with it.
+    assert orch.do(lambda s: s.holder_of("g1")) is None
