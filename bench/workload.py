@@ -463,7 +463,7 @@ async def _run_jobs(
 
 def _check_history(log: _RunLog, journal: list[JournalEntry]) -> list[str]:
     violations: list[str] = []
-    checks: list[tuple[str, Callable[[], None]]] = [
+    checks: list[tuple[str, Callable[[], object]]] = [
         ("mutual_exclusion", lambda: check_mutual_exclusion(log.recorder.holds)),
         ("fifo", lambda: check_fifo(log.recorder.holds)),
         ("fencing", lambda: check_fencing(journal)),
