@@ -22,6 +22,11 @@ A failure before the commit rolls back (nodes that checkpointed restore their jo
 with bounded backoff; after that, or after a failed restore, the head alone is faulted and the
 group goes on serving the others.
 
+A node that stops answering (silent past the agent liveness timeout, or past a directive's
+deadline) is fenced out (``docs/fencing.md``): the switch record lists it, it is sent nothing
+more of the switch, its residency is unknown, and the switch completes on the nodes that
+answer, with the reason in the group's ``last_error``. No phase waits for it to come back.
+
 A pass never sleeps: it says what should happen next (:class:`Next`) and the work queue brings
 the group back at once, after a backoff, or when a retry is due.
 """
@@ -355,13 +360,15 @@ class SwitchDriver:
             results = await self._directives.fan_out(
                 switch, DirectiveKind.CHECKPOINT, evictions, "evict"
             )
+            self._note_fenced(record, results, "checkpoint")
             failed = [r for r in results if r.failed]
             next_phase = SwitchPhase.ROLLBACK if failed else SwitchPhase.RESTORE
             if failed:
                 error = SwitchFailed(SwitchPhase.CHECKPOINT, failed)
                 log.warning("group %s: %s; rolling back", record.group, error)
                 self._metrics.switches.labels(outcome="rolled_back").inc()
-                self._last_error[record.group] = str(error)
+                previous = self._last_error.get(record.group)
+                self._last_error[record.group] = f"{previous}; {error}" if previous else str(error)
             moved = await self._store.update_switch(record.group, self._auth, switch, next_phase)
             if moved is None:
                 return Next.AGAIN  # lost the driver role or raced: look again
@@ -375,10 +382,16 @@ class SwitchDriver:
         group = record.group
         restores = [s for s in record.steps if s.restore]
         results = await self._directives.fan_out(switch, DirectiveKind.RESTORE, restores, "restore")
+        fenced = self._note_fenced(record, results, "restore")
         if any(r.unavailable for r in results):
-            return Next.LATER  # keep the record; the same directives go again
+            # Keep the record (with the nodes fenced meanwhile); the same directives go again.
+            if fenced:
+                await self._store.update_switch(group, self._auth, switch, record.phase)
+            return Next.LATER
         view = self._mirror.group(group)
         resident = view.residency()
+        for node in record.fenced:
+            resident.nodes.pop(node, None)  # unknown until its next hello
         for step in record.steps:
             if step.evict:
                 resident.remove(step.node, step.evict)  # checkpointed to the host
@@ -441,13 +454,20 @@ class SwitchDriver:
         results = await self._directives.fan_out(
             switch, DirectiveKind.RESTORE, evictions, "rollback"
         )
+        fenced = self._note_fenced(record, results, "rollback")
         if any(r.unavailable for r in results):
+            if fenced:
+                await self._store.update_switch(group, self._auth, switch, record.phase)
             return Next.LATER
         view = self._mirror.group(group)
         resident = view.residency()
         stats = view.stats
         stats.last_error = self._last_error.pop(group, "") or f"switch {record.switch_id} aborted"
+        for node in record.fenced:
+            resident.nodes.pop(node, None)  # unknown until its next hello
         for step, result in zip(evictions, results, strict=True):
+            if result.fenced:
+                continue  # said once, in last_error
             if not result.ok:
                 resident.remove(step.node, step.evict)
                 stats.last_error += f"; rollback on {step.node} failed: {result.error}"
@@ -480,6 +500,23 @@ class SwitchDriver:
         await self._store.fault_waiter(group, self._auth, Fault(head, reason), stats)
         self._metrics.switches.labels(outcome="gave_up").inc()
         return Next.AGAIN
+
+    def _note_fenced(
+        self, record: SwitchRecord, results: Sequence[NodeResult], phase: str
+    ) -> list[str]:
+        """Add the nodes fenced out in this phase to the record, and say so in last_error.
+
+        The caller writes the record (with its next phase, or the commit ends it), so that
+        whatever driver carries the switch on never sends them another directive of it.
+        """
+        new = [r for r in results if r.fenced and r.node not in record.fenced]
+        for result in new:
+            record.fenced.append(result.node)
+            note = f"{phase}: node {result.node} fenced out ({result.error})"
+            log.warning("group %s: %s; going on without it", record.group, note)
+            previous = self._last_error.get(record.group)
+            self._last_error[record.group] = f"{previous}; {note}" if previous else note
+        return [r.node for r in new]
 
     def _holder(
         self, head: QueuedJob, *, restored: bool, previous: str, switch_seconds: float
