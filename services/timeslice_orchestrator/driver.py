@@ -408,7 +408,13 @@ class SwitchDriver:
             stats.last_error = f"{record.to_job}: {error}"
             fault = Fault(head, str(error)) if head is not None else None
             ended = await self._store.end_switch(
-                group, self._auth, switch, resident, stats, fault=fault
+                group,
+                self._auth,
+                switch,
+                resident,
+                stats,
+                fault=fault,
+                resident_revision=view.resident_revision,
             )
             if ended:
                 self._metrics.switches.labels(outcome="restore_failed").inc()
@@ -417,7 +423,9 @@ class SwitchDriver:
         if record.prefetch or head is None:
             # A prefetch ends here, and so does a switch whose waiter left: keep what the
             # devices now hold, drop the record; the grant (in place) comes on its own.
-            ended = await self._store.end_switch(group, self._auth, switch, resident, stats)
+            ended = await self._store.end_switch(
+                group, self._auth, switch, resident, stats, resident_revision=view.resident_revision
+            )
             if ended:
                 outcome = "prefetched" if record.prefetch else "waiter_left"
                 self._metrics.switches.labels(outcome=outcome).inc()
@@ -471,7 +479,9 @@ class SwitchDriver:
             if not result.ok:
                 resident.remove(step.node, step.evict)
                 stats.last_error += f"; rollback on {step.node} failed: {result.error}"
-        if not await self._store.end_switch(group, self._auth, switch, resident, stats):
+        if not await self._store.end_switch(
+            group, self._auth, switch, resident, stats, resident_revision=view.resident_revision
+        ):
             return Next.AGAIN
         return await self._after_abort(group, record)
 

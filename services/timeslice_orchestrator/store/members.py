@@ -13,13 +13,16 @@ from timeslice_orchestrator.store.etcd import (
     Delete,
     LeaseExpired,
     LeaseKeeper,
+    Op,
     Put,
+    StoreUnavailable,
     Txn,
     modified_at,
 )
 from timeslice_orchestrator.store.records import (
     AgentRecord,
     FenceRecord,
+    GroupStats,
     MembersRecord,
     ResidentRecord,
     Stored,
@@ -57,13 +60,16 @@ class MemberStore(StoreBase):
         )
         return result.succeeded
 
-    async def set_node_residency(self, group: str, node: str, jobs: list[str]) -> bool:
+    async def set_node_residency(
+        self, group: str, node: str, jobs: list[str], note: str = ""
+    ) -> bool:
         """Make ``jobs`` (least recently restored first) what ``node`` holds for ``group``.
 
-        An empty list marks the node's residency unknown (nothing is counted on there).
-        Returns whether the record changed.
+        An empty list marks the node's residency unknown (nothing is counted on there). With
+        ``note``, the group's ``last_error`` says it in the same transaction. Returns whether
+        the residency changed.
         """
-        key = self.keys.resident(group)
+        key, stats_key = self.keys.resident(group), self.keys.stats(group)
         for _ in range(_RESIDENCY_ATTEMPTS):
             current = await self.etcd.get(key)
             if current is None and not jobs:
@@ -75,12 +81,18 @@ class MemberStore(StoreBase):
             if jobs:
                 record.nodes[node] = list(jobs)
             revision = current.mod_revision if current else 0
-            result = await self.etcd.txn(
-                Txn([modified_at(key, revision)], [Put(key, record.encode())])
-            )
+            compare = [modified_at(key, revision)]
+            ops: list[Op] = [Put(key, record.encode())]
+            if note:
+                stats_kv = await self.etcd.get(stats_key)
+                stats = GroupStats.decode(stats_kv.value) if stats_kv else GroupStats()
+                stats.last_error = note
+                compare.append(modified_at(stats_key, stats_kv.mod_revision if stats_kv else 0))
+                ops.append(Put(stats_key, stats.encode()))
+            result = await self.etcd.txn(Txn(compare, ops))
             if result.succeeded:
                 return True
-        raise RuntimeError(f"residency of {group} kept changing: {node} not updated")
+        raise StoreUnavailable(f"residency of {group} kept changing: {node} not updated")
 
     async def fence_node(self, node: str, fence: FenceRecord) -> int:
         """Fence ``node`` out: record why, drop its agent record, forget its residency.
@@ -93,8 +105,9 @@ class MemberStore(StoreBase):
         result = await self.etcd.txn(
             Txn([], [Put(self.keys.fence(node), fence.encode()), Delete(self.keys.agent(node))])
         )
+        note = f"node {node} fenced out: {fence.reason}"
         for group in fence.groups:
-            await self.set_node_residency(group, node, [])
+            await self.set_node_residency(group, node, [], note)
         if agent is not None and agent.lease:
             await self.etcd.revoke_lease(agent.lease)
         return result.revision
