@@ -251,8 +251,16 @@ class AgentHub(AgentHubBase):
     async def _watch(self, conn: AgentConnection) -> None:
         """Fence the agent out once it has been silent for the liveness timeout."""
         loop = asyncio.get_running_loop()
+        woke = loop.time()
         while not conn.closed.is_set():
-            silent = loop.time() - conn.last_heard
+            now = loop.time()
+            silent = now - conn.last_heard
+            if now - woke > self._liveness_timeout / 2:
+                # This replica's own loop stalled (it slept far past its wake-up): heartbeats
+                # may be waiting unread. Give the reader a turn before judging the agent.
+                woke = now
+                await asyncio.sleep(self.heartbeat_interval)
+                continue
             if silent >= self._liveness_timeout:
                 reason = f"agent {conn.node} silent for {silent:.1f} s (no heartbeat)"
                 log.warning("%s: fencing it out", reason)
@@ -262,7 +270,9 @@ class AgentHub(AgentHubBase):
                 except StoreUnavailable as exc:
                     log.error("could not fence %s out: %s", conn.node, exc)
                 return
-            await asyncio.sleep(min(self.heartbeat_interval, self._liveness_timeout - silent))
+            pause = min(self.heartbeat_interval, self._liveness_timeout - silent)
+            woke = now + pause
+            await asyncio.sleep(pause)
 
     async def fence(self, node: str, reason: str, groups: list[str]) -> int:
         """Fence ``node`` out of its groups (the rule is in ``docs/fencing.md``).
