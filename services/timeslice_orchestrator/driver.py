@@ -390,11 +390,11 @@ class SwitchDriver:
             return Next.LATER
         view = self._mirror.group(group)
         resident = view.residency()
-        for node in record.fenced:
-            resident.nodes.pop(node, None)  # unknown until its next hello
         for step in record.steps:
-            if step.evict:
-                resident.remove(step.node, step.evict)  # checkpointed to the host
+            if step.evict and step.node not in record.fenced:
+                # Checkpointed to the host. A fenced node's residency is what its fence (or
+                # the hello that reconciled it since) wrote, and the view read it as such.
+                resident.remove(step.node, step.evict)
         for step, result in zip(restores, results, strict=True):
             if result.ok:
                 resident.place(step.node, record.to_job)
@@ -471,8 +471,6 @@ class SwitchDriver:
         resident = view.residency()
         stats = view.stats
         stats.last_error = self._last_error.pop(group, "") or f"switch {record.switch_id} aborted"
-        for node in record.fenced:
-            resident.nodes.pop(node, None)  # unknown until its next hello
         for step, result in zip(evictions, results, strict=True):
             if result.fenced:
                 continue  # said once, in last_error
@@ -514,15 +512,19 @@ class SwitchDriver:
     def _note_fenced(
         self, record: SwitchRecord, results: Sequence[NodeResult], phase: str
     ) -> list[str]:
-        """Add the nodes fenced out in this phase to the record, and say so in last_error.
+        """Add the nodes fenced out in this phase to the record; say so, and which nodes
+        left their groups (agent record expired), in last_error.
 
         The caller writes the record (with its next phase, or the commit ends it), so that
         whatever driver carries the switch on never sends them another directive of it.
         """
         new = [r for r in results if r.fenced and r.node not in record.fenced]
+        left = [r for r in results if r.gone and not r.fenced]
         for result in new:
             record.fenced.append(result.node)
-            note = f"{phase}: node {result.node} fenced out ({result.error})"
+        for result in [*new, *left]:
+            how = "fenced out" if result.fenced else "left its groups"
+            note = f"{phase}: node {result.node} {how} ({result.error})"
             log.warning("group %s: %s; going on without it", record.group, note)
             previous = self._last_error.get(record.group)
             self._last_error[record.group] = f"{previous}; {note}" if previous else note
