@@ -10,11 +10,17 @@ Every directive received gets exactly one ack:
    is acted on). A directive older than that is acked STALE_EPOCH. Equal epochs are accepted:
    the checkpoint and restore of one switch share one. The check runs when the directive
    arrives and again when it gets its job's lock, so a directive that waited behind another
-   can never act after a newer authority was accepted for its group.
+   can never act after a newer authority was accepted for its group. A node that was fenced
+   out learns the fence revision in its next Welcome (:meth:`DirectiveExecutor.adopt_fence`):
+   every directive with a lower epoch, of any group, is then STALE_EPOCH as well.
 4. Directives for different jobs run concurrently, each in its own supervised task; directives
    for one job are serialised by a per-job FIFO lock.
 5. ``deadline_ms`` bounds the whole directive (lock wait, hooks, backend); on overrun the work
    is cancelled and the ack is FAILED "deadline exceeded after X s".
+6. A directive that arrives while the link says the agent's own event loop was stalled (a
+   pause long enough that the orchestrator may have fenced the node) is REFUSED, and not
+   remembered: it was most likely waiting in a socket buffer during the pause
+   (``docs/fencing.md``).
 """
 
 from __future__ import annotations
@@ -129,6 +135,9 @@ class DirectiveExecutor:
         self._rescan = rescan
         self._jobs: dict[str, Job] = {}
         self._epochs: dict[str, int] = {}
+        self._fence_revision = 0  # no directive below it acts, whatever its group
+        # Why directives must not run now (the link's stall detector), or None.
+        self.stalled: Callable[[], str | None] = lambda: None
         self._ledger = AckLedger()
         self._locks = KeyedLocks()  # one per job: its directives run one at a time, in order
         self._closing = False
@@ -164,10 +173,34 @@ class DirectiveExecutor:
                 for k, j in self._jobs.items()
             },
             acks=self._ledger.acks(),
+            fence_revision=self._fence_revision,
         )
 
     def reports(self) -> list[JobReport]:
         return [job.report() for _, job in sorted(self._jobs.items())]
+
+    @property
+    def fence_revision(self) -> int:
+        """The highest fence revision adopted: no directive with a lower epoch acts."""
+        return self._fence_revision
+
+    def adopt_fence(self, revision: int) -> None:
+        """The orchestrator fenced this node out at ``revision``: refuse everything older."""
+        if revision <= self._fence_revision:
+            return
+        log.warning(
+            "this node was fenced out at revision %d: refusing every directive below it",
+            revision,
+        )
+        self._fence_revision = revision
+        self._changed()
+
+    async def settle(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` s) for running directives, so a hello reports the truth."""
+        running = self._supervisor.running("directive")
+        if running:
+            log.info("waiting up to %g s for %d running directive(s)", timeout, len(running))
+            await asyncio.wait(running, timeout=timeout)
 
     def epoch_list(self) -> list[GroupEpoch]:
         return [GroupEpoch(group_id=g, epoch=e) for g, e in sorted(self._epochs.items())]
@@ -176,6 +209,7 @@ class DirectiveExecutor:
         """Take over the state a previous run left (before any stream or worker is served)."""
         if state is not None:
             self._epochs = dict(state.epochs)
+            self._fence_revision = state.fence_revision
             self._jobs = dict(state.jobs)
             self._ledger.load(state.acks)
         for job in self._jobs.values():
@@ -271,6 +305,15 @@ class DirectiveExecutor:
                 self._ack(directive, clock, _Outcome(AckStatus.REFUSED, "agent is shutting down"))
             )
             return
+        stalled = self.stalled()
+        if stalled is not None:
+            # Not remembered: sent again on a stream the orchestrator still trusts, it runs.
+            log.warning("directive %s refused: %s", did, stalled)
+            self._metrics.refused.labels("stalled").inc()
+            self._send_ack(
+                self._ack(directive, clock, _Outcome(AckStatus.REFUSED, f"agent {stalled}"))
+            )
+            return
         problem = self._invalid(directive)
         if problem is not None:
             log.warning("directive %r refused: %s", did, problem)
@@ -312,12 +355,19 @@ class DirectiveExecutor:
 
     def _fence(self, d: Directive) -> _Outcome | None:
         highest = self._epochs.get(d.group_id, 0)
-        if d.epoch >= highest:
+        if d.epoch < self._fence_revision:
+            reason = (
+                f"stale epoch {d.epoch}: this node was fenced out at revision "
+                f"{self._fence_revision}"
+            )
+        elif d.epoch >= highest:
             return None
+        else:
+            reason = (
+                f"stale epoch {d.epoch}: epoch {highest} was already accepted for group "
+                f"{d.group_id}"
+            )
         self._metrics.refused.labels("stale_epoch").inc()
-        reason = (
-            f"stale epoch {d.epoch}: epoch {highest} was already accepted for group {d.group_id}"
-        )
         log.warning("directive %s refused: %s", d.directive_id, reason)
         return _Outcome(AckStatus.STALE_EPOCH, reason)
 

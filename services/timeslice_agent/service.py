@@ -36,11 +36,14 @@ from timeslice_agent.statefile import StateFileError, load_state
 from timeslice_agent.stream import OrchestratorLink
 from timeslice_agent.tasks import Supervisor
 from timeslice_agent.workers import WorkerLinkService, WorkerRegistry
-from timeslice_proto.timeslice.v1 import AgentHello, Device, DirectiveAck, WorkerInfo
+from timeslice_proto.timeslice.v1 import AgentHello, Device, DirectiveAck, Welcome, WorkerInfo
 
 log = logging.getLogger(__name__)
 
 DRAIN_SECONDS = 5.0
+# A hello waits this long at most for directives of an earlier stream to finish (each also
+# has its own deadline, the orchestrator's directive timeout, 30 s by default).
+SETTLE_SECONDS = 60.0
 DISCOVERY_INTERVAL_SECONDS = 2.0
 CLOSE_SECONDS = 5.0
 _MAX_UNIX_PATH = 107
@@ -142,7 +145,10 @@ class Agent:
             workers=self.registry.workers,
             on_directive=self.executor.handle,
             metrics=self.metrics,
+            on_welcome=self._welcomed,
+            settle=self._settle,
         )
+        self.executor.stalled = self.link.stalled
         self.devices: list[Device] = []
         self.memory: DeviceMemory | None = None
         self.finder: ProcessFinder | None = None
@@ -243,6 +249,12 @@ class Agent:
             source,
         )
 
+    def _welcomed(self, welcome: Welcome) -> None:
+        self.executor.adopt_fence(welcome.fence_revision)
+
+    async def _settle(self) -> None:
+        await self.executor.settle(SETTLE_SECONDS)
+
     def _hello(self) -> AgentHello:
         return AgentHello(
             node=self.config.node,
@@ -257,6 +269,8 @@ class Agent:
             default_state_bytes=self.backend.default_state_bytes,
             backend_mechanism=self.backend.mechanism,
             discovery=self.finder.source if self.finder is not None else "off",
+            fence_revision=self.executor.fence_revision,
+            heartbeats=True,
         )
 
     # ----- life cycle ------------------------------------------------------------------------

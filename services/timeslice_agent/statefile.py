@@ -54,6 +54,8 @@ class AgentState:
     epochs: dict[str, int] = field(default_factory=dict)
     jobs: dict[str, Job] = field(default_factory=dict)
     acks: list[DirectiveAck] = field(default_factory=list)
+    # The orchestrator fenced this node out at this revision: no directive below it may act.
+    fence_revision: int = 0
 
 
 def _job_to_json(job: Job) -> dict[str, Any]:
@@ -165,6 +167,7 @@ def encode_state(state: AgentState, cache: AckEncodingCache | None = None) -> by
         "version": SCHEMA_VERSION,
         "node": state.node,
         "epochs": dict(sorted(state.epochs.items())),
+        "fence_revision": state.fence_revision,
         "jobs": {job_id: _job_to_json(job) for job_id, job in sorted(state.jobs.items())},
     }
     head = json.dumps(doc, separators=(",", ":"))
@@ -192,7 +195,8 @@ def decode_state(data: bytes) -> AgentState:
         for job_id, raw in _expect(doc.get("jobs", {}), dict, "jobs").items()
     }
     acks = [_ack_from_json(raw) for raw in _expect(doc.get("acks", []), list, "acks")]
-    return AgentState(node=node, epochs=epochs, jobs=jobs, acks=acks)
+    fence_revision = _expect(doc.get("fence_revision", 0), int, "fence_revision")
+    return AgentState(node=node, epochs=epochs, jobs=jobs, acks=acks, fence_revision=fence_revision)
 
 
 def write_atomic(path: Path, data: bytes) -> None:

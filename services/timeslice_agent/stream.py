@@ -11,6 +11,15 @@ not, because the next hello carries the full list.
 When a stream fails or ends, the link reconnects with exponential backoff and jitter (0.05 s
 doubling to 2 s), cycling through the configured targets; HTTP/2 keepalive pings detect a peer
 that vanished without closing the connection.
+
+Liveness and fencing (``docs/fencing.md``): the Welcome asks for a heartbeat every so often
+and names the orchestrator's liveness timeout. The heartbeat ticker also watches this process:
+when its own event loop was stalled for half the liveness timeout (SIGSTOP, a swap storm), the
+orchestrator may have fenced the node out meanwhile, so the link reports the stall
+(:meth:`OrchestratorLink.stalled`, which the executor checks before accepting a directive) and
+drops the stream. Before each hello the link lets running directives finish (``settle``), so
+the hello reports what is really on the devices; the Welcome's fence revision goes to
+``on_welcome``.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpclib.const
 from grpclib.client import Channel, Stream
@@ -32,7 +41,9 @@ from timeslice_proto.timeslice.v1 import (
     AgentMessage,
     Directive,
     DirectiveAck,
+    Heartbeat,
     OrchestratorMessage,
+    Welcome,
     WorkerInfo,
     WorkersChanged,
 )
@@ -83,6 +94,8 @@ class OrchestratorLink:
         metrics: AgentMetrics,
         welcome_timeout: float = WELCOME_TIMEOUT_SECONDS,
         backoff: Backoff | None = None,
+        on_welcome: Callable[[Welcome], None] | None = None,
+        settle: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         if not targets:
             raise ValueError("at least one orchestrator target is needed")
@@ -99,6 +112,15 @@ class OrchestratorLink:
         self._wake = asyncio.Event()
         self._ready = False
         self.replica_id = ""
+        self._on_welcome = on_welcome
+        self._settle = settle
+        # Asked for by the current stream's Welcome (0: no heartbeats, no stall detection).
+        self._heartbeat_interval = 0.0
+        self._liveness_timeout = 0.0
+        self._heartbeat_due = False
+        self._heartbeat_seq = 0
+        self._last_tick = 0.0  # loop time the heartbeat ticker last ran
+        self._stall = ""  # why the current stream is not trusted with directives ("" if it is)
 
     @property
     def ready(self) -> bool:
@@ -121,6 +143,25 @@ class OrchestratorLink:
             )
         self._acks.append(ack)
         self._wake.set()
+
+    def _stall_threshold(self) -> float:
+        return self._heartbeat_interval + self._liveness_timeout / 2
+
+    def stalled(self) -> str | None:
+        """Why directives must not run now: this process stalled long enough to be fenced.
+
+        Either the ticker saw the stall (then the stream is being dropped), or it has not run
+        for that long (the loop is only now waking, and a directive that waited in a socket
+        buffer is being read before the ticker's turn).
+        """
+        if self._stall:
+            return self._stall
+        if self._liveness_timeout <= 0 or not self._ready:
+            return None
+        late = asyncio.get_running_loop().time() - self._last_tick
+        if late > self._stall_threshold():
+            return f"event loop stalled for {late:.1f} s: the node may have been fenced out"
+        return None
 
     def workers_changed(self) -> None:
         """Note that the worker set changed; a full WorkersChanged goes out on the stream."""
@@ -163,6 +204,10 @@ class OrchestratorLink:
             ) as stream:
                 async with asyncio.timeout(CONNECT_TIMEOUT_SECONDS):
                     await stream.send_request()
+                if self._settle is not None:
+                    # Directives begun on an earlier stream finish first: the hello must say
+                    # what they left on the devices (a fenced node's reconciliation reads it).
+                    await self._settle()
                 # The hello carries the full worker list, so a pending change is covered by it.
                 self._workers_dirty = False
                 await stream.send_message(AgentMessage(hello=self._hello()))
@@ -184,7 +229,14 @@ class OrchestratorLink:
             raise StreamClosed("the orchestrator ended the stream before its Welcome")
         if first.welcome is None:
             raise StreamProtocolError("the orchestrator's first message was not a Welcome")
-        self.replica_id = first.welcome.replica_id
+        welcome = first.welcome
+        self.replica_id = welcome.replica_id
+        if self._on_welcome is not None:
+            self._on_welcome(welcome)  # the fence revision: adopted before any directive
+        self._heartbeat_interval = welcome.heartbeat_interval_ms / 1000
+        self._liveness_timeout = welcome.liveness_timeout_ms / 1000
+        self._last_tick = asyncio.get_running_loop().time()
+        self._stall = ""
         self._set_ready(True)
         log.info(
             "agent %s ready (orchestrator %s, replica %s)",
@@ -196,23 +248,51 @@ class OrchestratorLink:
     async def _serve(self, stream: _AgentStream) -> None:
         # Acks queued while no stream was up go out first.
         self._wake.set()
-        sender = asyncio.create_task(self._send_loop(stream), name="stream-send")
-        receiver = asyncio.create_task(self._recv_loop(stream), name="stream-recv")
+        tasks = {
+            asyncio.create_task(self._send_loop(stream), name="stream-send"),
+            asyncio.create_task(self._recv_loop(stream), name="stream-recv"),
+        }
+        if self._heartbeat_interval > 0:
+            tasks.add(asyncio.create_task(self._tick(), name="stream-heartbeat"))
         try:
-            done, _ = await asyncio.wait({sender, receiver}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (sender, receiver):
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(sender, receiver, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
         for task in done:
             exc = task.exception()
             if exc is not None:
                 raise exc
 
+    async def _tick(self) -> None:
+        """Ask for a heartbeat every interval; end the stream if this process was stalled."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self._heartbeat_interval)
+            now = loop.time()
+            late = now - self._last_tick - self._heartbeat_interval
+            if self._liveness_timeout > 0 and late > self._liveness_timeout / 2:
+                # Set before _last_tick moves: stalled() never reports a woken loop as fine.
+                self._stall = (
+                    f"event loop stalled for {late:.1f} s: the node may have been fenced out"
+                )
+                log.warning("agent %s: %s; saying hello again", self._node, self._stall)
+                raise StreamProtocolError(self._stall)
+            self._last_tick = now
+            self._heartbeat_due = True
+            self._wake.set()
+
     async def _send_loop(self, stream: _AgentStream) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            if self._heartbeat_due:
+                self._heartbeat_due = False
+                self._heartbeat_seq += 1
+                await stream.send_message(
+                    AgentMessage(heartbeat=Heartbeat(seq=self._heartbeat_seq))
+                )
             if self._workers_dirty:
                 self._workers_dirty = False
                 message = AgentMessage(workers=WorkersChanged(workers=self._workers()))
@@ -231,6 +311,8 @@ class OrchestratorLink:
                 self._on_directive(message.directive)
             elif message.welcome is not None:
                 self.replica_id = message.welcome.replica_id
+                if self._on_welcome is not None:
+                    self._on_welcome(message.welcome)
                 log.info("orchestrator replica is now %s", self.replica_id)
             else:
                 log.warning("ignoring an orchestrator message with no known body")

@@ -122,7 +122,9 @@ class Orchestrator:
         self._spawn(self.mirror.run(), "etcd-mirror")
         async with asyncio.timeout(SYNC_TIMEOUT):
             await self.mirror.synced.wait()
-        self._hub = hub = AgentHub(self.store, cfg.replica_id, cfg.agent_ttl, self.metrics)
+        self._hub = hub = AgentHub(
+            self.store, cfg.replica_id, cfg.agent_ttl, self.metrics, cfg.agent_liveness_timeout
+        )
         self._locks = locks = LockService(
             self.store, self.mirror, self.metrics, cfg.session_ttl, cfg.policy, cfg.max_hold
         )

@@ -46,6 +46,7 @@ class OrchestratorConfig:
     replica_ttl: int
     agent_ttl: int
     directive_timeout: float
+    agent_liveness_timeout: float
     co_residency: bool
     prefetch: bool
     policy: Policy
@@ -117,6 +118,13 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         help="deadline of one checkpoint/restore directive on a node, seconds",
     )
     p.add_argument(
+        "--agent-liveness-timeout",
+        type=float,
+        default=_env("AGENT_LIVENESS_TIMEOUT", "4"),
+        help="an agent silent this long (no heartbeat) is fenced out of its groups, seconds; "
+        "0 turns heartbeats off (then only a missed directive deadline fences a node)",
+    )
+    p.add_argument(
         "--co-residency",
         action=argparse.BooleanOptionalAction,
         default=_env_flag("CO_RESIDENCY"),
@@ -150,6 +158,8 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         p.error(str(exc))
     if a.session_ttl < 1 or a.replica_ttl < 1 or a.agent_ttl < 1:
         p.error("TTLs must be at least 1 second")
+    if a.agent_liveness_timeout < 0 or a.agent_liveness_timeout > 3600:
+        p.error("--agent-liveness-timeout must be between 0 and 3600 seconds")
     replica_id = a.replica_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
     return OrchestratorConfig(
         listen=listen,
@@ -161,6 +171,7 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         replica_ttl=a.replica_ttl,
         agent_ttl=a.agent_ttl,
         directive_timeout=a.directive_timeout,
+        agent_liveness_timeout=a.agent_liveness_timeout,
         co_residency=a.co_residency,
         prefetch=a.prefetch,
         policy=Policy(a.policy),

@@ -3,6 +3,10 @@
 A directive's id is fixed by (switch, purpose, node, job), so a driver that carries on a switch
 after a crash re-sends the same ids and agents answer what they already did instead of doing it
 twice. Every outcome comes back as a NodeResult, never as an exception: the driver decides.
+
+A node that misses a directive's deadline is fenced out (``docs/fencing.md``) and reported
+``gone``: the switch goes on without it. A node the switch record lists as fenced is not sent
+anything again.
 """
 
 from __future__ import annotations
@@ -14,12 +18,16 @@ from dataclasses import dataclass
 from opentelemetry.trace import SpanKind, StatusCode, Tracer
 
 from timeslice.tracing import carrier_of
-from timeslice_orchestrator.hub import AgentGone, AgentTimeout, AgentUnavailable
+from timeslice_orchestrator.hub import AgentFenced, AgentGone, AgentTimeout, AgentUnavailable
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.relay import DirectiveRouter
 from timeslice_orchestrator.store.cache import Mirror
+from timeslice_orchestrator.store.etcd import StoreUnavailable
 from timeslice_orchestrator.store.records import NodeStep, Stored, SwitchRecord
 from timeslice_proto.timeslice.v1 import AckStatus, Directive, DirectiveKind
+
+# How an agent words a refusal below its fence revision (timeslice_agent.executor).
+FENCE_REFUSAL = "this node was fenced out at revision"
 
 # Purposes whose directive acts on the step's evicted job (the others act on the restored one).
 _ON_EVICTED = ("evict", "rollback")
@@ -36,6 +44,7 @@ class NodeResult:
     elapsed: float
     unavailable: bool = False  # the agent could not be reached: the outcome is unknown
     gone: bool = False  # the node left its groups (agent record expired): not waited for
+    fenced: bool = False  # gone because it was fenced out (silent, or a missed deadline)
 
     @property
     def failed(self) -> bool:
@@ -84,6 +93,9 @@ class DirectiveSender:
         self, switch: Stored[SwitchRecord], kind: DirectiveKind, step: NodeStep, purpose: str
     ) -> NodeResult:
         job = step.evict if purpose in _ON_EVICTED else step.restore
+        if step.node in switch.record.fenced:
+            error = f"node {step.node} was fenced out earlier in this switch"
+            return NodeResult(step.node, False, error, 0, 0.0, gone=True, fenced=True)
         agent = self._mirror.agents().get(step.node)
         with self._tracer.start_as_current_span(
             f"timeslice.{purpose} {step.node}",
@@ -125,9 +137,25 @@ class DirectiveSender:
             # A second of grace past the deadline the agent works to, for its ack to come back.
             ack = await self._router.execute(node, directive, self._timeout + 1)
         except AgentTimeout as exc:
-            # Connected but silent past the deadline: a failure, like a backend error.
+            # Connected but silent past the deadline: fenced out, so that the switch goes on
+            # without it and nothing it was sent can act once it rejoins.
             self._metrics.directives.labels(kind=label, status="timeout").inc()
-            return NodeResult(node, False, str(exc), 0, time.monotonic() - started)
+            reason = f"missed the deadline of {directive.directive_id}: {exc}"
+            try:
+                await self._router.fence(node, reason)
+            except StoreUnavailable as fence_error:
+                error = f"{exc}; fencing it out failed: {fence_error}"
+                return NodeResult(node, False, error, 0, time.monotonic() - started)
+            self._metrics.agents_fenced.labels(reason="deadline").inc()
+            error = f"fenced out: {reason}"
+            return NodeResult(
+                node, False, error, 0, time.monotonic() - started, gone=True, fenced=True
+            )
+        except AgentFenced as exc:
+            self._metrics.directives.labels(kind=label, status="fenced").inc()
+            return NodeResult(
+                node, False, str(exc), 0, time.monotonic() - started, gone=True, fenced=True
+            )
         except AgentGone as exc:
             # Final: the node left its groups; whatever it held is no longer counted on.
             self._metrics.directives.labels(kind=label, status="gone").inc()
@@ -141,4 +169,8 @@ class DirectiveSender:
         self._metrics.directives.labels(kind=label, status=ack.status.name.lower()).inc()
         ok = ack.status == AckStatus.OK
         error = "" if ok else f"{ack.status.name.lower()}: {ack.error}"
+        if ack.status == AckStatus.STALE_EPOCH and FENCE_REFUSAL in ack.error:
+            # The node was fenced out since this switch began (by another replica, say):
+            # nothing of this switch may act there; go on without it.
+            return NodeResult(node, False, error, 0, ack.elapsed_seconds, gone=True, fenced=True)
         return NodeResult(node, ok, error, ack.bytes_moved, ack.elapsed_seconds)

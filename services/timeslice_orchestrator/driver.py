@@ -22,6 +22,11 @@ A failure before the commit rolls back (nodes that checkpointed restore their jo
 with bounded backoff; after that, or after a failed restore, the head alone is faulted and the
 group goes on serving the others.
 
+A node that stops answering (silent past the agent liveness timeout, or past a directive's
+deadline) is fenced out (``docs/fencing.md``): the switch record lists it, it is sent nothing
+more of the switch, its residency is unknown, and the switch completes on the nodes that
+answer, with the reason in the group's ``last_error``. No phase waits for it to come back.
+
 A pass never sleeps: it says what should happen next (:class:`Next`) and the work queue brings
 the group back at once, after a backoff, or when a retry is due.
 """
@@ -355,13 +360,15 @@ class SwitchDriver:
             results = await self._directives.fan_out(
                 switch, DirectiveKind.CHECKPOINT, evictions, "evict"
             )
+            self._note_fenced(record, results, "checkpoint")
             failed = [r for r in results if r.failed]
             next_phase = SwitchPhase.ROLLBACK if failed else SwitchPhase.RESTORE
             if failed:
                 error = SwitchFailed(SwitchPhase.CHECKPOINT, failed)
                 log.warning("group %s: %s; rolling back", record.group, error)
                 self._metrics.switches.labels(outcome="rolled_back").inc()
-                self._last_error[record.group] = str(error)
+                previous = self._last_error.get(record.group)
+                self._last_error[record.group] = f"{previous}; {error}" if previous else str(error)
             moved = await self._store.update_switch(record.group, self._auth, switch, next_phase)
             if moved is None:
                 return Next.AGAIN  # lost the driver role or raced: look again
@@ -375,13 +382,19 @@ class SwitchDriver:
         group = record.group
         restores = [s for s in record.steps if s.restore]
         results = await self._directives.fan_out(switch, DirectiveKind.RESTORE, restores, "restore")
+        fenced = self._note_fenced(record, results, "restore")
         if any(r.unavailable for r in results):
-            return Next.LATER  # keep the record; the same directives go again
+            # Keep the record (with the nodes fenced meanwhile); the same directives go again.
+            if fenced:
+                await self._store.update_switch(group, self._auth, switch, record.phase)
+            return Next.LATER
         view = self._mirror.group(group)
         resident = view.residency()
         for step in record.steps:
-            if step.evict:
-                resident.remove(step.node, step.evict)  # checkpointed to the host
+            if step.evict and step.node not in record.fenced:
+                # Checkpointed to the host. A fenced node's residency is what its fence (or
+                # the hello that reconciled it since) wrote, and the view read it as such.
+                resident.remove(step.node, step.evict)
         for step, result in zip(restores, results, strict=True):
             if result.ok:
                 resident.place(step.node, record.to_job)
@@ -395,7 +408,13 @@ class SwitchDriver:
             stats.last_error = f"{record.to_job}: {error}"
             fault = Fault(head, str(error)) if head is not None else None
             ended = await self._store.end_switch(
-                group, self._auth, switch, resident, stats, fault=fault
+                group,
+                self._auth,
+                switch,
+                resident,
+                stats,
+                fault=fault,
+                resident_revision=view.resident_revision,
             )
             if ended:
                 self._metrics.switches.labels(outcome="restore_failed").inc()
@@ -404,7 +423,9 @@ class SwitchDriver:
         if record.prefetch or head is None:
             # A prefetch ends here, and so does a switch whose waiter left: keep what the
             # devices now hold, drop the record; the grant (in place) comes on its own.
-            ended = await self._store.end_switch(group, self._auth, switch, resident, stats)
+            ended = await self._store.end_switch(
+                group, self._auth, switch, resident, stats, resident_revision=view.resident_revision
+            )
             if ended:
                 outcome = "prefetched" if record.prefetch else "waiter_left"
                 self._metrics.switches.labels(outcome=outcome).inc()
@@ -441,17 +462,24 @@ class SwitchDriver:
         results = await self._directives.fan_out(
             switch, DirectiveKind.RESTORE, evictions, "rollback"
         )
+        fenced = self._note_fenced(record, results, "rollback")
         if any(r.unavailable for r in results):
+            if fenced:
+                await self._store.update_switch(group, self._auth, switch, record.phase)
             return Next.LATER
         view = self._mirror.group(group)
         resident = view.residency()
         stats = view.stats
         stats.last_error = self._last_error.pop(group, "") or f"switch {record.switch_id} aborted"
         for step, result in zip(evictions, results, strict=True):
+            if result.fenced:
+                continue  # said once, in last_error
             if not result.ok:
                 resident.remove(step.node, step.evict)
                 stats.last_error += f"; rollback on {step.node} failed: {result.error}"
-        if not await self._store.end_switch(group, self._auth, switch, resident, stats):
+        if not await self._store.end_switch(
+            group, self._auth, switch, resident, stats, resident_revision=view.resident_revision
+        ):
             return Next.AGAIN
         return await self._after_abort(group, record)
 
@@ -480,3 +508,24 @@ class SwitchDriver:
         await self._store.fault_waiter(group, self._auth, Fault(head, reason), stats)
         self._metrics.switches.labels(outcome="gave_up").inc()
         return Next.AGAIN
+
+    def _note_fenced(
+        self, record: SwitchRecord, results: Sequence[NodeResult], phase: str
+    ) -> list[str]:
+        """Add the nodes fenced out in this phase to the record; say so, and which nodes
+        left their groups (agent record expired), in last_error.
+
+        The caller writes the record (with its next phase, or the commit ends it), so that
+        whatever driver carries the switch on never sends them another directive of it.
+        """
+        new = [r for r in results if r.fenced and r.node not in record.fenced]
+        left = [r for r in results if r.gone and not r.fenced]
+        for result in new:
+            record.fenced.append(result.node)
+        for result in [*new, *left]:
+            how = "fenced out" if result.fenced else "left its groups"
+            note = f"{phase}: node {result.node} {how} ({result.error})"
+            log.warning("group %s: %s; going on without it", record.group, note)
+            previous = self._last_error.get(record.group)
+            self._last_error[record.group] = f"{previous}; {note}" if previous else note
+        return [r.node for r in new]

@@ -6,6 +6,13 @@ record is attached to an agent lease of its own (not this replica's), which the 
 while it holds the stream: when the stream or this replica goes, the record stays until the
 lease runs out (the agent TTL), so an agent that reconnects to another replica in time stays a
 member of its groups, and one that does not leaves them.
+
+Liveness and fencing (``docs/fencing.md``): an agent sends a heartbeat every
+``liveness_timeout / 8``; one that is silent for ``liveness_timeout`` (a paused or wedged
+process), or that misses a directive's deadline, is fenced out: its agent record goes (so it
+leaves every group at once), its residency is marked unknown, its stream is closed, and a fence
+record keeps the revision of the fence. Its next hello reconciles its residency from what it
+reports, and the Welcome tells it the fence revision, below which it refuses every directive.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpclib
@@ -23,8 +30,9 @@ from grpclib.const import Status
 from timeslice.errors import InvalidArgument
 from timeslice.ids import validate_group_id, validate_job_id, validate_node
 from timeslice_orchestrator.metrics import Metrics
+from timeslice_orchestrator.store.etcd import StoreUnavailable
 from timeslice_orchestrator.store.groups import GroupStore
-from timeslice_orchestrator.store.records import AgentRecord, WorkerRecord
+from timeslice_orchestrator.store.records import AgentRecord, FenceRecord, WorkerRecord
 from timeslice_proto.timeslice.v1 import (
     AgentHello,
     AgentHubBase,
@@ -56,6 +64,14 @@ class AgentGone(AgentUnavailable):
     """The node's agent record expired: it has left every group until it comes back."""
 
 
+class AgentFenced(AgentGone):
+    """The node was fenced out (silent past the liveness timeout, or a missed deadline)."""
+
+
+# Whoever fences a silent node: (node, reason). The router sets it (it knows the groups).
+Fencer = Callable[[str, str], Awaitable[None]]
+
+
 @dataclass(eq=False)
 class AgentConnection:
     """One agent's stream on this replica: what it sends us, and the acks we wait for."""
@@ -67,11 +83,13 @@ class AgentConnection:
     # Set to end the stream from our side: replaced by a newer stream, or shutting down.
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     lease: int = 0  # the agent lease: kept alive while this stream lives, then runs out
+    heartbeats: bool = False  # the agent sends heartbeats: its silence means it is stalled
+    last_heard: float = 0.0  # loop time of the last message from the agent
 
-    def fail_pending(self, reason: str) -> None:
+    def fail_pending(self, reason: str, error: type[AgentUnavailable] = AgentUnavailable) -> None:
         for fut in self.pending.values():
             if not fut.done():
-                fut.set_exception(AgentUnavailable(reason))
+                fut.set_exception(error(reason))
         self.pending.clear()
 
 
@@ -99,13 +117,26 @@ class AgentHub(AgentHubBase):
     """The AgentHub service: one stream per node agent, and directives sent down it."""
 
     def __init__(
-        self, store: GroupStore, replica_id: str, agent_ttl: int, metrics: Metrics
+        self,
+        store: GroupStore,
+        replica_id: str,
+        agent_ttl: int,
+        metrics: Metrics,
+        liveness_timeout: float = 0.0,
     ) -> None:
         self._store = store
         self._replica_id = replica_id
         self._agent_ttl = agent_ttl
         self._metrics = metrics
         self._connections: dict[str, AgentConnection] = {}
+        # 0 disables heartbeats (and so fencing on silence; a missed deadline still fences).
+        self._liveness_timeout = liveness_timeout
+        self.fencer: Fencer = self._fence_alone
+
+    @property
+    def heartbeat_interval(self) -> float:
+        """How often agents are asked to send a heartbeat: 8 of them fit in the timeout."""
+        return self._liveness_timeout / 8
 
     @property
     def nodes(self) -> list[str]:
@@ -136,7 +167,8 @@ class AgentHub(AgentHubBase):
             capacity_bytes=hello.capacity_bytes,
             default_state_bytes=hello.default_state_bytes,
         )
-        conn = AgentConnection(node, record)
+        loop = asyncio.get_running_loop()
+        conn = AgentConnection(node, record, heartbeats=hello.heartbeats, last_heard=loop.time())
         previous = self._connections.get(node)
         if previous is not None:
             previous.fail_pending("agent reconnected")
@@ -150,22 +182,43 @@ class AgentHub(AgentHubBase):
             ", emulated" if hello.emulated else "",
         )
         reader = asyncio.create_task(self._read(conn, messages), name=f"agent-reader-{node}")
-        keeper: asyncio.Task[None] | None = None
+        # Both end the stream when they finish: the lease lost (fenced by another replica, or
+        # not kept alive through an etcd outage), or the agent fenced for its silence.
+        background: list[asyncio.Task[None]] = []
         try:
+            fence = await self._store.fence_of(node)
+            floor = fence.mod_revision if fence is not None else 0
+            if fence is not None and hello.fence_revision < floor:
+                # First hello since it was fenced: what it reports is the truth, and it is
+                # written before the node rejoins its groups (its record is published).
+                await self._reconcile(node, hello.jobs, fence.record.groups)
             conn.lease = await self._store.agent_lease(node, self._agent_ttl)
             await self._store.publish_agent(record, conn.lease)
-            keeper = asyncio.create_task(
-                self._store.keep_agent_lease(conn.lease, self._agent_ttl).run(),
-                name=f"agent-lease-{node}",
+            background.append(
+                asyncio.create_task(
+                    self._store.keep_agent_lease(conn.lease, self._agent_ttl).run(),
+                    name=f"agent-lease-{node}",
+                )
             )
+            if conn.heartbeats and self._liveness_timeout > 0:
+                background.append(
+                    asyncio.create_task(self._watch(conn), name=f"agent-liveness-{node}")
+                )
             await self._forget_off_device(node, hello.jobs)
-            yield OrchestratorMessage(welcome=Welcome(replica_id=self._replica_id))
+            yield OrchestratorMessage(
+                welcome=Welcome(
+                    replica_id=self._replica_id,
+                    fence_revision=floor,
+                    heartbeat_interval_ms=int(self.heartbeat_interval * 1000),
+                    liveness_timeout_ms=int(self._liveness_timeout * 1000),
+                )
+            )
             closed = asyncio.ensure_future(conn.closed.wait())
             try:
                 while True:
                     get = asyncio.ensure_future(conn.outgoing.get())
                     done, _ = await asyncio.wait(
-                        {get, reader, closed, keeper}, return_when=asyncio.FIRST_COMPLETED
+                        {get, reader, closed, *background}, return_when=asyncio.FIRST_COMPLETED
                     )
                     if get in done:
                         yield get.result()
@@ -173,20 +226,23 @@ class AgentHub(AgentHubBase):
                     get.cancel()
                     if reader.done() and reader.exception() is not None:
                         log.warning("agent %s stream failed: %r", node, reader.exception())
-                    if keeper.done():
-                        # The agent lease ran out (etcd was away for longer than its TTL):
-                        # the agent's record is gone, or about to go. Ending the stream makes
-                        # the agent reconnect, publish a fresh record and reconcile.
-                        log.warning("agent %s: its lease was lost; ending its stream", node)
+                    elif background[0].done():
+                        # The agent lease ran out (etcd was away for longer than its TTL, or
+                        # the node was fenced): its record is gone, or about to go. Ending the
+                        # stream makes the agent reconnect, publish a fresh record, reconcile.
+                        log.warning("agent %s: its agent lease is gone; ending its stream", node)
                     return
             finally:
                 closed.cancel()
         finally:
             reader.cancel()
-            if keeper is not None:
-                keeper.cancel()
+            for task in background:
+                task.cancel()
             with contextlib.suppress(BaseException):
                 await reader
+            for task in background:
+                with contextlib.suppress(BaseException):
+                    await task
             conn.fail_pending("agent stream closed")
             if self._connections.get(node) is conn:
                 del self._connections[node]
@@ -194,6 +250,80 @@ class AgentHub(AgentHubBase):
             # The record stays until the agent lease runs out: the agent may be reconnecting
             # to another replica, and its jobs' state is still on its node meanwhile.
             log.info("agent %s disconnected", node)
+
+    async def _watch(self, conn: AgentConnection) -> None:
+        """Fence the agent out once it has been silent for the liveness timeout."""
+        loop = asyncio.get_running_loop()
+        woke = loop.time()
+        while not conn.closed.is_set():
+            now = loop.time()
+            silent = now - conn.last_heard
+            if now - woke > self._liveness_timeout / 2:
+                # This replica's own loop stalled (it slept far past its wake-up): heartbeats
+                # may be waiting unread. Give the reader a turn before judging the agent.
+                woke = now
+                await asyncio.sleep(self.heartbeat_interval)
+                continue
+            if silent >= self._liveness_timeout:
+                reason = f"agent {conn.node} silent for {silent:.1f} s (no heartbeat)"
+                log.warning("%s: fencing it out", reason)
+                self._metrics.agents_fenced.labels(reason="silent").inc()
+                try:
+                    await self.fencer(conn.node, reason)
+                except StoreUnavailable as exc:
+                    log.error("could not fence %s out: %s", conn.node, exc)
+                return
+            pause = min(self.heartbeat_interval, self._liveness_timeout - silent)
+            woke = now + pause
+            await asyncio.sleep(pause)
+
+    async def fence(self, node: str, reason: str, groups: list[str]) -> int:
+        """Fence ``node`` out of its groups (the rule is in ``docs/fencing.md``).
+
+        ``groups``: where its residency is marked unknown. Its pending directives fail at
+        once as :class:`AgentFenced` and its stream here, if any, is closed; a stream held by
+        another replica closes when that replica finds the agent lease revoked.
+        """
+        conn = self._connections.get(node)
+        record = FenceRecord(reason, time.time(), self._replica_id, sorted(groups))
+        try:
+            revision = await self._store.fence_node(node, record)
+        except BaseException:
+            # Not fenced: what it was sent has an unknown outcome, and it says hello again.
+            if conn is not None:
+                conn.fail_pending(f"agent {node} stalled; fencing it failed", AgentUnavailable)
+                conn.closed.set()
+            raise
+        if conn is not None:
+            conn.fail_pending(f"node {node} fenced out: {reason}", AgentFenced)
+            conn.closed.set()
+        log.warning("node %s fenced out at revision %d: %s", node, revision, reason)
+        return revision
+
+    async def _fence_alone(self, node: str, reason: str) -> None:
+        await self.fence(node, reason, [])
+
+    async def _reconcile(self, node: str, jobs: list[JobReport], groups: list[str]) -> None:
+        """Set the node's residency, in every group it reports or was fenced in, to its word."""
+        on_device: dict[str, list[str]] = {g: [] for g in groups}
+        for report in jobs:
+            try:
+                group = validate_group_id(report.group_id)
+                job = validate_job_id(report.job_id)
+            except InvalidArgument as exc:
+                log.warning("agent %s: ignoring an invalid job report: %s", node, exc)
+                continue
+            held = on_device.setdefault(group, [])
+            if report.state in _ON_DEVICE:
+                held.append(job)
+        for group, held in sorted(on_device.items()):
+            if await self._store.set_node_residency(group, node, held):
+                log.info(
+                    "agent %s rejoins %s after its fence: resident there: %s",
+                    node,
+                    group,
+                    ", ".join(held) or "nothing",
+                )
 
     async def _forget_off_device(self, node: str, jobs: list[JobReport]) -> None:
         """Trust the agent about what is on its devices: after a crash or a lost stream, a job
@@ -226,7 +356,11 @@ class AgentHub(AgentHubBase):
         return first.hello
 
     async def _read(self, conn: AgentConnection, messages: AsyncIterator[AgentMessage]) -> None:
+        loop = asyncio.get_running_loop()
         async for msg in messages:
+            conn.last_heard = loop.time()
+            if msg.heartbeat is not None:
+                continue
             if msg.ack is not None:
                 fut = conn.pending.pop(msg.ack.directive_id, None)
                 if fut is not None and not fut.done():

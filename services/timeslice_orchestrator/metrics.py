@@ -34,6 +34,12 @@ class Metrics:
         self.agents_connected = Gauge(
             "timeslice_agents_connected", "Agent streams held by this replica", registry=r
         )
+        self.agents_fenced = Counter(
+            "timeslice_agents_fenced",
+            "Nodes this replica fenced out of their groups, by why",
+            ["reason"],
+            registry=r,
+        )
         self.waiters = Gauge(
             "timeslice_waiters", "Acquire calls waiting on this replica", registry=r
         )

@@ -44,9 +44,18 @@ class DirectiveRouter:
 
     def start(self) -> None:
         self._mirror.add_listener(self._on_change)
+        self._hub.fencer = self.fence
         # Posts made before this router started (while this replica rejoined, its previous
         # router gone) are waiting for us already: no change will announce them again.
         self._on_change({RELAY_TOPIC})
+
+    async def fence(self, node: str, reason: str) -> None:
+        """Fence ``node`` out of every group (``docs/fencing.md``), whichever replica holds it.
+
+        Its residency is marked unknown wherever it is listed; the replica holding its stream
+        closes it (here at once, elsewhere when the revoked agent lease is noticed).
+        """
+        await self._hub.fence(node, reason, self._mirror.groups_resident_on(node))
 
     async def stop(self) -> None:
         self._mirror.remove_listener(self._on_change)
@@ -72,7 +81,10 @@ class DirectiveRouter:
                     if answered is not None and answered.record.ack:
                         return DirectiveAck.parse(base64.b64decode(answered.record.ack))
                     now = self._mirror.agents().get(node)
-                    if now is None or now.replica != agent.replica:
+                    if now is None:
+                        # Fenced out, or its record expired: not waited for (like at the start).
+                        raise AgentGone(f"agent {node} left its groups (fenced or expired)")
+                    if now.replica != agent.replica:
                         # The stream moved (or the agent is gone): whoever holds it now never
                         # saw this post. Report it unreachable; the driver sends it again.
                         raise AgentUnavailable(f"agent {node} left replica {agent.replica}")

@@ -413,3 +413,49 @@ async def test_adopt_faults_interrupted_transitions(tmp_path: Path) -> None:
     assert [r.job_id for r in rig.executor.reports()] == ["j1", "j2"]
     assert [(e.group_id, e.epoch) for e in rig.executor.epoch_list()] == [("g1", 4)]
     await rig.close()
+
+
+async def test_fence_revision_refuses_older_epochs_of_every_group_and_persists(
+    tmp_path: Path,
+) -> None:
+    first = Rig(tmp_path)
+    first.worker("j1", gb=0.01)
+    first.worker("k1", group="g2", gb=0.01)
+    assert (await first.run("d1", CKPT, "j1", 5)).status == AckStatus.OK
+    first.executor.adopt_fence(10)
+    first.executor.adopt_fence(7)  # never lowered
+    assert first.executor.fence_revision == 10
+    # Below the fence: refused in the group it knew and in one it never saw, and nothing moves.
+    stale = await first.run("d2", REST, "j1", 9)
+    assert stale.status == AckStatus.STALE_EPOCH
+    assert "fenced out at revision 10" in stale.error
+    assert stale.job_state == ProtoJobState.SAVED
+    other = await first.run("d3", CKPT, "k1", 8, group="g2")
+    assert other.status == AckStatus.STALE_EPOCH
+    assert first.executor.jobs["k1"].state is JobState.IDLE
+    # Above it: accepted.
+    assert (await first.run("d4", REST, "j1", 11)).status == AckStatus.OK
+    await first.close()
+    # The floor survives a restart (it comes back from the state file).
+    second = Rig(tmp_path)
+    await second.executor.adopt(load_state(first.state_file, "n1"))
+    assert second.executor.fence_revision == 10
+    second.worker("k1", group="g2", gb=0.01)
+    assert (await second.run("d5", CKPT, "k1", 9, group="g2")).status == AckStatus.STALE_EPOCH
+    await second.close()
+
+
+async def test_stalled_agent_refuses_directives_without_remembering_them(rig: Rig) -> None:
+    rig.worker("j1", gb=0.01)
+    stall: list[str] = ["event loop stalled for 9.0 s: the node may have been fenced out"]
+    rig.executor.stalled = lambda: stall[0] if stall else None
+    refused = await rig.run("d1", CKPT, "j1", 5)
+    assert refused.status == AckStatus.REFUSED
+    assert "event loop stalled" in refused.error
+    assert rig.executor.jobs["j1"].state.value == "idle"  # nothing moved
+    assert rig.executor.epochs == {}  # and no authority accepted
+    assert rig.count("timeslice_agent_directives_refused_total", reason="stalled") == 1
+    # Not remembered: the same directive, once the agent is trusted again, runs.
+    stall.clear()
+    assert (await rig.run("d1", CKPT, "j1", 5)).status == AckStatus.OK
+    assert rig.executor.jobs["j1"].state is JobState.SAVED

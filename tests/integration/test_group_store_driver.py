@@ -27,6 +27,7 @@ from timeslice_orchestrator.store.groups import (
 )
 from timeslice_orchestrator.store.records import (
     FaultRecord,
+    FenceRecord,
     GroupStats,
     HolderRecord,
     NodeStep,
@@ -239,6 +240,29 @@ async def test_ending_a_switch_keeps_the_waiter_or_gives_up_on_it(store: GroupSt
     # The fault record is cleared when the job queues again.
     await enqueue(store, b)
     assert "groups/g/faulted/b" not in await snapshot(store)
+
+
+async def test_ending_a_switch_cannot_undo_a_fence(store: GroupStore) -> None:
+    """A node fenced out while the switch ran stays unknown: the end computed from the
+    residency as read before the fence is refused, and the next try reads the fence."""
+    auth = await driver(store)
+    await store.etcd.put(
+        store.keys.resident("g"), ResidentRecord({"n0": ["a"], "n1": ["a"]}).encode()
+    )
+    b = await open_session(store, "b")
+    await enqueue(store, b)
+    switch = await _begin(store, auth, "b")
+    read = await resident_revision(store)
+    await store.fence_node("n1", FenceRecord("silent", 1.0, "r2", ["g"]))
+    stale = ResidentRecord({"n0": ["a"], "n1": ["a"]})
+    stats = GroupStats(last_error="rolled back")
+    assert not await store.end_switch("g", auth, switch, stale, stats, resident_revision=read)
+    assert "groups/g/switch" in await snapshot(store)
+    fresh = await resident_revision(store)
+    resident = ResidentRecord({"n0": ["a"]})
+    assert await store.end_switch("g", auth, switch, resident, stats, resident_revision=fresh)
+    keys = await snapshot(store)
+    assert ResidentRecord.decode(keys["groups/g/resident"].value).nodes == {"n0": ["a"]}
 
 
 async def test_giving_up_on_a_waiter_names_the_entry_it_decided_on(store: GroupStore) -> None:

@@ -18,10 +18,13 @@ from tests.integration.groupstore import (
     snapshot,
 )
 from timeslice_orchestrator.store.cache import Mirror
+from timeslice_orchestrator.store.etcd import LeaseExpired
 from timeslice_orchestrator.store.groups import GroupStore, Hold
 from timeslice_orchestrator.store.keys import KeyRef, Keyspace, Kind
 from timeslice_orchestrator.store.records import (
     AgentRecord,
+    FenceRecord,
+    GroupStats,
     MembersRecord,
     RelayRecord,
     ResidentRecord,
@@ -93,6 +96,47 @@ async def test_an_agent_record_keeps_its_lease_while_it_lives(store: GroupStore)
     fresh = await store.agent_lease("n0", 30)
     assert fresh != first
     assert await store.etcd.lease_ttl(fresh) > 0
+
+
+# -- fencing a node out ------------------------------------------------------------------------
+
+
+async def test_fencing_a_node_removes_it_and_marks_its_residency_unknown(
+    store: GroupStore,
+) -> None:
+    lease = await store.agent_lease("n1", 30)
+    await store.publish_agent(AgentRecord("n1", "r1", "sim", True, 1.0), lease)
+    await store.etcd.put(
+        store.keys.resident("g"), ResidentRecord({"n0": ["a"], "n1": ["b", "a"]}).encode()
+    )
+    await store.etcd.put(store.keys.resident("h"), ResidentRecord({"n1": ["c"]}).encode())
+    await store.etcd.put(store.keys.resident("k"), ResidentRecord({"n0": ["c"]}).encode())
+    assert await store.fence_of("n1") is None
+    fence = FenceRecord("silent for 4.0 s", 1.0, "r0", ["g", "h"])
+    revision = await store.fence_node("n1", fence)
+    keys = await snapshot(store)
+    assert "agents/n1" not in keys  # it left every group at once
+    with pytest.raises(LeaseExpired):
+        await store.etcd.keepalive_once(lease)  # the stream's holder finds out
+    stored = await store.fence_of("n1")
+    assert stored is not None and stored.mod_revision == revision and stored.record == fence
+    assert ResidentRecord.decode(keys["groups/g/resident"].value).nodes == {"n0": ["a"]}
+    assert ResidentRecord.decode(keys["groups/h/resident"].value).nodes == {}
+    assert ResidentRecord.decode(keys["groups/k/resident"].value).nodes == {"n0": ["c"]}
+    # Each group touched says why.
+    for group in ("g", "h"):
+        stats = GroupStats.decode(keys[f"groups/{group}/stats"].value)
+        assert stats.last_error == "node n1 fenced out: silent for 4.0 s"
+    assert "groups/k/stats" not in keys
+    # Every epoch issued before the fence is below it.
+    assert revision > keys["groups/g/resident"].create_revision
+    # Its hello reconciles: what the agent reports is what the group counts on.
+    assert await store.set_node_residency("g", "n1", ["b"])
+    assert not await store.set_node_residency("g", "n1", ["b"])  # already so
+    nodes = ResidentRecord.decode((await snapshot(store))["groups/g/resident"].value).nodes
+    assert nodes == {"n0": ["a"], "n1": ["b"]}
+    # A later fence has a higher revision (the agent adopts the highest it is told).
+    assert await store.fence_node("n1", FenceRecord("again", 2.0, "r1")) > revision
 
 
 # -- relayed directives -----------------------------------------------------------------------

@@ -172,6 +172,21 @@ class Mirror:
         """Whether anyone was last seen waiting for ``group`` (cheaper than a whole view)."""
         return any(ref.kind is Kind.QUEUE for ref in self._topics.get(group_topic(group), {}))
 
+    def groups_resident_on(self, node: str) -> list[str]:
+        """Groups whose residency lists ``node`` (cheap: most records are not even decoded)."""
+        out = []
+        needle = node.encode()
+        for group in sorted(self._groups):
+            kv = self._kv(KeyRef(Kind.RESIDENT, group))
+            if kv is None or needle not in kv.value:
+                continue
+            try:
+                if node in ResidentRecord.decode(kv.value).nodes:
+                    out.append(group)
+            except CorruptRecord:
+                log.exception("ignoring corrupt residency of %s", group)
+        return out
+
     def agents(self) -> dict[str, AgentRecord]:
         """Every node's agent record, by node; corrupt records are logged and left out."""
         out: dict[str, AgentRecord] = {}

@@ -8,6 +8,8 @@ split back into its parts.
     sessions/<session>                 a client session, attached to its lease
     agents/<node>                      a node agent and its workers, attached to an agent lease
     relay/<node>/<directive>           a directive relayed to the replica holding <node>'s stream
+    fences/<node>                      the node was fenced out; its mod revision is the floor of
+                                       the epochs it may act on (not mirrored: read on hello)
     groups/<group>/meta                marks the group as existing
     groups/<group>/queue/<job>         a waiter, attached to its session; FIFO by create revision
     groups/<group>/holder              the hold; its create revision is the fencing epoch
@@ -132,6 +134,9 @@ class Keyspace:
 
     def relay(self, node: str, directive_id: str) -> bytes:
         return self._k("relay", node, directive_id)
+
+    def fence(self, node: str) -> bytes:
+        return self._k("fences", node)
 
     # -- one group --------------------------------------------------------------------------
 

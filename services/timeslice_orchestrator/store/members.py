@@ -9,8 +9,27 @@ agent that reconnects to another replica stays a member of its groups throughout
 from __future__ import annotations
 
 from timeslice_orchestrator.store.base import StoreBase
-from timeslice_orchestrator.store.etcd import LeaseExpired, LeaseKeeper, Put, Txn, modified_at
-from timeslice_orchestrator.store.records import AgentRecord, MembersRecord, ResidentRecord
+from timeslice_orchestrator.store.etcd import (
+    Delete,
+    LeaseExpired,
+    LeaseKeeper,
+    Op,
+    Put,
+    StoreUnavailable,
+    Txn,
+    modified_at,
+)
+from timeslice_orchestrator.store.records import (
+    AgentRecord,
+    FenceRecord,
+    GroupStats,
+    MembersRecord,
+    ResidentRecord,
+    Stored,
+)
+
+# Read-modify-write attempts of one group's residency before giving up (a busy group).
+_RESIDENCY_ATTEMPTS = 8
 
 
 class MemberStore(StoreBase):
@@ -40,6 +59,63 @@ class MemberStore(StoreBase):
             Txn([modified_at(key, current.mod_revision)], [Put(key, record.encode())])
         )
         return result.succeeded
+
+    async def set_node_residency(
+        self, group: str, node: str, jobs: list[str], note: str = ""
+    ) -> bool:
+        """Make ``jobs`` (least recently restored first) what ``node`` holds for ``group``.
+
+        An empty list marks the node's residency unknown (nothing is counted on there). With
+        ``note``, the group's ``last_error`` says it in the same transaction. Returns whether
+        the residency changed.
+        """
+        key, stats_key = self.keys.resident(group), self.keys.stats(group)
+        for _ in range(_RESIDENCY_ATTEMPTS):
+            current = await self.etcd.get(key)
+            if current is None and not jobs:
+                return False
+            record = ResidentRecord.decode(current.value) if current else ResidentRecord()
+            if record.nodes.get(node, []) == jobs:
+                return False
+            record.nodes.pop(node, None)
+            if jobs:
+                record.nodes[node] = list(jobs)
+            revision = current.mod_revision if current else 0
+            compare = [modified_at(key, revision)]
+            ops: list[Op] = [Put(key, record.encode())]
+            if note:
+                stats_kv = await self.etcd.get(stats_key)
+                stats = GroupStats.decode(stats_kv.value) if stats_kv else GroupStats()
+                stats.last_error = note
+                compare.append(modified_at(stats_key, stats_kv.mod_revision if stats_kv else 0))
+                ops.append(Put(stats_key, stats.encode()))
+            result = await self.etcd.txn(Txn(compare, ops))
+            if result.succeeded:
+                return True
+        raise StoreUnavailable(f"residency of {group} kept changing: {node} not updated")
+
+    async def fence_node(self, node: str, fence: FenceRecord) -> int:
+        """Fence ``node`` out: record why, drop its agent record, forget its residency.
+
+        Returns the fence revision: every directive issued before it carries a lower epoch,
+        and the agent refuses all of those once its next Welcome tells it the revision. The
+        agent lease is revoked, so the replica holding its stream (if any) closes it.
+        """
+        agent = await self.etcd.get(self.keys.agent(node))
+        result = await self.etcd.txn(
+            Txn([], [Put(self.keys.fence(node), fence.encode()), Delete(self.keys.agent(node))])
+        )
+        note = f"node {node} fenced out: {fence.reason}"
+        for group in fence.groups:
+            await self.set_node_residency(group, node, [], note)
+        if agent is not None and agent.lease:
+            await self.etcd.revoke_lease(agent.lease)
+        return result.revision
+
+    async def fence_of(self, node: str) -> Stored[FenceRecord] | None:
+        """The node's last fence, if it was ever fenced."""
+        kv = await self.etcd.get(self.keys.fence(node))
+        return Stored.of(kv, FenceRecord.decode(kv.value)) if kv is not None else None
 
     async def agent_lease(self, node: str, ttl: int) -> int:
         """The lease that keeps ``node``'s agent record: the existing one while it lives.

@@ -141,6 +141,9 @@ class SwitchRecord(_Record):
     attempt: int = 1
     # Prefetch: bring to_job's state in while the holder still runs; ends without a grant.
     prefetch: bool = False
+    # Nodes fenced out during this switch: never sent another directive of it, whatever
+    # driver carries it on; their residency is unknown until their next hello.
+    fenced: list[str] = field(default_factory=list)
 
     @classmethod
     def _from_dict(cls, data: dict[str, Any]) -> Self:
@@ -195,6 +198,16 @@ class UsageRecord(_Record):
 class FaultRecord(_Record):
     reason: str
     at: float
+
+
+@dataclass(slots=True)
+class FenceRecord(_Record):
+    """Why a node was fenced out of its groups (its key's mod revision is the fence floor)."""
+
+    reason: str
+    at: float
+    replica: str
+    groups: list[str] = field(default_factory=list)  # where its residency was marked unknown
 
 
 @dataclass(slots=True)

@@ -188,10 +188,13 @@ class SwitchStore(StoreBase):
         resident: ResidentRecord,
         stats: GroupStats,
         fault: Fault | None = None,
+        resident_revision: int | None = None,
     ) -> bool:
         """Close a switch without a grant (aborted, or the waiter left mid-switch).
 
-        With ``fault``, the waiter whose switch failed for good is given up on as well.
+        With ``fault``, the waiter whose switch failed for good is given up on as well. With
+        ``resident_revision`` (that of the residency ``resident`` was computed from), it fails
+        if the residency changed since: a node fenced out meanwhile stays unknown.
         """
         k = self.keys
         ops: list[Op] = [
@@ -202,6 +205,8 @@ class SwitchStore(StoreBase):
         if fault is not None:
             ops += self._give_up(group, fault)
         compare = [self._driving(group, auth), modified_at(k.switch(group), switch.mod_revision)]
+        if resident_revision is not None:
+            compare.append(modified_at(k.resident(group), resident_revision))
         result = await self.etcd.txn(Txn(compare, ops))
         return result.succeeded
 

@@ -26,6 +26,7 @@ __all__ = (
     "GroupEvent",
     "GroupStatus",
     "GroupSummary",
+    "Heartbeat",
     "HookKind",
     "JobReport",
     "JobState",
@@ -394,6 +395,16 @@ class AgentHello(betterproto2.Message):
     How the agent finds job processes besides registrations: "nvml", "procfs" or "off".
     """
 
+    fence_revision: "int" = betterproto2.field(13, betterproto2.TYPE_UINT64)
+    """
+    The highest fence revision this agent adopted (from a Welcome); 0 if never fenced.
+    """
+
+    heartbeats: "bool" = betterproto2.field(14, betterproto2.TYPE_BOOL)
+    """
+    True when the agent sends a Heartbeat every heartbeat_interval_ms its Welcome asks for.
+    """
+
 
 default_message_pool.register_message("timeslice.v1", "AgentHello", AgentHello)
 
@@ -417,6 +428,10 @@ class AgentMessage(betterproto2.Message):
 
     ack: "DirectiveAck | None" = betterproto2.field(
         3, betterproto2.TYPE_MESSAGE, optional=True, group="body"
+    )
+
+    heartbeat: "Heartbeat | None" = betterproto2.field(
+        4, betterproto2.TYPE_MESSAGE, optional=True, group="body"
     )
 
 
@@ -637,6 +652,19 @@ default_message_pool.register_message("timeslice.v1", "GroupSummary", GroupSumma
 
 
 @dataclass(eq=False, repr=False)
+class Heartbeat(betterproto2.Message):
+    """
+    Sent by the agent every heartbeat_interval_ms: a node that falls silent for the
+    orchestrator's liveness timeout is fenced out of its groups (docs/fencing.md).
+    """
+
+    seq: "int" = betterproto2.field(1, betterproto2.TYPE_UINT64)
+
+
+default_message_pool.register_message("timeslice.v1", "Heartbeat", Heartbeat)
+
+
+@dataclass(eq=False, repr=False)
 class JobReport(betterproto2.Message):
     job_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
 
@@ -849,6 +877,23 @@ default_message_pool.register_message("timeslice.v1", "WatchGroupRequest", Watch
 @dataclass(eq=False, repr=False)
 class Welcome(betterproto2.Message):
     replica_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    fence_revision: "int" = betterproto2.field(2, betterproto2.TYPE_UINT64)
+    """
+    The node was fenced out at this etcd revision: the agent refuses every directive whose
+    epoch is below it, for every group, from now on. 0: never fenced.
+    """
+
+    heartbeat_interval_ms: "int" = betterproto2.field(3, betterproto2.TYPE_UINT32)
+    """
+    How often the agent sends a Heartbeat; 0: none asked for.
+    """
+
+    liveness_timeout_ms: "int" = betterproto2.field(4, betterproto2.TYPE_UINT32)
+    """
+    The orchestrator's liveness timeout: an agent that finds its own event loop stalled for
+    half of it refuses directives until it has said hello again.
+    """
 
 
 default_message_pool.register_message("timeslice.v1", "Welcome", Welcome)
