@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from tests.integration.etcdview import snapshot
 from timeslice import AsyncTimeSliceClient
 from timeslice_agent.journal import JournalEntry, read_journal
 from timeslice_proto.timeslice.v1 import GroupStatus
@@ -100,3 +101,17 @@ def check_switches(cluster: LocalCluster, *, nodes: list[str] | None = None) -> 
 def replica_index(replica_id: str) -> int:
     assert replica_id.startswith("r"), replica_id
     return int(replica_id[1:])
+
+
+async def describe(cluster: LocalCluster, group: str, lines: int = 15) -> str:
+    """What a stuck wait needs to be told apart: the group's keys as etcd has them (a replica's
+    status comes from its mirror, which may lag), and each service's last log lines."""
+    root = f"{cluster.prefix}/groups/{group}/"
+    keys = await snapshot(cluster.etcd_endpoint, cluster.prefix)
+    parts = ["etcd keys of the group (value, mod revision):"]
+    parts += [
+        f"  {k[len(root) :]}: {v!r} @{rev}" for k, (v, rev) in keys.items() if k.startswith(root)
+    ]
+    for name in cluster.services:
+        parts.append(f"--- last {lines} log lines of {name}:\n{cluster.log_tail(name, lines)}")
+    return "\n".join(parts)

@@ -17,19 +17,64 @@ import pytest
 from tests.conftest import ClusterFactory
 from tests.faults.harness import (
     check_switches,
+    describe,
     replica_index,
     report_recovery,
     wait_for_status,
 )
 from timeslice import AsyncTimeSliceClient, register
-from timeslice_proto.timeslice.v1 import SwitchPhase
+from timeslice_orchestrator.config import parse_args
+from timeslice_orchestrator.driver import DriverConfig
+from timeslice_proto.timeslice.v1 import GroupStatus, SwitchPhase
+from timeslice_tools.dev.cluster import LocalCluster
 
 TTL = 2
 # 2 GB of device state at 2 GB/s: every checkpoint or restore takes about a second.
 SLOW_SIM = ["--sim-bandwidth-gbps", "2", "--sim-state-gb", "2"]
+# The replicas' configuration (the dev cluster sets only the TTLs; the rest, such as the
+# directive timeout, comes from the defaults and the environment, as here).
+CONFIG = parse_args(["--replica-ttl", str(TTL)])
+DRIVER = DriverConfig(replica_id="-", directive_timeout=CONFIG.directive_timeout)
+# The longest a correct orchestrator may take, after a yield, to bring the next switch into a
+# given phase: the yield kicks the driver (and a group with waiters is looked at again every
+# idle_recheck regardless); each of a pass's two etcd writes before the switch record (the
+# driver claim, the record) may run into the etcd client's deadline, after which the pass comes
+# back within the driver's longest backoff; the checkpoint phase lasts at most the directive
+# timeout. Past this, the switch is stuck, not slow.
+ETCD_DEADLINE = 5.0  # EtcdClient's default timeout
+SWITCH_START_DEADLINE = DRIVER.idle_recheck + 2 * (ETCD_DEADLINE + DRIVER.max_backoff)
+
+
+def phase_deadline(phase: SwitchPhase) -> float:
+    """Seconds from a yield until the next switch is in ``phase`` at the latest."""
+    if phase == SwitchPhase.CHECKPOINT:
+        return SWITCH_START_DEADLINE
+    return SWITCH_START_DEADLINE + DRIVER.directive_timeout
+
+
 REPEATS = range(5)
 
 pytestmark = pytest.mark.slow
+
+
+async def wait_for_phase(
+    cluster: LocalCluster, observer: AsyncTimeSliceClient, phase: SwitchPhase
+) -> GroupStatus:
+    """Wait until group g's switch is in ``phase``; past its deadline, fail with what the
+    group looks like in etcd and what the services last logged."""
+    deadline = phase_deadline(phase)
+    try:
+        return await wait_for_status(
+            observer,
+            "g",
+            lambda s: s.switch is not None and s.switch.phase == phase,
+            deadline,
+        )
+    except AssertionError as exc:
+        raise AssertionError(
+            f"no switch reached {phase.name} within {deadline:g} s of the yield: "
+            f"{exc}\n{await describe(cluster, 'g')}"
+        ) from None
 
 
 @pytest.mark.parametrize("phase", [SwitchPhase.CHECKPOINT, SwitchPhase.RESTORE])
@@ -52,9 +97,7 @@ async def test_killing_the_driver_mid_switch_loses_nothing(
             waiter = asyncio.create_task(b.acquire("g", timeout=60))
             await wait_for_status(observer, "g", lambda s: [q.job_id for q in s.queue] == ["b"], 10)
             await a.yield_("g")
-            status = await wait_for_status(
-                observer, "g", lambda s: s.switch is not None and s.switch.phase == phase, 10
-            )
+            status = await wait_for_phase(cluster, observer, phase)
             victim = replica_index(status.driver_replica)
             cluster.kill_replica(victim)
             killed = time.monotonic()
@@ -93,12 +136,7 @@ async def test_a_paused_driver_cannot_act_when_it_wakes(
             waiter = asyncio.create_task(b.acquire("g", timeout=60))
             await wait_for_status(observer, "g", lambda s: [q.job_id for q in s.queue] == ["b"], 10)
             await a.yield_("g")
-            status = await wait_for_status(
-                observer,
-                "g",
-                lambda s: s.switch is not None and s.switch.phase == SwitchPhase.CHECKPOINT,
-                10,
-            )
+            status = await wait_for_phase(cluster, observer, SwitchPhase.CHECKPOINT)
             victim = replica_index(status.driver_replica)
             zombie = cluster.processes[status.driver_replica]
             os.kill(zombie.pid, signal.SIGSTOP)
