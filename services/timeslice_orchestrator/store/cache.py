@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 
 from timeslice.backoff import Backoff
 from timeslice_orchestrator.store.etcd import (
+    Compacted,
     EtcdClient,
     EventType,
     KeyValue,
     StoreUnavailable,
     WatchBatch,
-    WatchCompacted,
 )
 from timeslice_orchestrator.store.keys import KeyRef, Keyspace, Kind, group_topic
 from timeslice_orchestrator.store.records import (
@@ -101,8 +101,20 @@ class RelayPost:
     posted: Stored[RelayRecord]
 
 
+# The keys that give a driver something to do.
+_DRIVER_WORK = frozenset({Kind.SWITCH, Kind.QUEUE})
+
+
 def _by_key(item: tuple[KeyRef, KeyValue]) -> bytes:
     return item[1].key
+
+
+def _index(
+    topics: dict[str, dict[KeyRef, KeyValue]], groups: set[str], ref: KeyRef, kv: KeyValue
+) -> None:
+    topics.setdefault(ref.topic, {})[ref] = kv
+    if ref.group:
+        groups.add(ref.group)
 
 
 class Mirror:
@@ -115,6 +127,10 @@ class Mirror:
         # one group costs its own few keys.
         self._topics: dict[str, dict[KeyRef, KeyValue]] = {}
         self._groups: set[str] = set()
+        # Who holds what, by session and by group, so a session's keepalive finds the groups
+        # it holds without looking at every group of the deployment.
+        self._held: dict[str, set[str]] = {}
+        self._holder_of: dict[str, str] = {}
         self.revision = 0
         self.synced = asyncio.Event()
         self._conditions: dict[str, asyncio.Condition] = {}
@@ -173,6 +189,31 @@ class Mirror:
             out.append(RelayPost(ref.name, ref.directive, posted))
         return out
 
+    def held_by(self, session_id: str) -> list[str]:
+        """The groups whose hold belongs to the session, as last seen."""
+        return sorted(self._held.get(session_id, ()))
+
+    def idle(self, group: str) -> bool:
+        """No switch record and nobody queued: nothing for a driver to do. Decodes nothing,
+        so looking at every group of a large deployment (at start, on a re-list) is cheap."""
+        keys = self._topics.get(group_topic(group))
+        return not keys or not any(ref.kind in _DRIVER_WORK for ref in keys)
+
+    def summary(self, group: str) -> tuple[HolderRecord | None, int, bool]:
+        """The group's hold, how many wait, and whether it switches: what a listing of every
+        group shows, read without decoding the group's other records."""
+        holder: HolderRecord | None = None
+        queued = 0
+        switching = False
+        for ref, kv in self._topics.get(group_topic(group), {}).items():
+            if ref.kind is Kind.HOLDER:
+                holder = HolderRecord.decode(kv.value)
+            elif ref.kind is Kind.QUEUE:
+                queued += 1
+            elif ref.kind is Kind.SWITCH:
+                switching = True
+        return holder, queued, switching
+
     def group(self, group: str) -> GroupView:
         holder = resident = switch = None
         driver: str | None = None
@@ -225,11 +266,13 @@ class Mirror:
         )
 
     def _store(self, ref: KeyRef, kv: KeyValue) -> None:
-        self._topics.setdefault(ref.topic, {})[ref] = kv
-        if ref.group:
-            self._groups.add(ref.group)
+        _index(self._topics, self._groups, ref, kv)
+        if ref.kind is Kind.HOLDER:
+            self._hold(ref.group, kv)
 
     def _drop(self, ref: KeyRef) -> None:
+        if ref.kind is Kind.HOLDER:
+            self._unhold(ref.group)
         keys = self._topics.get(ref.topic)
         if keys is None:
             return
@@ -237,6 +280,25 @@ class Mirror:
         if not keys:
             del self._topics[ref.topic]
             self._groups.discard(ref.group)
+
+    def _hold(self, group: str, kv: KeyValue) -> None:
+        self._unhold(group)
+        try:
+            session = HolderRecord.decode(kv.value).session
+        except CorruptRecord:
+            log.exception("ignoring corrupt holder record of %s", group)
+            return
+        self._holder_of[group] = session
+        self._held.setdefault(session, set()).add(group)
+
+    def _unhold(self, group: str) -> None:
+        session = self._holder_of.pop(group, None)
+        if session is None:
+            return
+        groups = self._held[session]
+        groups.discard(group)
+        if not groups:
+            del self._held[session]
 
     # -- waiting ------------------------------------------------------------------------
 
@@ -296,8 +358,9 @@ class Mirror:
                 async for batch in self._etcd.watch_prefix(self._keys.root, self.revision + 1):
                     backoff.reset()
                     await self._apply(batch)
-            except WatchCompacted as exc:
-                log.warning("watch compacted (%s); re-listing", exc)
+            except Compacted as exc:
+                # The watch's start, or the revision a paged list was being read at, is gone.
+                log.warning("%s; re-listing", exc)
                 self.synced.clear()
             except StoreUnavailable as exc:
                 self.reconnects += 1
@@ -305,17 +368,41 @@ class Mirror:
                 await asyncio.sleep(backoff.next_delay())
 
     async def _relist(self) -> None:
-        revision, kvs = await self._etcd.get_prefix(self._keys.root)
+        """Read every key, page by page at one revision, then replace the mirror at once.
+
+        Readers keep the previous snapshot (or none, before the first sync) until the last
+        page is in: a half-read listing is never visible. Pages are indexed as they arrive, so
+        only one page of etcd's messages is held at a time.
+        """
+        topics: dict[str, dict[KeyRef, KeyValue]] = {}
+        groups: set[str] = set()
+        revision = 0
+        parse = self._keys.parse
+        # Keys come in key order, so a group's keys come together: look its topic up once.
+        group, keys = "", {}
+        holders: list[tuple[str, KeyValue]] = []
+        async for at, page in self._etcd.pages(self._keys.root):
+            revision = at
+            for kv in page:
+                ref = parse(kv.key)
+                if ref is None:
+                    continue
+                if ref.kind is Kind.HOLDER:
+                    holders.append((ref.group, kv))
+                if not ref.group or ref.group != group:
+                    keys = topics.setdefault(ref.topic, {})
+                    group = ref.group
+                    if group:
+                        groups.add(group)
+                keys[ref] = kv
         old = set(self._topics)
-        self._topics = {}
-        self._groups = set()
-        for kv in kvs:
-            ref = self._keys.parse(kv.key)
-            if ref is not None:
-                self._store(ref, kv)
+        self._topics, self._groups = topics, groups
+        self._held, self._holder_of = {}, {}
+        for held, kv in holders:
+            self._hold(held, kv)
         self.revision = revision
         self.synced.set()
-        await self._notify(old | set(self._topics))
+        await self._notify(old | set(topics))
 
     async def _apply(self, batch: WatchBatch) -> None:
         topics: set[str] = set()

@@ -34,12 +34,16 @@ class LeaseExpired(StoreError):
     """The lease no longer exists in etcd."""
 
 
-class WatchCompacted(StoreError):
-    """The watch start revision was compacted away; the caller must re-list."""
+class Compacted(StoreError):
+    """A read or watch asked for a revision etcd has compacted away; the caller must re-list."""
 
     def __init__(self, compact_revision: int) -> None:
         super().__init__(f"revision compacted up to {compact_revision}")
         self.compact_revision = compact_revision
+
+
+class WatchCompacted(Compacted):
+    """The watch start revision was compacted away; the caller must re-list."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +191,8 @@ def prefix_end(prefix: bytes) -> bytes:
 
 
 def _typed(exc: grpc.aio.AioRpcError, timeout: float) -> StoreError:
+    if exc.code() == grpc.StatusCode.OUT_OF_RANGE and "compacted" in (exc.details() or ""):
+        return Compacted(0)  # etcd's error names no revision
     if exc.code() == grpc.StatusCode.NOT_FOUND and "lease" in (exc.details() or ""):
         return LeaseExpired(exc.details() or "lease not found")
     if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -276,6 +282,22 @@ class _StreamBroken(StoreUnavailable):
 # How often, at most, the keepalive streams of leases nobody refreshes any more are closed.
 _SWEEP_EVERY = 1.0
 
+# Paging of prefix reads. etcd counts every key left in the range for each page it serves
+# (RangeResponse.count), so a page costs time in proportion to the keys after it and small
+# pages make a listing quadratic: 400,000 keys in pages of 2,000 took etcd seconds. The first
+# page is small, and the rest are sized from its bytes per key to about PAGE_BYTES each:
+# a listing takes a few dozen round trips however many keys there are, and each message stays
+# far below the receive limit.
+FIRST_PAGE = 1000
+PAGE_BYTES = 4 * 1024 * 1024
+
+# The largest message accepted from etcd. Range reads are paged and watch responses are
+# fragmented by etcd (below its --max-request-bytes, 1.5 MiB by default), so no message should
+# come near it; it is above gRPC's 4 MiB default so that an etcd configured with larger
+# requests, or one page of unusually large values, still gets through. A page that does not
+# fit is read again in smaller pages.
+MAX_RECEIVE_BYTES = 64 * 1024 * 1024
+
 
 class EtcdClient:
     """One gRPC channel to an etcd cluster; endpoints are tried in order on failure."""
@@ -298,6 +320,7 @@ class EtcdClient:
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 1000),
+                ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
             ],
         )
         self._kv = pb_grpc.KVStub(self._channel)
@@ -337,11 +360,76 @@ class EtcdClient:
         kvs = resp.kvs
         return _kv(kvs[0]) if kvs else None
 
-    async def get_prefix(self, prefix: bytes) -> tuple[int, list[KeyValue]]:
-        """All keys under ``prefix`` and the store revision they were read at."""
-        request = pb.RangeRequest(key=prefix, range_end=prefix_end(prefix))
-        resp = await self._unary(self._kv.Range, request)
-        return resp.header.revision, [_kv(kv) for kv in resp.kvs]
+    async def get_prefix(
+        self, prefix: bytes, *, page: int | None = None
+    ) -> tuple[int, list[KeyValue]]:
+        """All keys under ``prefix`` and the store revision they were read at (paged)."""
+        revision = 0
+        kvs: list[KeyValue] = []
+        async for at, chunk in self.pages(prefix, page=page):
+            revision = at
+            kvs.extend(chunk)
+        return revision, kvs
+
+    async def pages(
+        self, prefix: bytes, *, page: int | None = None
+    ) -> AsyncIterator[tuple[int, list[KeyValue]]]:
+        """The keys under ``prefix`` in key order, a page at a time, all at one revision.
+
+        One read of a whole prefix is one gRPC message, and past a few thousand groups that
+        exceeded the receive limit. Each page starts after the last key of the one before;
+        the first is read at etcd's current revision and every later one at that same
+        revision, so together they are one consistent snapshot, from which a watch can resume
+        at revision + 1 (list-then-watch). The next page is asked for before this one is
+        handed out, so etcd reads it while the caller indexes this one. ``page`` fixes the
+        keys per page; by default pages are sized to about PAGE_BYTES.
+
+        Yields ``(revision, key-values)`` per page, at least one page (maybe empty). Raises
+        Compacted when that revision is compacted away between pages (the caller lists
+        again) and StoreUnavailable as every call does.
+        """
+        if page is not None and page < 1:
+            raise ValueError(f"page must be at least 1, got {page}")
+        limit = page or FIRST_PAGE
+        end = prefix_end(prefix)
+        revision = 0  # 0 asks for the current revision: only the first page does
+        key = prefix
+        ahead: asyncio.Task[Any] | None = None
+        try:
+            while True:
+                task = ahead or asyncio.ensure_future(self._page(key, end, limit, revision))
+                ahead = None
+                try:
+                    resp = await task
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and limit > 1:
+                        # Values too large for this many per message: read in smaller pages.
+                        limit = max(1, limit // 4)
+                        log.warning("a page at %r did not fit one message; pages of %d", key, limit)
+                        continue
+                    raise _typed(exc, self._timeout) from exc
+                if revision == 0:
+                    revision = int(resp.header.revision)
+                got = len(resp.kvs)
+                more = bool(resp.more) and got > 0
+                if more:
+                    if page is None:
+                        limit = max(1, PAGE_BYTES * got // max(1, resp.ByteSize()))
+                    key = resp.kvs[-1].key + b"\0"  # the smallest key after the last one read
+                    ahead = asyncio.ensure_future(self._page(key, end, limit, revision))
+                yield revision, [_kv(kv) for kv in resp.kvs]
+                if not more:
+                    return
+        finally:
+            if ahead is not None:
+                # The caller stopped early, or failed: the page read ahead is not wanted.
+                ahead.cancel()
+                if ahead.done() and not ahead.cancelled():
+                    ahead.exception()  # retrieved, so that nothing logs it as lost
+
+    async def _page(self, key: bytes, end: bytes, limit: int, revision: int) -> Any:
+        request = pb.RangeRequest(key=key, range_end=end, limit=limit, revision=revision)
+        return await self._kv.Range(request, timeout=self._timeout)
 
     async def put(self, key: bytes, value: bytes, *, lease: int = 0) -> int:
         resp = await self._unary(self._kv.Put, pb.PutRequest(key=key, value=value, lease=lease))
@@ -449,9 +537,15 @@ class EtcdClient:
                 range_end=prefix_end(prefix),
                 start_revision=start_revision,
                 progress_notify=True,
+                # etcd splits a response larger than its request limit (a transaction or a
+                # catch-up over many keys) into fragments instead of one message any size.
+                fragment=True,
             )
         )
         call = self._watch.Watch()
+        # Events of the fragments of one response so far: a fragment can end inside one
+        # transaction's events, and a reader must never see half a transaction.
+        pending: list[WatchEvent] = []
         try:
             await call.write(request)
             while True:
@@ -466,7 +560,10 @@ class EtcdClient:
                     # Its header revision is etcd's current one, not how far this watch has
                     # caught up: reporting it would let readers see a future they lack.
                     continue
-                events = tuple(WatchEvent(EventType(ev.type), _kv(ev.kv)) for ev in resp.events)
+                pending.extend(WatchEvent(EventType(ev.type), _kv(ev.kv)) for ev in resp.events)
+                if resp.fragment:
+                    continue
+                events, pending = tuple(pending), []
                 yield WatchBatch(int(resp.header.revision), events)
         except grpc.aio.AioRpcError as exc:
             raise StoreUnavailable(f"watch stream failed: {exc.code().name}") from exc
