@@ -48,6 +48,7 @@ from timeslice_agent.jobs import Job, JobState, Residency
 from timeslice_agent.journal import DirectiveJournal, JournalEntry
 from timeslice_agent.ledger import AckLedger
 from timeslice_agent.metrics import AgentMetrics
+from timeslice_agent.procs import pid_exists
 from timeslice_agent.statefile import AgentState, StateStore, StateWriteError
 from timeslice_agent.tasks import KeyedLocks, LockWaitExpired, Supervisor, run_to_completion
 from timeslice_agent.workers import HookFailed, WorkerRegistry
@@ -216,12 +217,61 @@ class DirectiveExecutor:
     # ----- worker registrations ----------------------------------------------------------------
 
     def check_registration(self, info: WorkerInfo) -> None:
-        """Refuse a worker whose job this node knows in another group."""
+        """Refuse a worker whose job is still bound to another group on this node.
+
+        A job is in one group on a node while anything of it is here: a worker (registered or
+        discovered), a directive running or queued, or a checkpoint parked for processes that
+        still live. Once none is left, the job may come back in another group, and the old
+        binding is dropped as the new worker is accepted. A checkpoint still parked then is
+        discarded: it belongs to processes that are gone, so nothing can ever be restored from
+        it (every backend parks a job's state in, or with, its own processes: cuda-checkpoint
+        in the process's host memory, freeze in the stopped process, app in the app), and its
+        bytes went with them. Only the job's record goes; the old group's fencing epoch stays,
+        and a late directive of the old group for the job is refused (it is in another group).
+        """
         job = self._jobs.get(info.job_id)
-        if job is not None and job.group_id != info.group_id:
+        if job is None or job.group_id == info.group_id:
+            return
+        bound = self._bound(job)
+        if bound is not None:
             raise InvalidArgument(
-                f"job {info.job_id} is in group {job.group_id} on this node, not {info.group_id}"
+                f"job {info.job_id} is in group {job.group_id} on this node, not "
+                f"{info.group_id}: {bound}"
             )
+        if job.on_device:
+            log.info(
+                "job %s moves from group %s to %s on this node",
+                job.job_id,
+                job.group_id,
+                info.group_id,
+            )
+        else:
+            log.warning(
+                "job %s moves from group %s to %s on this node: discarding the checkpoint parked "
+                "for group %s (%d bytes, state %s), whose processes %s are gone",
+                job.job_id,
+                job.group_id,
+                info.group_id,
+                job.group_id,
+                job.saved_bytes,
+                job.state.value,
+                list(job.saved_pids),
+            )
+        del self._jobs[job.job_id]
+        self._changed()
+
+    def _bound(self, job: Job) -> str | None:
+        """What still binds ``job`` to its group on this node (None: nothing)."""
+        workers = self._registry.workers_of(job.job_id)
+        if workers:
+            return f"its process(es) {sorted({w.pid for w in workers})} are still there"
+        if job.state is JobState.TRANSITIONING or self._locks.busy(job.job_id):
+            return "a directive for it is in progress; try again when it is done"
+        if not job.on_device:
+            alive = [pid for pid in job.saved_pids if pid_exists(pid)]
+            if alive:
+                return f"its checkpoint is parked for process(es) {alive}, which still live"
+        return None
 
     def on_workers_changed(self, job_id: str) -> None:
         """Keep the job table in step with registrations of ``job_id``."""
@@ -305,9 +355,18 @@ class DirectiveExecutor:
             return exc.message
         if d.kind not in (DirectiveKind.CHECKPOINT, DirectiveKind.RESTORE):
             return f"unknown directive kind {int(d.kind)}"
+        return self._elsewhere(d)
+
+    def _elsewhere(self, d: Directive) -> str | None:
+        """Why ``d`` is not for the job as this node has it: the job is in another group."""
         job = self._jobs.get(d.job_id)
-        if job is not None and job.group_id != d.group_id:
-            return f"job {d.job_id} is in group {job.group_id} on this node, not {d.group_id}"
+        if job is not None:
+            group = job.group_id
+        else:
+            workers = self._registry.workers_of(d.job_id)
+            group = workers[0].group_id if workers else d.group_id
+        if group != d.group_id:
+            return f"job {d.job_id} is in group {group} on this node, not {d.group_id}"
         return None
 
     def _fence(self, d: Directive) -> _Outcome | None:
@@ -449,6 +508,12 @@ class DirectiveExecutor:
         stale = self._fence(d)
         if stale is not None:
             return stale
+        # Checked on arrival and again here: the job may have moved to another group on this
+        # node (see check_registration) while the directive waited to start.
+        elsewhere = self._elsewhere(d)
+        if elsewhere is not None:
+            self._metrics.refused.labels("invalid").inc()
+            return _Outcome(AckStatus.REFUSED, elsewhere)
         if d.kind is DirectiveKind.CHECKPOINT:
             return await self._checkpoint(d, clock)
         return await self._restore(d, clock)
