@@ -163,3 +163,5 @@ async def test_the_mirror_lists_in_pages_then_watches_without_a_gap(etcd: EtcdCl
     assert seen == expected
     assert mirror.held_by("s") == sorted(g for g in mirror.group_names())
     assert not mirror.idle("g0001") and mirror.idle("g0000") and mirror.idle("h0000")
+    held, queued, switching = mirror.summary("g0001")
+    assert held is not None and (held.job, queued, switching) == ("a", 1, False)

@@ -8,6 +8,7 @@ every decision that changes state is an etcd transaction with compares.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import logging
 from collections.abc import Callable
@@ -372,7 +373,7 @@ class Mirror:
 
         Readers keep the previous snapshot (or none, before the first sync) until the last
         page is in: a half-read listing is never visible. Pages are indexed as they arrive, so
-        only one page of etcd's messages is held at a time.
+        at most two pages of etcd's messages (this one and the next, read ahead) are held.
         """
         topics: dict[str, dict[KeyRef, KeyValue]] = {}
         groups: set[str] = set()
@@ -381,20 +382,21 @@ class Mirror:
         # Keys come in key order, so a group's keys come together: look its topic up once.
         group, keys = "", {}
         holders: list[tuple[str, KeyValue]] = []
-        async for at, page in self._etcd.pages(self._keys.root):
-            revision = at
-            for kv in page:
-                ref = parse(kv.key)
-                if ref is None:
-                    continue
-                if ref.kind is Kind.HOLDER:
-                    holders.append((ref.group, kv))
-                if not ref.group or ref.group != group:
-                    keys = topics.setdefault(ref.topic, {})
-                    group = ref.group
-                    if group:
-                        groups.add(group)
-                keys[ref] = kv
+        async with contextlib.aclosing(self._etcd.pages(self._keys.root)) as pages:
+            async for at, page in pages:
+                revision = at
+                for kv in page:
+                    ref = parse(kv.key)
+                    if ref is None:
+                        continue
+                    if ref.kind is Kind.HOLDER:
+                        holders.append((ref.group, kv))
+                    if not ref.group or ref.group != group:
+                        keys = topics.setdefault(ref.topic, {})
+                        group = ref.group
+                        if group:
+                            groups.add(group)
+                    keys[ref] = kv
         old = set(self._topics)
         self._topics, self._groups = topics, groups
         self._held, self._holder_of = {}, {}

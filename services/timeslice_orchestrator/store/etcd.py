@@ -9,9 +9,10 @@ streams that the caller resumes from the last revision it saw.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -366,14 +367,15 @@ class EtcdClient:
         """All keys under ``prefix`` and the store revision they were read at (paged)."""
         revision = 0
         kvs: list[KeyValue] = []
-        async for at, chunk in self.pages(prefix, page=page):
-            revision = at
-            kvs.extend(chunk)
+        async with contextlib.aclosing(self.pages(prefix, page=page)) as pages:
+            async for at, chunk in pages:
+                revision = at
+                kvs.extend(chunk)
         return revision, kvs
 
     async def pages(
         self, prefix: bytes, *, page: int | None = None
-    ) -> AsyncIterator[tuple[int, list[KeyValue]]]:
+    ) -> AsyncGenerator[tuple[int, list[KeyValue]], None]:
         """The keys under ``prefix`` in key order, a page at a time, all at one revision.
 
         One read of a whole prefix is one gRPC message, and past a few thousand groups that
@@ -384,7 +386,9 @@ class EtcdClient:
         handed out, so etcd reads it while the caller indexes this one. ``page`` fixes the
         keys per page; by default pages are sized to about PAGE_BYTES.
 
-        Yields ``(revision, key-values)`` per page, at least one page (maybe empty). Raises
+        Use it in ``contextlib.aclosing``, so that a caller that stops early cancels the page
+        read ahead at once. Yields ``(revision, key-values)`` per page, at least one page
+        (maybe empty). Raises
         Compacted when that revision is compacted away between pages (the caller lists
         again) and StoreUnavailable as every call does.
         """
