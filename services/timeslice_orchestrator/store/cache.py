@@ -102,8 +102,8 @@ class RelayPost:
     posted: Stored[RelayRecord]
 
 
-# The keys that give a driver something to do.
-_DRIVER_WORK = frozenset({Kind.SWITCH, Kind.QUEUE})
+# Keys indexed between two looks at the event loop while listing.
+_YIELD_EVERY = 4096
 
 
 def _by_key(item: tuple[KeyRef, KeyValue]) -> bytes:
@@ -197,8 +197,10 @@ class Mirror:
     def idle(self, group: str) -> bool:
         """No switch record and nobody queued: nothing for a driver to do. Decodes nothing,
         so looking at every group of a large deployment (at start, on a re-list) is cheap."""
-        keys = self._topics.get(group_topic(group))
-        return not keys or not any(ref.kind in _DRIVER_WORK for ref in keys)
+        for ref in self._topics.get(group_topic(group), ()):
+            if ref.kind is Kind.QUEUE or ref.kind is Kind.SWITCH:
+                return False
+        return True
 
     def summary(self, group: str) -> tuple[HolderRecord | None, int, bool]:
         """The group's hold, how many wait, and whether it switches: what a listing of every
@@ -385,7 +387,11 @@ class Mirror:
         async with contextlib.aclosing(self._etcd.pages(self._keys.root)) as pages:
             async for at, page in pages:
                 revision = at
-                for kv in page:
+                for n, kv in enumerate(page, 1):
+                    if n % _YIELD_EVERY == 0:
+                        # A page is tens of thousands of keys: let the rest of the replica
+                        # (its lease keepalive first) run between slices of it.
+                        await asyncio.sleep(0)
                     ref = parse(kv.key)
                     if ref is None:
                         continue
