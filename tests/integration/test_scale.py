@@ -114,7 +114,7 @@ async def bulk_groups(store: GroupStore) -> None:
         ]
         assert (await store.etcd.txn(Txn([], ops))).succeeded
 
-    await bounded(len(batches), 16, write)
+    await bounded(len(batches), 64, write)
 
 
 def vm_rss_mib(pid: int) -> float:
