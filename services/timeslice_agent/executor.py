@@ -15,6 +15,9 @@ Every directive received gets exactly one ack:
    for one job are serialised by a per-job FIFO lock.
 5. ``deadline_ms`` bounds the whole directive (lock wait, hooks, backend); on overrun the work
    is cancelled and the ack is FAILED "deadline exceeded after X s".
+6. A job is in one group on a node at a time; once nothing of it is left there, it may come
+   back in another (:meth:`DirectiveExecutor.check_registration`). A directive of its old group
+   then finds nothing of the job to move there and is acked OK without acting.
 """
 
 from __future__ import annotations
@@ -67,6 +70,9 @@ from timeslice_proto.timeslice.v1 import JobState as ProtoJobState
 log = logging.getLogger(__name__)
 
 MAX_DIRECTIVE_ID_LENGTH = 256
+# Jobs whose left groups are remembered (the oldest are forgotten first); past it, a late
+# directive of a group the job left long ago is refused, as before jobs could move.
+_LEFT_JOBS = 4096
 
 
 @dataclass(frozen=True)
@@ -130,6 +136,10 @@ class DirectiveExecutor:
         self._rescan = rescan
         self._jobs: dict[str, Job] = {}
         self._epochs: dict[str, int] = {}
+        # The groups each job left on this node since the agent started (its processes there
+        # ended): a late directive of one of them, for the job now in another group here,
+        # finds nothing to move instead of being refused as the orchestrator's mistake.
+        self._left: dict[str, set[str]] = {}
         self._ledger = AckLedger()
         self._locks = KeyedLocks()  # one per job: its directives run one at a time, in order
         self._closing = False
@@ -227,23 +237,27 @@ class DirectiveExecutor:
         it (every backend parks a job's state in, or with, its own processes: cuda-checkpoint
         in the process's host memory, freeze in the stopped process, app in the app), and its
         bytes went with them. Only the job's record goes; the old group's fencing epoch stays,
-        and a late directive of the old group for the job is refused (it is in another group).
+        and a late directive of the old group for the job finds nothing to move.
         """
         job = self._jobs.get(info.job_id)
-        if job is None or job.group_id == info.group_id:
-            return
+        if job is not None and job.group_id != info.group_id:
+            self._move(job, info.group_id)
+        left = self._left.get(info.job_id)
+        if left is not None:
+            left.discard(info.group_id)  # back in a group it left: its directives count again
+            if not left:
+                del self._left[info.job_id]
+
+    def _move(self, job: Job, group: str) -> None:
+        """Let ``job`` come back in ``group``, or raise InvalidArgument saying what binds it."""
         bound = self._bound(job)
         if bound is not None:
             raise InvalidArgument(
-                f"job {info.job_id} is in group {job.group_id} on this node, not "
-                f"{info.group_id}: {bound}"
+                f"job {job.job_id} is in group {job.group_id} on this node, not {group}: {bound}"
             )
         if job.on_device:
             log.info(
-                "job %s moves from group %s to %s on this node",
-                job.job_id,
-                job.group_id,
-                info.group_id,
+                "job %s moves from group %s to %s on this node", job.job_id, job.group_id, group
             )
         else:
             log.warning(
@@ -251,13 +265,14 @@ class DirectiveExecutor:
                 "for group %s (%d bytes, state %s), whose processes %s are gone",
                 job.job_id,
                 job.group_id,
-                info.group_id,
+                group,
                 job.group_id,
                 job.saved_bytes,
                 job.state.value,
                 list(job.saved_pids),
             )
         del self._jobs[job.job_id]
+        self._leave(job.job_id, job.group_id)
         self._changed()
 
     def _bound(self, job: Job) -> str | None:
@@ -292,6 +307,15 @@ class DirectiveExecutor:
             and not self._registry.workers_of(job_id)
         ):
             del self._jobs[job_id]
+            self._leave(job_id, job.group_id)
+
+    def _leave(self, job_id: str, group: str) -> None:
+        """Remember that ``job_id`` left ``group`` on this node (a bounded memory)."""
+        left = self._left.pop(job_id, set())
+        left.add(group)
+        self._left[job_id] = left  # the most recent last
+        while len(self._left) > _LEFT_JOBS:
+            del self._left[next(iter(self._left))]
 
     # ----- directives --------------------------------------------------------------------------
 
@@ -355,19 +379,21 @@ class DirectiveExecutor:
             return exc.message
         if d.kind not in (DirectiveKind.CHECKPOINT, DirectiveKind.RESTORE):
             return f"unknown directive kind {int(d.kind)}"
-        return self._elsewhere(d)
+        elsewhere = self._elsewhere(d)
+        if elsewhere is not None and d.group_id not in self._left.get(d.job_id, ()):
+            # Not a group the job left here: the orchestrator and this node disagree.
+            return f"job {d.job_id} is in group {elsewhere} on this node, not {d.group_id}"
+        return None
 
     def _elsewhere(self, d: Directive) -> str | None:
-        """Why ``d`` is not for the job as this node has it: the job is in another group."""
+        """The group the job is in on this node when it is not ``d``'s (else None)."""
         job = self._jobs.get(d.job_id)
         if job is not None:
             group = job.group_id
         else:
             workers = self._registry.workers_of(d.job_id)
             group = workers[0].group_id if workers else d.group_id
-        if group != d.group_id:
-            return f"job {d.job_id} is in group {group} on this node, not {d.group_id}"
-        return None
+        return group if group != d.group_id else None
 
     def _fence(self, d: Directive) -> _Outcome | None:
         highest = self._epochs.get(d.group_id, 0)
@@ -390,7 +416,11 @@ class DirectiveExecutor:
             error=outcome.error,
             bytes_moved=outcome.bytes_moved,
             elapsed_seconds=clock.elapsed(),
-            job_state=job.state.to_proto() if job is not None else ProtoJobState.UNSPECIFIED,
+            job_state=(
+                job.state.to_proto()
+                if job is not None and job.group_id == d.group_id
+                else ProtoJobState.UNSPECIFIED
+            ),
             emulated=self._backend.emulated,
             started_at=clock.started_at,
             finished_at=time.time(),
@@ -508,12 +538,22 @@ class DirectiveExecutor:
         stale = self._fence(d)
         if stale is not None:
             return stale
-        # Checked on arrival and again here: the job may have moved to another group on this
-        # node (see check_registration) while the directive waited to start.
         elsewhere = self._elsewhere(d)
         if elsewhere is not None:
-            self._metrics.refused.labels("invalid").inc()
-            return _Outcome(AckStatus.REFUSED, elsewhere)
+            # The job left the directive's group on this node (check_registration), before
+            # or after the directive arrived: its processes of that group are gone, and their
+            # state with them. Nothing of the job in that group is here to move, as for a job
+            # this node never knew; its processes of the other group are not touched.
+            # (Refusing instead would fail, again and again, every switch of the old group
+            # that still counts the job resident here.)
+            log.info(
+                "directive %s: job %s is in group %s on this node, not %s: nothing to move",
+                d.directive_id,
+                d.job_id,
+                elsewhere,
+                d.group_id,
+            )
+            return _OK_NOTHING
         if d.kind is DirectiveKind.CHECKPOINT:
             return await self._checkpoint(d, clock)
         return await self._restore(d, clock)

@@ -78,9 +78,16 @@ async def test_a_job_moves_group_once_its_workers_on_the_node_are_gone(
     new = await WorkerProcess(agent.socket, "job-a", "grp-2", "--state-bytes", str(2 * GB)).start()
     changed = await h.workers_until(lambda c: bool(c.workers))
     assert [(w.job_id, w.group_id, w.pid) for w in changed.workers] == [("job-a", "grp-2", new.pid)]
-    # The old group's late directives no longer reach the job; its own group's do.
+    # The old group's late directives find nothing of the job there (and touch nothing of its
+    # new group); its own group's directives move its state.
     late = await h.execute(directive("d-2", REST, "job-a", "grp-1", 5))
-    assert late.status == AckStatus.REFUSED and "grp-2" in late.error
+    assert (late.status, late.bytes_moved, late.job_state) == (
+        AckStatus.OK,
+        0,
+        JobState.UNSPECIFIED,
+    )
+    evict = await h.execute(directive("d-2b", CKPT, "job-a", "grp-1", 6))
+    assert (evict.status, evict.bytes_moved) == (AckStatus.OK, 0)
     ckpt = await h.execute(directive("d-3", CKPT, "job-a", "grp-2", 1))
     assert (ckpt.status, ckpt.job_state, ckpt.bytes_moved) == (AckStatus.OK, JobState.SAVED, 2 * GB)
     rest = await h.execute(directive("d-4", REST, "job-a", "grp-2", 1))
@@ -91,8 +98,19 @@ async def test_a_job_moves_group_once_its_workers_on_the_node_are_gone(
     )
     assert jobs_in(str(agent.state_file))["job-a"] == ("grp-2", "running")
     # Fencing of the old group is kept: a stale epoch there is still stale.
-    assert json.loads(agent.state_file.read_text())["epochs"] == {"grp-1": 5, "grp-2": 1}
+    assert json.loads(agent.state_file.read_text())["epochs"] == {"grp-1": 6, "grp-2": 1}
+    # The common case: the job's state on the device, its worker ends (the agent forgets the
+    # job), it comes back in grp-1; grp-2, which still counts it resident, evicts it late.
     await new.kill()
+    await h.workers_until(lambda c: not c.workers)
+    back = await WorkerProcess(agent.socket, "job-a", "grp-1").start()
+    await h.workers_until(lambda c: bool(c.workers))
+    evict = await h.execute(directive("d-5", CKPT, "job-a", "grp-2", 2))
+    assert (evict.status, evict.bytes_moved) == (AckStatus.OK, 0)
+    # A group the job was never in here is still the orchestrator's mistake.
+    wrong = await h.execute(directive("d-6", CKPT, "job-a", "grp-9", 1))
+    assert wrong.status == AckStatus.REFUSED and "grp-1" in wrong.error
+    await back.kill()
     await early.kill()
     assert await agent.stop() == 0
 
@@ -181,8 +199,8 @@ async def test_what_an_agent_restart_left_of_a_job_does_not_keep_it_in_its_group
         # starts it must not touch the job's processes in the new group.
         rig.send("m-1", CKPT, "mover", 5)
         rig.worker("mover", "g2")
-        refused = await rig.ack()
-        assert refused.status == AckStatus.REFUSED and "in group g2" in refused.error
+        late = await rig.ack()
+        assert (late.status, late.bytes_moved) == (AckStatus.OK, 0)
         assert rig.executor.jobs["mover"].state is AgentJobState.IDLE
         busy = rig.worker("busy", "g1", gb=40)
         rig.send("b-1", CKPT, "busy", 5)  # 40 GB at 10 GB/s: running for a while
