@@ -1,9 +1,9 @@
-"""Paged prefix reads and fragmented watches against a real etcd (issue 13, finding 4).
+"""Paged prefix reads and large watch responses against a real etcd (issue 13, finding 4).
 
 A read of a whole prefix, or one watch response, used to be one gRPC message, and past a few
 thousand groups it exceeded the client's receive limit: a replica could not start. Pages are
 read at one revision, so the listing is one snapshot a watch can resume after; a watch
-response etcd splits into fragments is put back together before anyone sees it.
+response too large to receive makes the mirror list afresh rather than retry it forever.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from timeslice_orchestrator.store.etcd import (
     Put,
     Txn,
     WatchBatch,
+    WatchTooLarge,
 )
 from timeslice_orchestrator.store.keys import Keyspace
 from timeslice_orchestrator.store.records import HolderRecord, QueueRecord
@@ -96,9 +97,9 @@ async def test_a_listing_whose_revision_is_compacted_says_so(etcd: EtcdClient) -
                 await etcd.compact(head)
 
 
-async def test_a_watch_response_larger_than_a_message_arrives_whole(etcd: EtcdClient) -> None:
-    # One delete of a range: 12,000 events at one revision, about 5 MiB of keys. etcd sends
-    # them in fragments of at most its request limit (1.5 MiB); the batch is all of them.
+async def test_a_watch_response_larger_than_4_mib_arrives_whole(etcd: EtcdClient) -> None:
+    # One delete of a range: 12,000 events at one revision, about 5 MiB of keys, in one
+    # response (gRPC's default limit, 4 MiB, broke the watch on it for good).
     p = unique()
     count = 12_000
     pad = "x" * 400
@@ -116,6 +117,36 @@ async def test_a_watch_response_larger_than_a_message_arrives_whole(etcd: EtcdCl
     assert {ev.type for ev in batch.events} == {EventType.DELETE}
     assert len({ev.kv.mod_revision for ev in batch.events}) == 1
     assert sum(len(ev.kv.key) for ev in batch.events) > 4 * 1024 * 1024
+
+
+async def test_a_watch_response_too_large_to_receive_makes_the_mirror_relist(
+    etcd_server: EtcdServer,
+) -> None:
+    # A client that takes at most 1 MiB: one transaction of 1.25 MiB of values is a watch
+    # response it cannot receive. Resuming would ask for it again and again; the mirror lists
+    # afresh instead, in pages small enough to fit, and watches on from there.
+    small = EtcdClient([etcd_server.endpoint], max_receive_bytes=1024 * 1024)
+    keys = Keyspace(f"/test/{uuid.uuid4().hex}")
+    mirror = Mirror(small, keys)
+    try:
+        async with asyncio.timeout(30), asyncio.TaskGroup() as tasks:
+            watcher = tasks.create_task(mirror.run())
+            await mirror.synced.wait()
+            value = b"v" * 10_000
+            big = Txn([], [Put(keys.meta(f"g{i:03d}"), value) for i in range(TXN_OPS)])
+            result = await small.txn(big)
+            await mirror.wait_for_revision(result.revision, timeout=20)
+            assert len(mirror.group_names()) == TXN_OPS
+            after = await small.put(keys.meta("late"), b"1")  # and it watches on
+            await mirror.wait_for_revision(after, timeout=10)
+            assert "late" in mirror.group_names()
+            watcher.cancel()
+        with pytest.raises(WatchTooLarge):
+            async with asyncio.timeout(10):
+                async for _ in small.watch_prefix(keys.root, result.revision):
+                    pass
+    finally:
+        await small.close()
 
 
 async def test_the_mirror_lists_in_pages_then_watches_without_a_gap(etcd: EtcdClient) -> None:

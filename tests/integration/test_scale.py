@@ -172,4 +172,17 @@ async def test_a_replica_starts_on_100k_groups(etcd: EtcdServer, tmp_path: Path)
             grant = await sdk.acquire(name(2), timeout=10)
             assert grant.epoch > revision
             await sdk.yield_(name(2))
-        print(f"after serving: VmRSS {vm_rss_mib(pid):.0f} MiB")
+            print(f"after serving: VmRSS {vm_rss_mib(pid):.0f} MiB")
+            # One revision that deletes every group: ~400,000 events, in one watch response
+            # etcd splits into many fragments. The replica's mirror takes it whole.
+            deleting = time.monotonic()
+            etcd_client = EtcdClient([etcd.endpoint], timeout=30)
+            try:
+                deleted = await etcd_client.delete(f"{PREFIX}/groups/".encode(), prefix=True)
+            finally:
+                await etcd_client.close()
+            assert deleted >= 4 * TOTAL
+            async with asyncio.timeout(30):
+                while await sdk.groups():
+                    await asyncio.sleep(0.2)
+            print(f"{deleted} keys deleted at once, seen in {time.monotonic() - deleting:.1f} s")

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 from timeslice.backoff import Backoff
 from timeslice_orchestrator.store.etcd import (
-    Compacted,
     EtcdClient,
     EventType,
     KeyValue,
+    MustRelist,
     StoreUnavailable,
     WatchBatch,
 )
@@ -361,8 +361,9 @@ class Mirror:
                 async for batch in self._etcd.watch_prefix(self._keys.root, self.revision + 1):
                     backoff.reset()
                     await self._apply(batch)
-            except Compacted as exc:
-                # The watch's start, or the revision a paged list was being read at, is gone.
+            except MustRelist as exc:
+                # The watch's start, or the revision a paged list was being read at, is gone,
+                # or a watch response did not fit: list afresh and watch on from there.
                 log.warning("%s; re-listing", exc)
                 self.synced.clear()
             except StoreUnavailable as exc:

@@ -35,7 +35,11 @@ class LeaseExpired(StoreError):
     """The lease no longer exists in etcd."""
 
 
-class Compacted(StoreError):
+class MustRelist(StoreError):
+    """A watch or paged listing cannot go on from where it is: the caller lists again."""
+
+
+class Compacted(MustRelist):
     """A read or watch asked for a revision etcd has compacted away; the caller must re-list."""
 
     def __init__(self, compact_revision: int) -> None:
@@ -45,6 +49,11 @@ class Compacted(StoreError):
 
 class WatchCompacted(Compacted):
     """The watch start revision was compacted away; the caller must re-list."""
+
+
+class WatchTooLarge(MustRelist):
+    """A watch response exceeded the receive limit. Resuming would ask for it again, so the
+    caller re-lists (paged) past it and watches on from there."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,18 +301,27 @@ _SWEEP_EVERY = 1.0
 FIRST_PAGE = 1000
 PAGE_BYTES = 4 * 1024 * 1024
 
-# The largest message accepted from etcd. Range reads are paged and watch responses are
-# fragmented by etcd (below its --max-request-bytes, 1.5 MiB by default), so no message should
-# come near it; it is above gRPC's 4 MiB default so that an etcd configured with larger
-# requests, or one page of unusually large values, still gets through. A page that does not
-# fit is read again in smaller pages.
+# The largest message accepted from etcd (gRPC's default is 4 MiB). Range reads are paged,
+# but one watch response carries every event of a revision (a delete of a whole prefix: some
+# 60 bytes per key) or of a catch-up over up to 1,000 revisions: 400,000 keys deleted at once
+# are about 25 MiB. etcd could split such a response (WatchCreateRequest.fragment), but it
+# sizes each fragment by re-measuring it after every event it adds, which is quadratic: the
+# same delete then took etcd minutes. A response larger still ends the watch (WatchTooLarge)
+# and the mirror re-lists, in pages, past it; a page that does not fit is read again in
+# smaller pages.
 MAX_RECEIVE_BYTES = 64 * 1024 * 1024
 
 
 class EtcdClient:
     """One gRPC channel to an etcd cluster; endpoints are tried in order on failure."""
 
-    def __init__(self, endpoints: Sequence[str], *, timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        timeout: float = 5.0,
+        max_receive_bytes: int = MAX_RECEIVE_BYTES,
+    ) -> None:
         if not endpoints:
             raise ValueError("at least one etcd endpoint is required")
         self._endpoints = list(endpoints)
@@ -321,7 +339,7 @@ class EtcdClient:
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 1000),
-                ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
+                ("grpc.max_receive_message_length", max_receive_bytes),
             ],
         )
         self._kv = pb_grpc.KVStub(self._channel)
@@ -532,8 +550,9 @@ class EtcdClient:
         """Stream changes under ``prefix`` from ``start_revision`` (inclusive).
 
         Progress notifications arrive as empty batches so the caller's revision keeps moving.
-        Raises WatchCompacted when the start revision is gone and StoreUnavailable when the
-        stream breaks; the caller resumes from its last revision + 1.
+        Raises WatchCompacted when the start revision is gone, WatchTooLarge when a response
+        does not fit the receive limit (both: the caller re-lists) and StoreUnavailable when
+        the stream breaks (the caller resumes from its last revision + 1).
         """
         request = pb.WatchRequest(
             create_request=pb.WatchCreateRequest(
@@ -541,15 +560,9 @@ class EtcdClient:
                 range_end=prefix_end(prefix),
                 start_revision=start_revision,
                 progress_notify=True,
-                # etcd splits a response larger than its request limit (a transaction or a
-                # catch-up over many keys) into fragments instead of one message any size.
-                fragment=True,
             )
         )
         call = self._watch.Watch()
-        # Events of the fragments of one response so far: a fragment can end inside one
-        # transaction's events, and a reader must never see half a transaction.
-        pending: list[WatchEvent] = []
         try:
             await call.write(request)
             while True:
@@ -564,12 +577,11 @@ class EtcdClient:
                     # Its header revision is etcd's current one, not how far this watch has
                     # caught up: reporting it would let readers see a future they lack.
                     continue
-                pending.extend(WatchEvent(EventType(ev.type), _kv(ev.kv)) for ev in resp.events)
-                if resp.fragment:
-                    continue
-                events, pending = tuple(pending), []
+                events = tuple(WatchEvent(EventType(ev.type), _kv(ev.kv)) for ev in resp.events)
                 yield WatchBatch(int(resp.header.revision), events)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise WatchTooLarge(f"a watch response was too large: {exc.details()}") from exc
             raise StoreUnavailable(f"watch stream failed: {exc.code().name}") from exc
         finally:
             call.cancel()
