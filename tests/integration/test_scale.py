@@ -173,8 +173,8 @@ async def test_a_replica_starts_on_100k_groups(etcd: EtcdServer, tmp_path: Path)
             assert grant.epoch > revision
             await sdk.yield_(name(2))
             print(f"after serving: VmRSS {vm_rss_mib(pid):.0f} MiB")
-            # One revision that deletes every group: ~400,000 events, in one watch response
-            # etcd splits into many fragments. The replica's mirror takes it whole.
+            # One revision that deletes every group: ~400,000 events, some 25 MiB in one
+            # watch response (six times gRPC's default limit). The replica follows.
             deleting = time.monotonic()
             etcd_client = EtcdClient([etcd.endpoint], timeout=30)
             try:
