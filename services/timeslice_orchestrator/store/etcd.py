@@ -406,9 +406,8 @@ class EtcdClient:
 
         Use it in ``contextlib.aclosing``, so that a caller that stops early cancels the page
         read ahead at once. Yields ``(revision, key-values)`` per page, at least one page
-        (maybe empty). Raises
-        Compacted when that revision is compacted away between pages (the caller lists
-        again) and StoreUnavailable as every call does.
+        (maybe empty). Raises Compacted when that revision is compacted away between pages
+        (the caller lists again) and StoreUnavailable as every call does.
         """
         if page is not None and page < 1:
             raise ValueError(f"page must be at least 1, got {page}")
