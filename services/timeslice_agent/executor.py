@@ -21,6 +21,9 @@ Every directive received gets exactly one ack:
    pause long enough that the orchestrator may have fenced the node) is REFUSED, and not
    remembered: it was most likely waiting in a socket buffer during the pause
    (``docs/fencing.md``).
+7. A job is in one group on a node at a time; once nothing of it is left there, it may come
+   back in another (:meth:`DirectiveExecutor.check_registration`). A directive of its old group
+   then finds nothing of the job to move there and is acked OK without acting.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from timeslice_agent.jobs import Job, JobState, Residency
 from timeslice_agent.journal import DirectiveJournal, JournalEntry
 from timeslice_agent.ledger import AckLedger
 from timeslice_agent.metrics import AgentMetrics
+from timeslice_agent.procs import pid_exists
 from timeslice_agent.statefile import AgentState, StateStore, StateWriteError
 from timeslice_agent.tasks import KeyedLocks, LockWaitExpired, Supervisor, run_to_completion
 from timeslice_agent.workers import HookFailed, WorkerRegistry
@@ -72,6 +76,9 @@ from timeslice_proto.timeslice.v1 import JobState as ProtoJobState
 log = logging.getLogger(__name__)
 
 MAX_DIRECTIVE_ID_LENGTH = 256
+# Jobs whose left groups are remembered (the oldest are forgotten first); past it, a late
+# directive of a group the job left long ago is refused, as before jobs could move.
+_LEFT_JOBS = 4096
 
 
 @dataclass(frozen=True)
@@ -138,6 +145,10 @@ class DirectiveExecutor:
         self._fence_revision = 0  # no directive below it acts, whatever its group
         # Why directives must not run now (the link's stall detector), or None.
         self.stalled: Callable[[], str | None] = lambda: None
+        # The groups each job left on this node since the agent started (its processes there
+        # ended): a late directive of one of them, for the job now in another group here,
+        # finds nothing to move instead of being refused as the orchestrator's mistake.
+        self._left: dict[str, set[str]] = {}
         self._ledger = AckLedger()
         self._locks = KeyedLocks()  # one per job: its directives run one at a time, in order
         self._closing = False
@@ -250,12 +261,66 @@ class DirectiveExecutor:
     # ----- worker registrations ----------------------------------------------------------------
 
     def check_registration(self, info: WorkerInfo) -> None:
-        """Refuse a worker whose job this node knows in another group."""
+        """Refuse a worker whose job is still bound to another group on this node.
+
+        A job is in one group on a node while anything of it is here: a worker (registered or
+        discovered), a directive running or queued, or a checkpoint parked for processes that
+        still live. Once none is left, the job may come back in another group, and the old
+        binding is dropped as the new worker is accepted. A checkpoint still parked then is
+        discarded: it belongs to processes that are gone, so nothing can ever be restored from
+        it (every backend parks a job's state in, or with, its own processes: cuda-checkpoint
+        in the process's host memory, freeze in the stopped process, app in the app), and its
+        bytes went with them. Only the job's record goes; the old group's fencing epoch stays,
+        and a late directive of the old group for the job finds nothing to move.
+        """
         job = self._jobs.get(info.job_id)
         if job is not None and job.group_id != info.group_id:
+            self._move(job, info.group_id)
+        left = self._left.get(info.job_id)
+        if left is not None:
+            left.discard(info.group_id)  # back in a group it left: its directives count again
+            if not left:
+                del self._left[info.job_id]
+
+    def _move(self, job: Job, group: str) -> None:
+        """Let ``job`` come back in ``group``, or raise InvalidArgument saying what binds it."""
+        bound = self._bound(job)
+        if bound is not None:
             raise InvalidArgument(
-                f"job {info.job_id} is in group {job.group_id} on this node, not {info.group_id}"
+                f"job {job.job_id} is in group {job.group_id} on this node, not {group}: {bound}"
             )
+        if job.on_device:
+            log.info(
+                "job %s moves from group %s to %s on this node", job.job_id, job.group_id, group
+            )
+        else:
+            log.warning(
+                "job %s moves from group %s to %s on this node: discarding the checkpoint parked "
+                "for group %s (%d bytes, state %s), whose processes %s are gone",
+                job.job_id,
+                job.group_id,
+                group,
+                job.group_id,
+                job.saved_bytes,
+                job.state.value,
+                list(job.saved_pids),
+            )
+        del self._jobs[job.job_id]
+        self._leave(job.job_id, job.group_id)
+        self._changed()
+
+    def _bound(self, job: Job) -> str | None:
+        """What still binds ``job`` to its group on this node (None: nothing)."""
+        workers = self._registry.workers_of(job.job_id)
+        if workers:
+            return f"its process(es) {sorted({w.pid for w in workers})} are still there"
+        if job.state is JobState.TRANSITIONING or self._locks.busy(job.job_id):
+            return "a directive for it is in progress; try again when it is done"
+        if not job.on_device:
+            alive = [pid for pid in job.saved_pids if pid_exists(pid)]
+            if alive:
+                return f"its checkpoint is parked for process(es) {alive}, which still live"
+        return None
 
     def on_workers_changed(self, job_id: str) -> None:
         """Keep the job table in step with registrations of ``job_id``."""
@@ -276,6 +341,15 @@ class DirectiveExecutor:
             and not self._registry.workers_of(job_id)
         ):
             del self._jobs[job_id]
+            self._leave(job_id, job.group_id)
+
+    def _leave(self, job_id: str, group: str) -> None:
+        """Remember that ``job_id`` left ``group`` on this node (a bounded memory)."""
+        left = self._left.pop(job_id, set())
+        left.add(group)
+        self._left[job_id] = left  # the most recent last
+        while len(self._left) > _LEFT_JOBS:
+            del self._left[next(iter(self._left))]
 
     # ----- directives --------------------------------------------------------------------------
 
@@ -348,10 +422,21 @@ class DirectiveExecutor:
             return exc.message
         if d.kind not in (DirectiveKind.CHECKPOINT, DirectiveKind.RESTORE):
             return f"unknown directive kind {int(d.kind)}"
-        job = self._jobs.get(d.job_id)
-        if job is not None and job.group_id != d.group_id:
-            return f"job {d.job_id} is in group {job.group_id} on this node, not {d.group_id}"
+        elsewhere = self._elsewhere(d)
+        if elsewhere is not None and d.group_id not in self._left.get(d.job_id, ()):
+            # Not a group the job left here: the orchestrator and this node disagree.
+            return f"job {d.job_id} is in group {elsewhere} on this node, not {d.group_id}"
         return None
+
+    def _elsewhere(self, d: Directive) -> str | None:
+        """The group the job is in on this node when it is not ``d``'s (else None)."""
+        job = self._jobs.get(d.job_id)
+        if job is not None:
+            group = job.group_id
+        else:
+            workers = self._registry.workers_of(d.job_id)
+            group = workers[0].group_id if workers else d.group_id
+        return group if group != d.group_id else None
 
     def _fence(self, d: Directive) -> _Outcome | None:
         highest = self._epochs.get(d.group_id, 0)
@@ -381,7 +466,11 @@ class DirectiveExecutor:
             error=outcome.error,
             bytes_moved=outcome.bytes_moved,
             elapsed_seconds=clock.elapsed(),
-            job_state=job.state.to_proto() if job is not None else ProtoJobState.UNSPECIFIED,
+            job_state=(
+                job.state.to_proto()
+                if job is not None and job.group_id == d.group_id
+                else ProtoJobState.UNSPECIFIED
+            ),
             emulated=self._backend.emulated,
             started_at=clock.started_at,
             finished_at=time.time(),
@@ -499,6 +588,22 @@ class DirectiveExecutor:
         stale = self._fence(d)
         if stale is not None:
             return stale
+        elsewhere = self._elsewhere(d)
+        if elsewhere is not None:
+            # The job left the directive's group on this node (check_registration), before
+            # or after the directive arrived: its processes of that group are gone, and their
+            # state with them. Nothing of the job in that group is here to move, as for a job
+            # this node never knew; its processes of the other group are not touched.
+            # (Refusing instead would fail, again and again, every switch of the old group
+            # that still counts the job resident here.)
+            log.info(
+                "directive %s: job %s is in group %s on this node, not %s: nothing to move",
+                d.directive_id,
+                d.job_id,
+                elsewhere,
+                d.group_id,
+            )
+            return _OK_NOTHING
         if d.kind is DirectiveKind.CHECKPOINT:
             return await self._checkpoint(d, clock)
         return await self._restore(d, clock)

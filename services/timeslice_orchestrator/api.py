@@ -153,13 +153,14 @@ class TimeSliceService(TimeSliceBase):
     def _list_groups(self) -> ListGroupsResponse:
         groups = []
         for name in self._mirror.group_names():
-            view = self._mirror.group(name)
+            # Not the whole view: a deployment may list 100,000 groups.
+            holder, queued, switching = self._mirror.summary(name)
             groups.append(
                 GroupSummary(
                     group_id=name,
-                    holder_job_id=view.holder.record.job if view.holder else "",
-                    queue_length=len(view.queue),
-                    switching=view.switch is not None,
+                    holder_job_id=holder.job if holder else "",
+                    queue_length=queued,
+                    switching=switching,
                 )
             )
         return ListGroupsResponse(groups=groups)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from opentelemetry import trace
@@ -147,11 +147,10 @@ class SwitchDriver:
     # -- wiring -------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the workers and look at every group once."""
+        """Start the workers and look once at every group with something to do."""
         self._mirror.add_listener(self._on_change)
         self._queue.start()
-        for group in self._mirror.group_names():
-            self.kick(group)
+        self._kick_busy(self._mirror.group_names())
 
     async def stop(self) -> None:
         """Stop driving: passes in flight are cancelled (a switch record carries them on)."""
@@ -162,13 +161,18 @@ class SwitchDriver:
         """Look at ``group`` as soon as a worker is free."""
         self._queue.add(group)
 
+    def _kick_busy(self, groups: Iterable[str]) -> None:
+        # A pass over an idle group does nothing (see reconcile), and a deployment can have
+        # 100,000 of them: at start, on a re-list or when an agent changes, only the groups
+        # with a waiter or a switch are queued.
+        for group in groups:
+            if not self._mirror.idle(group):
+                self.kick(group)
+
     def _on_change(self, topics: set[str]) -> None:
         if AGENTS_TOPIC in topics:
-            for group in self._mirror.group_names():
-                self.kick(group)
-        for topic in topics:
-            if topic.startswith("group:"):
-                self.kick(topic[6:])
+            self._kick_busy(self._mirror.group_names())
+        self._kick_busy(topic[6:] for topic in topics if topic.startswith("group:"))
 
     async def _sync(self, group: str) -> None:
         """The work queue's handler: one pass over ``group``, then when to look again."""
@@ -195,8 +199,7 @@ class SwitchDriver:
         self._metrics.driver_errors.inc()
 
     def _has_work(self, group: str) -> bool:
-        view = self._mirror.group(group)
-        return bool(view.queue) or view.switch is not None
+        return not self._mirror.idle(group)
 
     def _retry_wait(self, group: str) -> float:
         """Seconds until the earliest retry of ``group`` that is not yet due."""
@@ -208,6 +211,8 @@ class SwitchDriver:
 
     async def reconcile(self, group: str) -> Next:
         """Take the one step ``group`` calls for (the table in the module docstring)."""
+        if self._mirror.idle(group):
+            return Next.IDLE  # no switch, nobody waits (decided without decoding a record)
         view = self._mirror.group(group)
         if view.switch is not None:
             # Ours in flight, or left by a driver that died: carry it on from its phase.

@@ -106,7 +106,7 @@ class LockService:
             return []
         now = time.time()
         asked = []
-        for group in self._mirror.group_names():
+        for group in self._mirror.held_by(session_id):
             view = self._mirror.group(group)
             holder = view.holder
             if (

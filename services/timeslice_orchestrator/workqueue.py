@@ -209,6 +209,10 @@ class WorkQueue(Generic[K]):
                 self._active.discard(key)
                 if key in self._dirty and not self._closed:
                     self._ready.put_nowait(key)
+            # A pass that never awaits, and a get from a non-empty queue, do not give up the
+            # loop: without this, a burst of quick passes would starve everything else on it
+            # (the replica's lease keepalive among them) until the queue ran dry.
+            await asyncio.sleep(0)
 
     def _failed(self, key: K, exc: BaseException) -> None:
         log.error("%s: handling %r failed; retrying with backoff", self._name, key, exc_info=exc)

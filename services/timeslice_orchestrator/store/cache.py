@@ -8,6 +8,7 @@ every decision that changes state is an etcd transaction with compares.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import heapq
 import logging
@@ -20,9 +21,9 @@ from timeslice_orchestrator.store.etcd import (
     EtcdClient,
     EventType,
     KeyValue,
+    MustRelist,
     StoreUnavailable,
     WatchBatch,
-    WatchCompacted,
 )
 from timeslice_orchestrator.store.keys import KeyRef, Keyspace, Kind, group_topic
 from timeslice_orchestrator.store.records import (
@@ -117,8 +118,20 @@ class RelayPost:
     posted: Stored[RelayRecord]
 
 
+# Keys indexed between two looks at the event loop while listing.
+_YIELD_EVERY = 4096
+
+
 def _by_key(item: tuple[KeyRef, KeyValue]) -> bytes:
     return item[1].key
+
+
+def _index(
+    topics: dict[str, dict[KeyRef, KeyValue]], groups: set[str], ref: KeyRef, kv: KeyValue
+) -> None:
+    topics.setdefault(ref.topic, {})[ref] = kv
+    if ref.group:
+        groups.add(ref.group)
 
 
 class Mirror:
@@ -134,6 +147,10 @@ class Mirror:
         # by key, the mod revision decoded and the record. Callers must not change them.
         self._decoded: dict[KeyRef, tuple[int, Any]] = {}
         self._groups: set[str] = set()
+        # Who holds what, by session and by group, so a session's keepalive finds the groups
+        # it holds without looking at every group of the deployment.
+        self._held: dict[str, set[str]] = {}
+        self._holder_of: dict[str, str] = {}
         self.revision = 0
         self.synced = asyncio.Event()
         self._conditions: dict[str, asyncio.Condition] = {}
@@ -214,6 +231,33 @@ class Mirror:
             out.append(RelayPost(ref.name, ref.directive, posted))
         return out
 
+    def held_by(self, session_id: str) -> list[str]:
+        """The groups whose hold belongs to the session, as last seen."""
+        return sorted(self._held.get(session_id, ()))
+
+    def idle(self, group: str) -> bool:
+        """No switch record and nobody queued: nothing for a driver to do. Decodes nothing,
+        so looking at every group of a large deployment (at start, on a re-list) is cheap."""
+        for ref in self._topics.get(group_topic(group), ()):
+            if ref.kind is Kind.QUEUE or ref.kind is Kind.SWITCH:
+                return False
+        return True
+
+    def summary(self, group: str) -> tuple[HolderRecord | None, int, bool]:
+        """The group's hold, how many wait, and whether it switches: what a listing of every
+        group shows, read without decoding the group's other records."""
+        holder: HolderRecord | None = None
+        queued = 0
+        switching = False
+        for ref, kv in self._topics.get(group_topic(group), {}).items():
+            if ref.kind is Kind.HOLDER:
+                holder = HolderRecord.decode(kv.value)
+            elif ref.kind is Kind.QUEUE:
+                queued += 1
+            elif ref.kind is Kind.SWITCH:
+                switching = True
+        return holder, queued, switching
+
     def group(self, group: str) -> GroupView:
         holder = resident = switch = None
         driver: str | None = None
@@ -279,11 +323,13 @@ class Mirror:
         return record
 
     def _store(self, ref: KeyRef, kv: KeyValue) -> None:
-        self._topics.setdefault(ref.topic, {})[ref] = kv
-        if ref.group:
-            self._groups.add(ref.group)
+        _index(self._topics, self._groups, ref, kv)
+        if ref.kind is Kind.HOLDER:
+            self._hold(ref.group, kv)
 
     def _drop(self, ref: KeyRef) -> None:
+        if ref.kind is Kind.HOLDER:
+            self._unhold(ref.group)
         keys = self._topics.get(ref.topic)
         if keys is None:
             return
@@ -292,6 +338,25 @@ class Mirror:
         if not keys:
             del self._topics[ref.topic]
             self._groups.discard(ref.group)
+
+    def _hold(self, group: str, kv: KeyValue) -> None:
+        self._unhold(group)
+        try:
+            session = HolderRecord.decode(kv.value).session
+        except CorruptRecord:
+            log.exception("ignoring corrupt holder record of %s", group)
+            return
+        self._holder_of[group] = session
+        self._held.setdefault(session, set()).add(group)
+
+    def _unhold(self, group: str) -> None:
+        session = self._holder_of.pop(group, None)
+        if session is None:
+            return
+        groups = self._held[session]
+        groups.discard(group)
+        if not groups:
+            del self._held[session]
 
     # -- waiting ------------------------------------------------------------------------
 
@@ -356,8 +421,10 @@ class Mirror:
                 async for batch in self._etcd.watch_prefix(self._keys.root, self.revision + 1):
                     backoff.reset()
                     await self._apply(batch)
-            except WatchCompacted as exc:
-                log.warning("watch compacted (%s); re-listing", exc)
+            except MustRelist as exc:
+                # The watch's start, or the revision a paged list was being read at, is gone,
+                # or a watch response did not fit: list afresh and watch on from there.
+                log.warning("%s; re-listing", exc)
                 self.synced.clear()
             except StoreUnavailable as exc:
                 self.reconnects += 1
@@ -365,18 +432,47 @@ class Mirror:
                 await asyncio.sleep(backoff.next_delay())
 
     async def _relist(self) -> None:
-        revision, kvs = await self._etcd.get_prefix(self._keys.root)
+        """Read every key, page by page at one revision, then replace the mirror at once.
+
+        Readers keep the previous snapshot (or none, before the first sync) until the last
+        page is in: a half-read listing is never visible. Pages are indexed as they arrive, so
+        at most two pages of etcd's messages (this one and the next, read ahead) are held.
+        """
+        topics: dict[str, dict[KeyRef, KeyValue]] = {}
+        groups: set[str] = set()
+        revision = 0
+        parse = self._keys.parse
+        # Keys come in key order, so a group's keys come together: look its topic up once.
+        group, keys = "", {}
+        holders: list[tuple[str, KeyValue]] = []
+        async with contextlib.aclosing(self._etcd.pages(self._keys.root)) as pages:
+            async for at, page in pages:
+                revision = at
+                for n, kv in enumerate(page, 1):
+                    if n % _YIELD_EVERY == 0:
+                        # A page is tens of thousands of keys: let the rest of the replica
+                        # (its lease keepalive first) run between slices of it.
+                        await asyncio.sleep(0)
+                    ref = parse(kv.key)
+                    if ref is None:
+                        continue
+                    if ref.kind is Kind.HOLDER:
+                        holders.append((ref.group, kv))
+                    if not ref.group or ref.group != group:
+                        keys = topics.setdefault(ref.topic, {})
+                        group = ref.group
+                        if group:
+                            groups.add(group)
+                    keys[ref] = kv
         old = set(self._topics)
-        self._topics = {}
-        self._groups = set()
+        self._topics, self._groups = topics, groups
         self._decoded = {}
-        for kv in kvs:
-            ref = self._keys.parse(kv.key)
-            if ref is not None:
-                self._store(ref, kv)
+        self._held, self._holder_of = {}, {}
+        for held, kv in holders:
+            self._hold(held, kv)
         self.revision = revision
         self.synced.set()
-        await self._notify(old | set(self._topics))
+        await self._notify(old | set(topics))
 
     async def _apply(self, batch: WatchBatch) -> None:
         topics: set[str] = set()

@@ -9,9 +9,10 @@ streams that the caller resumes from the last revision it saw.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,12 +35,25 @@ class LeaseExpired(StoreError):
     """The lease no longer exists in etcd."""
 
 
-class WatchCompacted(StoreError):
-    """The watch start revision was compacted away; the caller must re-list."""
+class MustRelist(StoreError):
+    """A watch or paged listing cannot go on from where it is: the caller lists again."""
+
+
+class Compacted(MustRelist):
+    """A read or watch asked for a revision etcd has compacted away; the caller must re-list."""
 
     def __init__(self, compact_revision: int) -> None:
         super().__init__(f"revision compacted up to {compact_revision}")
         self.compact_revision = compact_revision
+
+
+class WatchCompacted(Compacted):
+    """The watch start revision was compacted away; the caller must re-list."""
+
+
+class WatchTooLarge(MustRelist):
+    """A watch response exceeded the receive limit. Resuming would ask for it again, so the
+    caller re-lists (paged) past it and watches on from there."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +201,8 @@ def prefix_end(prefix: bytes) -> bytes:
 
 
 def _typed(exc: grpc.aio.AioRpcError, timeout: float) -> StoreError:
+    if exc.code() == grpc.StatusCode.OUT_OF_RANGE and "compacted" in (exc.details() or ""):
+        return Compacted(0)  # etcd's error names no revision
     if exc.code() == grpc.StatusCode.NOT_FOUND and "lease" in (exc.details() or ""):
         return LeaseExpired(exc.details() or "lease not found")
     if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -276,11 +292,36 @@ class _StreamBroken(StoreUnavailable):
 # How often, at most, the keepalive streams of leases nobody refreshes any more are closed.
 _SWEEP_EVERY = 1.0
 
+# Paging of prefix reads. etcd counts every key left in the range for each page it serves
+# (RangeResponse.count), so a page costs time in proportion to the keys after it and small
+# pages make a listing quadratic: 400,000 keys in pages of 2,000 took etcd seconds. The first
+# page is small, and the rest are sized from its bytes per key to about PAGE_BYTES each:
+# a listing takes a few dozen round trips however many keys there are, and each message stays
+# far below the receive limit.
+FIRST_PAGE = 1000
+PAGE_BYTES = 4 * 1024 * 1024
+
+# The largest message accepted from etcd (gRPC's default is 4 MiB). Range reads are paged,
+# but one watch response carries every event of a revision (a delete of a whole prefix: some
+# 60 bytes per key) or of a catch-up over up to 1,000 revisions: 400,000 keys deleted at once
+# are about 25 MiB. etcd could split such a response (WatchCreateRequest.fragment), but it
+# sizes each fragment by re-measuring it after every event it adds, which is quadratic: the
+# same delete then took etcd minutes. A response larger still ends the watch (WatchTooLarge)
+# and the mirror re-lists, in pages, past it; a page that does not fit is read again in
+# smaller pages.
+MAX_RECEIVE_BYTES = 64 * 1024 * 1024
+
 
 class EtcdClient:
     """One gRPC channel to an etcd cluster; endpoints are tried in order on failure."""
 
-    def __init__(self, endpoints: Sequence[str], *, timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        timeout: float = 5.0,
+        max_receive_bytes: int = MAX_RECEIVE_BYTES,
+    ) -> None:
         if not endpoints:
             raise ValueError("at least one etcd endpoint is required")
         self._endpoints = list(endpoints)
@@ -298,6 +339,7 @@ class EtcdClient:
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 1000),
+                ("grpc.max_receive_message_length", max_receive_bytes),
             ],
         )
         self._kv = pb_grpc.KVStub(self._channel)
@@ -337,11 +379,78 @@ class EtcdClient:
         kvs = resp.kvs
         return _kv(kvs[0]) if kvs else None
 
-    async def get_prefix(self, prefix: bytes) -> tuple[int, list[KeyValue]]:
-        """All keys under ``prefix`` and the store revision they were read at."""
-        request = pb.RangeRequest(key=prefix, range_end=prefix_end(prefix))
-        resp = await self._unary(self._kv.Range, request)
-        return resp.header.revision, [_kv(kv) for kv in resp.kvs]
+    async def get_prefix(
+        self, prefix: bytes, *, page: int | None = None
+    ) -> tuple[int, list[KeyValue]]:
+        """All keys under ``prefix`` and the store revision they were read at (paged)."""
+        revision = 0
+        kvs: list[KeyValue] = []
+        async with contextlib.aclosing(self.pages(prefix, page=page)) as pages:
+            async for at, chunk in pages:
+                revision = at
+                kvs.extend(chunk)
+        return revision, kvs
+
+    async def pages(
+        self, prefix: bytes, *, page: int | None = None
+    ) -> AsyncGenerator[tuple[int, list[KeyValue]], None]:
+        """The keys under ``prefix`` in key order, a page at a time, all at one revision.
+
+        One read of a whole prefix is one gRPC message, and past a few thousand groups that
+        exceeded the receive limit. Each page starts after the last key of the one before;
+        the first is read at etcd's current revision and every later one at that same
+        revision, so together they are one consistent snapshot, from which a watch can resume
+        at revision + 1 (list-then-watch). The next page is asked for before this one is
+        handed out, so etcd reads it while the caller indexes this one. ``page`` fixes the
+        keys per page; by default pages are sized to about PAGE_BYTES.
+
+        Use it in ``contextlib.aclosing``, so that a caller that stops early cancels the page
+        read ahead at once. Yields ``(revision, key-values)`` per page, at least one page
+        (maybe empty). Raises Compacted when that revision is compacted away between pages
+        (the caller lists again) and StoreUnavailable as every call does.
+        """
+        if page is not None and page < 1:
+            raise ValueError(f"page must be at least 1, got {page}")
+        limit = page or FIRST_PAGE
+        end = prefix_end(prefix)
+        revision = 0  # 0 asks for the current revision: only the first page does
+        key = prefix
+        ahead: asyncio.Task[Any] | None = None
+        try:
+            while True:
+                task = ahead or asyncio.ensure_future(self._page(key, end, limit, revision))
+                ahead = None
+                try:
+                    resp = await task
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and limit > 1:
+                        # Values too large for this many per message: read in smaller pages.
+                        limit = max(1, limit // 4)
+                        log.warning("a page at %r did not fit one message; pages of %d", key, limit)
+                        continue
+                    raise _typed(exc, self._timeout) from exc
+                if revision == 0:
+                    revision = int(resp.header.revision)
+                got = len(resp.kvs)
+                more = bool(resp.more) and got > 0
+                if more:
+                    if page is None:
+                        limit = max(1, PAGE_BYTES * got // max(1, resp.ByteSize()))
+                    key = resp.kvs[-1].key + b"\0"  # the smallest key after the last one read
+                    ahead = asyncio.ensure_future(self._page(key, end, limit, revision))
+                yield revision, [_kv(kv) for kv in resp.kvs]
+                if not more:
+                    return
+        finally:
+            if ahead is not None:
+                # The caller stopped early, or failed: the page read ahead is not wanted.
+                ahead.cancel()
+                if ahead.done() and not ahead.cancelled():
+                    ahead.exception()  # retrieved, so that nothing logs it as lost
+
+    async def _page(self, key: bytes, end: bytes, limit: int, revision: int) -> Any:
+        request = pb.RangeRequest(key=key, range_end=end, limit=limit, revision=revision)
+        return await self._kv.Range(request, timeout=self._timeout)
 
     async def put(self, key: bytes, value: bytes, *, lease: int = 0) -> int:
         resp = await self._unary(self._kv.Put, pb.PutRequest(key=key, value=value, lease=lease))
@@ -440,8 +549,9 @@ class EtcdClient:
         """Stream changes under ``prefix`` from ``start_revision`` (inclusive).
 
         Progress notifications arrive as empty batches so the caller's revision keeps moving.
-        Raises WatchCompacted when the start revision is gone and StoreUnavailable when the
-        stream breaks; the caller resumes from its last revision + 1.
+        Raises WatchCompacted when the start revision is gone, WatchTooLarge when a response
+        does not fit the receive limit (both: the caller re-lists) and StoreUnavailable when
+        the stream breaks (the caller resumes from its last revision + 1).
         """
         request = pb.WatchRequest(
             create_request=pb.WatchCreateRequest(
@@ -469,6 +579,8 @@ class EtcdClient:
                 events = tuple(WatchEvent(EventType(ev.type), _kv(ev.kv)) for ev in resp.events)
                 yield WatchBatch(int(resp.header.revision), events)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise WatchTooLarge(f"a watch response was too large: {exc.details()}") from exc
             raise StoreUnavailable(f"watch stream failed: {exc.code().name}") from exc
         finally:
             call.cancel()

@@ -25,7 +25,7 @@ split back into its parts.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class Kind(enum.Enum):
@@ -90,22 +90,25 @@ class Keyspace:
     """The keys of one deployment, all under ``prefix`` (for example ``/timeslice/default``)."""
 
     prefix: str
+    # Built once: parse() reads it for every key of a listing (400,000 at 100,000 groups).
+    _root: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.prefix.startswith("/") or self.prefix.endswith("/"):
             raise ValueError(f"prefix must start with '/' and not end with it: {self.prefix!r}")
+        object.__setattr__(self, "_root", f"{self.prefix}/".encode())
 
     @property
     def root(self) -> bytes:
         """The prefix every key of the deployment starts with (what the mirror watches)."""
-        return f"{self.prefix}/".encode()
+        return self._root
 
     def _k(self, *parts: str) -> bytes:
         return "/".join((self.prefix, *parts)).encode()
 
     def parse(self, key: bytes) -> KeyRef | None:
         """What ``key`` is, or None for a key outside the layout (a foreign writer's)."""
-        root = self.root
+        root = self._root
         if not key.startswith(root):
             return None
         parts = key[len(root) :].decode().split("/")

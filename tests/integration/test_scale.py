@@ -1,0 +1,188 @@
+"""A replica starts on a deployment of 100,000 groups (issue 13, finding 4).
+
+One read of the whole key prefix is one gRPC message; past a few thousand groups it exceeded
+the etcd client's 4 MiB receive limit and a replica could not start at all. The mirror now
+lists in pages at one revision. The deployment is built the quick way: some thousands of real
+groups through the store's own transactions (a grant and a yield each), then their keys copied
+in bulk under new group names, so every group looks like a used one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from timeslice import AsyncTimeSliceClient
+from timeslice_orchestrator.store.etcd import EtcdClient, Put, Txn
+from timeslice_orchestrator.store.groups import EnqueueRequest, FreeGroup, GroupStore, Hold
+from timeslice_orchestrator.store.keys import Keyspace, Kind
+from timeslice_orchestrator.store.records import GroupStats, ResidentRecord, SessionRecord, Stored
+from timeslice_tools.dev.cluster import LocalCluster
+from timeslice_tools.dev.etcd import EtcdServer
+
+pytestmark = pytest.mark.slow
+
+PREFIX = "/scale/groups"
+TOTAL = int(os.environ.get("TIMESLICE_SCALE_GROUPS", "100000"))
+REAL = min(TOTAL, int(os.environ.get("TIMESLICE_SCALE_REAL_GROUPS", "20000")))
+JOBS = 20  # sessions the real groups are taken and given back by
+START_WITHIN = 10.0  # seconds from launching the replica to its /readyz answering 200
+TXN_OPS = 128  # etcd's default --max-txn-ops
+OLD_RECEIVE_LIMIT = 4 * 1024 * 1024  # gRPC's default, which the unpaged read ran into
+
+
+def name(i: int) -> str:
+    return f"g{i:06d}"
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+    """An etcd of its own: 100,000 groups would slow every other test on the shared one."""
+    server = EtcdServer(tmp_path / "etcd")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+async def bounded(n: int, limit: int, step: object) -> None:
+    """Run ``step(i)`` for i in range(n), ``limit`` at a time."""
+    assert callable(step)
+    next_i = iter(range(n))
+
+    async def worker() -> None:
+        for i in next_i:
+            await step(i)
+
+    async with asyncio.timeout(120):
+        await asyncio.gather(*(worker() for _ in range(limit)))
+
+
+def held(i: int) -> bool:
+    """Whether real group ``i`` is left held; the others were granted and yielded."""
+    return i % 2 == 1
+
+
+async def real_groups(store: GroupStore) -> None:
+    """``REAL`` groups each granted to a job, as Acquire does, and half of them yielded."""
+    sessions: list[tuple[str, Stored[SessionRecord]]] = []
+    for j in range(JOBS):
+        session_id = await store.open_session(f"job-{j}", 600, "host", j)
+        sessions.append((session_id, await store.session(session_id)))
+
+    async def use(i: int) -> None:
+        session_id, session = sessions[i % JOBS]
+        job = session.record.job
+        request = EnqueueRequest(session, session_id, name(i), 0, f"r{i}", "a")
+        free = FreeGroup(0, ResidentRecord({"node-0": [job]}), 0, GroupStats(grants=1), 0, 0)
+        taken = await store.take_free(request, free)
+        assert taken is not None, f"{name(i)} was not free"
+        if not held(i):
+            await store.release(Hold(name(i), job, taken.epoch, session_id))
+
+    await bounded(REAL, 128, use)
+
+
+async def bulk_groups(store: GroupStore) -> None:
+    """Groups ``REAL``..``TOTAL``: copies of the real groups' keys under new names."""
+    keys = store.keys
+    key_of = {Kind.META: keys.meta, Kind.RESIDENT: keys.resident}
+    key_of |= {Kind.STATS: keys.stats, Kind.USAGE: keys.usage}
+    _, kvs = await store.etcd.get_prefix(keys.root)
+    found: dict[str, list[tuple[Kind, bytes]]] = {}
+    for kv in kvs:
+        ref = keys.parse(kv.key)
+        if ref is not None and ref.group:
+            found.setdefault(ref.group, []).append((ref.kind, kv.value))
+    # The yielded groups are the models (a hold lives on its session's lease).
+    cycle = [m for m in found.values() if {kind for kind, _ in m} == set(key_of)]
+    assert len(found) == REAL and len(cycle) == REAL - REAL // 2
+    per_txn = TXN_OPS // len(key_of)
+    batches = [range(i, min(i + per_txn, TOTAL)) for i in range(REAL, TOTAL, per_txn)]
+
+    async def write(b: int) -> None:
+        ops = [
+            Put(key_of[kind](name(i)), value)
+            for i in batches[b]
+            for kind, value in cycle[i % len(cycle)]
+        ]
+        assert (await store.etcd.txn(Txn([], ops))).succeeded
+
+    await bounded(len(batches), 64, write)
+
+
+def vm_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+async def test_a_replica_starts_on_100k_groups(etcd: EtcdServer, tmp_path: Path) -> None:
+    client = EtcdClient([etcd.endpoint], timeout=30)
+    store = GroupStore(client, Keyspace(PREFIX))
+    try:
+        began = time.monotonic()
+        await real_groups(store)
+        built_real = time.monotonic()
+        await bulk_groups(store)
+        built = time.monotonic()
+        # The deployment is far past what one message could carry: the unpaged read failed.
+        revision, kvs = await client.get_prefix(store.keys.root)
+        size = sum(len(kv.key) + len(kv.value) for kv in kvs)
+        groups = {ref.group for kv in kvs if (ref := store.keys.parse(kv.key)) and ref.group}
+        assert len(groups) == TOTAL
+        if TOTAL == 100_000:
+            assert size > 2 * OLD_RECEIVE_LIMIT
+        print(
+            f"\n{REAL} real groups in {built_real - began:.1f} s, {TOTAL - REAL} copies in "
+            f"{built - built_real:.1f} s: {len(kvs)} keys, {size / 2**20:.1f} MiB at revision "
+            f"{revision}"
+        )
+    finally:
+        await client.close()
+
+    cluster = LocalCluster(
+        replicas=1,
+        agents=0,
+        etcd_endpoint=etcd.endpoint,
+        prefix=PREFIX,
+        base_dir=tmp_path / "cluster",
+        ready_timeout=START_WITHIN,
+    )
+    launched = time.monotonic()
+    with cluster:
+        started = time.monotonic() - launched
+        pid = cluster.processes["r0"].pid
+        rss = vm_rss_mib(pid)
+        print(f"replica ready in {started:.2f} s with {TOTAL} groups; VmRSS {rss:.0f} MiB")
+        assert started < START_WITHIN
+        # It serves: every group is listed, and a real group is granted to a new job.
+        async with AsyncTimeSliceClient(cluster.target, job_id="newcomer") as sdk:
+            listed = await sdk.groups()
+            assert len(listed) == TOTAL
+            assert {g.group_id for g in listed} >= {name(0), name(TOTAL - 1)}
+            assert sum(bool(g.holder_job_id) for g in listed) == REAL // 2
+            grant = await sdk.acquire(name(2), timeout=10)
+            assert grant.epoch > revision
+            await sdk.yield_(name(2))
+            print(f"after serving: VmRSS {vm_rss_mib(pid):.0f} MiB")
+            # One revision that deletes every group: ~400,000 events, some 25 MiB in one
+            # watch response (six times gRPC's default limit). The replica follows.
+            deleting = time.monotonic()
+            etcd_client = EtcdClient([etcd.endpoint], timeout=30)
+            try:
+                deleted = await etcd_client.delete(f"{PREFIX}/groups/".encode(), prefix=True)
+            finally:
+                await etcd_client.close()
+            assert deleted >= 4 * TOTAL
+            async with asyncio.timeout(30):
+                while await sdk.groups():
+                    await asyncio.sleep(0.2)
+            print(f"{deleted} keys deleted at once, seen in {time.monotonic() - deleting:.1f} s")
