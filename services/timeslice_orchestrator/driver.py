@@ -482,6 +482,11 @@ class SwitchDriver:
             if not result.ok:
                 resident.remove(step.node, step.evict)
                 stats.last_error += f"; rollback on {step.node} failed: {result.error}"
+            elif step.evict not in resident.nodes.get(step.node, []):
+                # Back on the devices, whatever the residency says: the node's agent may have
+                # reconnected between checkpoint and rollback and reported the job parked
+                # (which it then was). Left out, the next switch would not checkpoint it.
+                resident.place(step.node, step.evict)
         if not await self._store.end_switch(
             group, self._auth, switch, resident, stats, resident_revision=view.resident_revision
         ):

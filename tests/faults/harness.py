@@ -92,8 +92,17 @@ def journals(cluster: LocalCluster) -> list[JournalEntry]:
 def check_switches(cluster: LocalCluster, *, nodes: list[str] | None = None) -> TwoPhaseSummary:
     """Fencing and two-phase order over every agent's journal, which must show switches."""
     entries = journals(cluster)
-    check_fencing(entries, nodes=cluster.nodes if nodes is None else nodes)
-    summary = check_two_phase(entries)
+    try:
+        check_fencing(entries, nodes=cluster.nodes if nodes is None else nodes)
+        summary = check_two_phase(entries)
+    except AssertionError as exc:
+        # The journals, one line per directive in start order: what a violation needs read.
+        lines = [
+            f"{e.started_at:.6f} {e.finished_at:.6f} {e.node} {e.group} epoch={e.epoch} "
+            f"{e.kind} {e.job} {e.status} {e.directive_id} {e.error}"
+            for e in sorted(entries, key=lambda e: e.started_at)
+        ]
+        raise AssertionError(f"{exc}\njournals:\n" + "\n".join(lines)) from exc
     assert summary.committed > 0, f"no committed switch in the journals: {summary}"
     return summary
 
