@@ -273,14 +273,21 @@ def test_holder_queue_operator_yield_and_interrupts(cluster: LocalCluster) -> No
             groups = run("groups", "--target", cluster.target).stdout
             assert f"{group}  holder=cli-holder  queue=1  switching=no" in groups.splitlines()
 
+            # Without the operator token the yield is refused, whatever the epoch.
+            anyone = run("yield", group, "--job", "cli-holder", "--epoch", str(epoch),
+                         "--target", cluster.target)  # fmt: skip
+            assert anyone.returncode == 1
+            assert anyone.stderr.startswith("error: permission_denied: Yield needs an operator")
+            assert _status(cluster, group)["holder_job_id"] == "cli-holder"
             # A stale epoch changes nothing; the right one releases the hold without a session.
+            token = str(cluster.operator_token_file)
             stale = run("yield", group, "--job", "cli-holder", "--epoch", str(epoch - 1),
-                        "--target", cluster.target)  # fmt: skip
+                        "--target", cluster.target, "--token-file", token)  # fmt: skip
             assert stale.returncode == 1
             assert stale.stderr.startswith("error: not_holder: ")
             assert _status(cluster, group)["holder_job_id"] == "cli-holder"
             ok = run("yield", group, "--job", "cli-holder", "--epoch", str(epoch),
-                     "--target", cluster.target)  # fmt: skip
+                     "--target", cluster.target, "--token-file", token)  # fmt: skip
             assert ok.returncode == 0 and ok.stdout == "yielded\n"
             line = waiter.line()
             assert line is not None and line.startswith("granted epoch=")
