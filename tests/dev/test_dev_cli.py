@@ -343,3 +343,35 @@ def test_acquire_timeout_is_a_typed_error(cluster: LocalCluster) -> None:
         assert holder.finish() == (["yielded"], "", 0)
     finally:
         holder.kill()
+
+
+def test_members_needs_the_operator_token_and_a_known_node(cluster: LocalCluster) -> None:
+    # Runs last: it creates a group in the module's cluster.
+    target = ("--target", cluster.target)
+    anyone = run("members", "cli-pinned", "--clear", *target)
+    assert anyone.returncode == 1
+    assert anyone.stderr.startswith("error: permission_denied: SetGroupMembers needs an operator")
+    wrong = subprocess.run(
+        [*TIMESLICE, "members", "cli-pinned", "--clear", *target],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+        env={**os.environ, "TIMESLICE_OPERATOR_TOKEN": "not-the-token"},
+    )
+    assert wrong.returncode == 1 and "permission_denied" in wrong.stderr
+    # The token from the environment (a file), then from the flag.
+    by_env = subprocess.run(
+        [*TIMESLICE, "members", "cli-pinned", "--clear", *target],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+        env={**os.environ, "TIMESLICE_OPERATOR_TOKEN_FILE": str(cluster.operator_token_file)},
+    )
+    assert by_env.returncode == 0, by_env.stderr
+    assert by_env.stdout == "cli-pinned: pinned nodes (none: registrations only)\n"
+    token = ("--token-file", str(cluster.operator_token_file))
+    ghost = run("members", "cli-pinned", "--set", "node-ghost", *target, *token)
+    assert ghost.returncode == 1
+    assert ghost.stderr.startswith("error: failed_precondition: cannot pin node(s) node-ghost")
