@@ -125,6 +125,7 @@ class AcquireCall:
         assert self.session is not None
         request = AcquireRequest(
             session_id=self.session.session_id,
+            session_secret=self.session.secret,
             job_id=self._job_id,
             group_id=self._group,
             priority=self._priority,

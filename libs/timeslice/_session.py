@@ -43,6 +43,8 @@ class Session:
     Args:
         transport: the client's connections (calls fail over between replicas).
         session_id: the id the orchestrator gave the session.
+        secret: the session's secret, from OpenSession: every call on the session carries
+            it (the orchestrator refuses the id alone). Never logged or shown.
         ttl: seconds the keepalive cadence is based on.
         call_timeout: the bound on one KeepAlive, retries included (never above ttl/3).
         on_keepalive: called with every KeepAlive answer (it carries the yield requests).
@@ -56,12 +58,14 @@ class Session:
         session_id: str,
         ttl: float,
         *,
+        secret: str,
         call_timeout: float,
         on_keepalive: Callable[[KeepAliveResponse], None],
         on_lost: Callable[[Session, str], None],
     ) -> None:
         self._transport = transport
         self.session_id = session_id
+        self.secret = secret
         self.ttl = ttl
         self._call_timeout = call_timeout
         self._on_keepalive = on_keepalive
@@ -97,12 +101,16 @@ class Session:
         response = await transport.unary("OpenSession", call, budget=call_timeout)
         if not response.session_id:
             raise InternalError("OpenSession returned an empty session id")
+        if not response.session_secret:
+            # An orchestrator from before session secrets: its sessions cannot be proven ours.
+            raise InternalError("OpenSession returned no session secret (orchestrator too old?)")
         granted_ttl = float(response.ttl_seconds) or ttl
         # Keep alive at the shorter of the two TTLs: more often than needed is harmless.
         return cls(
             transport,
             response.session_id,
             min(ttl, granted_ttl),
+            secret=response.session_secret,
             call_timeout=call_timeout,
             on_keepalive=on_keepalive,
             on_lost=on_lost,
@@ -142,7 +150,7 @@ class Session:
             keepalive.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await keepalive
-        request = CloseSessionRequest(session_id=self.session_id)
+        request = CloseSessionRequest(session_id=self.session_id, session_secret=self.secret)
 
         async def call(stub: TimeSliceStub, timeout: float) -> CloseSessionResponse:
             return await stub.close_session(request, timeout=timeout)
@@ -168,7 +176,7 @@ class Session:
         loop = asyncio.get_running_loop()
         interval = self.ttl / 3
         next_at = loop.time() + interval
-        request = KeepAliveRequest(session_id=self.session_id)
+        request = KeepAliveRequest(session_id=self.session_id, session_secret=self.secret)
 
         async def call(stub: TimeSliceStub, timeout: float) -> KeepAliveResponse:
             return await stub.keep_alive(request, timeout=timeout)

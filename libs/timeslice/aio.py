@@ -530,7 +530,11 @@ class AsyncTimeSliceClient:
         """Send Yield; returns how many attempts it took."""
         attempts = 0
         request = YieldRequest(
-            session_id=session.session_id, job_id=self._job_id, group_id=group, epoch=epoch
+            session_id=session.session_id,
+            session_secret=session.secret,
+            job_id=self._job_id,
+            group_id=group,
+            epoch=epoch,
         )
 
         async def call(stub: TimeSliceStub, timeout: float) -> YieldResponse:

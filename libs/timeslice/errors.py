@@ -17,8 +17,11 @@ class ErrorKind(enum.Enum):
     INVALID_ARGUMENT = "invalid_argument"
     NOT_FOUND = "not_found"
     PERMISSION_DENIED = "permission_denied"
+    UNAUTHENTICATED = "unauthenticated"
     ALREADY_EXISTS = "already_exists"
     NOT_HOLDER = "not_holder"
+    FAILED_PRECONDITION = "failed_precondition"
+    RESOURCE_EXHAUSTED = "resource_exhausted"
     SESSION_EXPIRED = "session_expired"
     GROUP_FAULTED = "group_faulted"
     TIMEOUT = "timeout"
@@ -31,8 +34,11 @@ _STATUS: dict[ErrorKind, Status] = {
     ErrorKind.INVALID_ARGUMENT: Status.INVALID_ARGUMENT,
     ErrorKind.NOT_FOUND: Status.NOT_FOUND,
     ErrorKind.PERMISSION_DENIED: Status.PERMISSION_DENIED,
+    ErrorKind.UNAUTHENTICATED: Status.UNAUTHENTICATED,
     ErrorKind.ALREADY_EXISTS: Status.ALREADY_EXISTS,
     ErrorKind.NOT_HOLDER: Status.FAILED_PRECONDITION,
+    ErrorKind.FAILED_PRECONDITION: Status.FAILED_PRECONDITION,
+    ErrorKind.RESOURCE_EXHAUSTED: Status.RESOURCE_EXHAUSTED,
     ErrorKind.SESSION_EXPIRED: Status.FAILED_PRECONDITION,
     ErrorKind.GROUP_FAULTED: Status.ABORTED,
     ErrorKind.TIMEOUT: Status.DEADLINE_EXCEEDED,
@@ -77,6 +83,12 @@ class PermissionDenied(TimeSliceError):
     kind = ErrorKind.PERMISSION_DENIED
 
 
+class Unauthenticated(TimeSliceError):
+    """The call did not prove who it acts for: a session's secret was missing or wrong."""
+
+    kind = ErrorKind.UNAUTHENTICATED
+
+
 class AlreadyExists(TimeSliceError):
     """The job already waits for or holds the group (acquire twice)."""
 
@@ -87,6 +99,19 @@ class NotHolder(TimeSliceError):
     """The job does not hold the group under that epoch (yield twice, stale epoch)."""
 
     kind = ErrorKind.NOT_HOLDER
+
+
+class FailedPrecondition(TimeSliceError):
+    """The request is well formed but the cluster is not in a state to accept it (for
+    example pinning a node whose agent never connected); it may succeed once that changes."""
+
+    kind = ErrorKind.FAILED_PRECONDITION
+
+
+class ResourceExhausted(TimeSliceError):
+    """A limit was reached; the message names it."""
+
+    kind = ErrorKind.RESOURCE_EXHAUSTED
 
 
 class SessionExpired(TimeSliceError):
@@ -127,8 +152,11 @@ _BY_KIND: dict[ErrorKind, type[TimeSliceError]] = {
         InvalidArgument,
         NotFound,
         PermissionDenied,
+        Unauthenticated,
         AlreadyExists,
         NotHolder,
+        FailedPrecondition,
+        ResourceExhausted,
         SessionExpired,
         GroupFaulted,
         Timeout,
@@ -142,8 +170,10 @@ _BY_STATUS: dict[Status, ErrorKind] = {
     Status.INVALID_ARGUMENT: ErrorKind.INVALID_ARGUMENT,
     Status.NOT_FOUND: ErrorKind.NOT_FOUND,
     Status.PERMISSION_DENIED: ErrorKind.PERMISSION_DENIED,
+    Status.UNAUTHENTICATED: ErrorKind.UNAUTHENTICATED,
     Status.ALREADY_EXISTS: ErrorKind.ALREADY_EXISTS,
     Status.FAILED_PRECONDITION: ErrorKind.NOT_HOLDER,
+    Status.RESOURCE_EXHAUSTED: ErrorKind.RESOURCE_EXHAUSTED,
     Status.ABORTED: ErrorKind.GROUP_FAULTED,
     Status.DEADLINE_EXCEEDED: ErrorKind.TIMEOUT,
     Status.UNAVAILABLE: ErrorKind.UNAVAILABLE,

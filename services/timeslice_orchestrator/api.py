@@ -1,6 +1,10 @@
 """The client API (TimeSlice service): thin handlers over LockService.
 
 Typed errors become gRPC statuses whose message starts with "[kind]" (timeslice.errors).
+
+Who may call what (:mod:`.authz`): calls on a session carry its secret, checked by
+LockService; operator RPCs (SetGroupMembers, the Yield that names no session) are served by
+handlers that see the call's stream, hence its metadata and peer (``__mapping__``).
 """
 
 from __future__ import annotations
@@ -8,13 +12,16 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import grpclib
-from grpclib.const import Status
+import grpclib.server
+from grpclib.const import Handler, Status
 from opentelemetry.trace import Span, SpanKind, StatusCode, Tracer
 
 from timeslice import AcquireStage
-from timeslice.errors import TimeSliceError
+from timeslice.errors import ErrorKind, TimeSliceError
+from timeslice_orchestrator.authz import Authorizer, peer_of
 from timeslice_orchestrator.locks import LockService, Progress
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.store.cache import GroupView, Mirror, group_topic
@@ -52,15 +59,37 @@ log = logging.getLogger(__name__)
 
 class TimeSliceService(TimeSliceBase):
     def __init__(
-        self, locks: LockService, mirror: Mirror, metrics: Metrics, tracer: Tracer
+        self,
+        locks: LockService,
+        mirror: Mirror,
+        metrics: Metrics,
+        tracer: Tracer,
+        authz: Authorizer | None = None,
     ) -> None:
         self._locks = locks
         self._mirror = mirror
         self._metrics = metrics
         self._tracer = tracer
+        # No authorizer: no operator identity exists, so operator RPCs are refused.
+        self._authz = authz or Authorizer(metrics)
+
+    def __mapping__(self) -> dict[str, Handler]:
+        """The generated handlers, except those that need the caller's identity: they get
+        the stream (metadata, peer) before the request is acted on."""
+        mapping = super().__mapping__()
+        for method, handler in (
+            ("SetGroupMembers", self._rpc_set_group_members),
+            ("Yield", self._rpc_yield),
+        ):
+            name = f"/{_SERVICE}/{method}"
+            generated = mapping[name]
+            mapping[name] = Handler(
+                handler, generated.cardinality, generated.request_type, generated.reply_type
+            )
+        return mapping
 
     @contextlib.contextmanager
-    def _call(self, method: str, group: str = "", job: str = "") -> Iterator[Span]:
+    def _call(self, method: str, group: str = "", job: str = "", peer: str = "") -> Iterator[Span]:
         """One server span per RPC (OpenTelemetry gRPC conventions) and typed errors out."""
         attributes: dict[str, str | int] = {
             "rpc.system": "grpc",
@@ -82,6 +111,8 @@ class TimeSliceService(TimeSliceBase):
                 yield span
             except TimeSliceError as exc:
                 self._metrics.rpc_errors.labels(kind=exc.kind.value).inc()
+                if exc.kind in _REFUSALS:
+                    self._authz.refused(method, _REFUSALS[exc.kind], peer)
                 _failed(span, exc.status, exc.wire_message())
                 raise grpclib.GRPCError(exc.status, exc.wire_message()) from exc
             except StoreError as exc:
@@ -92,19 +123,19 @@ class TimeSliceService(TimeSliceBase):
 
     async def open_session(self, message: OpenSessionRequest) -> OpenSessionResponse:
         with self._call("OpenSession", job=message.job_id):
-            sid, ttl = await self._locks.open_session(
+            sid, secret, ttl = await self._locks.open_session(
                 message.job_id, message.ttl_seconds, message.client_host, message.client_pid
             )
-        return OpenSessionResponse(session_id=sid, ttl_seconds=ttl)
+        return OpenSessionResponse(session_id=sid, ttl_seconds=ttl, session_secret=secret)
 
     async def keep_alive(self, message: KeepAliveRequest) -> KeepAliveResponse:
         with self._call("KeepAlive"):
-            ttl, asked = await self._locks.keepalive(message.session_id)
+            ttl, asked = await self._locks.keepalive(message.session_id, message.session_secret)
         return KeepAliveResponse(ttl_seconds=ttl, yield_requested=asked)
 
     async def close_session(self, message: CloseSessionRequest) -> CloseSessionResponse:
         with self._call("CloseSession"):
-            await self._locks.close_session(message.session_id)
+            await self._locks.close_session(message.session_id, message.session_secret)
         return CloseSessionResponse()
 
     async def acquire(self, message: AcquireRequest) -> AsyncIterator[AcquireEvent]:
@@ -118,6 +149,7 @@ class TimeSliceService(TimeSliceBase):
                     message.group_id,
                     message.priority,
                     message.request_id,
+                    secret=message.session_secret,
                 )
                 async with contextlib.aclosing(progress):
                     async for step in progress:
@@ -140,9 +172,27 @@ class TimeSliceService(TimeSliceBase):
                 )
 
     async def yield_(self, message: YieldRequest) -> YieldResponse:
-        with self._call("Yield", message.group_id, message.job_id):
+        # grpclib calls _rpc_yield (see __mapping__); without a stream, nobody is an operator.
+        return await self._yield(message, operator=False)
+
+    async def _rpc_yield(self, stream: grpclib.server.Stream[YieldRequest, Any]) -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        # Only a yield that names no session asks for the operator's authority.
+        operator = not request.session_id
+        if operator:
+            self._require_operator(stream, "Yield")
+        await stream.send_message(await self._yield(request, operator, peer_of(stream)))
+
+    async def _yield(self, message: YieldRequest, operator: bool, peer: str = "") -> YieldResponse:
+        with self._call("Yield", message.group_id, message.job_id, peer):
             await self._locks.release(
-                message.session_id, message.job_id, message.group_id, message.epoch
+                message.session_id,
+                message.job_id,
+                message.group_id,
+                message.epoch,
+                secret=message.session_secret,
+                operator=operator,
             )
         return YieldResponse()
 
@@ -174,7 +224,29 @@ class TimeSliceService(TimeSliceBase):
         status.policy = self._locks.policy.value
         return status
 
+    async def _rpc_set_group_members(
+        self, stream: grpclib.server.Stream[SetGroupMembersRequest, Any]
+    ) -> None:
+        """SetGroupMembers for operators only; a stranger's request is not even read."""
+        self._require_operator(stream, "SetGroupMembers")
+        request = await stream.recv_message()
+        assert request is not None
+        await stream.send_message(await self.set_group_members(request))
+
+    def _require_operator(self, stream: grpclib.server.Stream[Any, Any], method: str) -> None:
+        """Refuse (PERMISSION_DENIED, counted, logged once) a caller who is no operator."""
+        if self._authz.is_operator(stream):
+            return
+        self._metrics.rpc_errors.labels(kind=ErrorKind.PERMISSION_DENIED.value).inc()
+        self._authz.refused(method, "no operator identity", peer_of(stream))
+        raise grpclib.GRPCError(
+            Status.PERMISSION_DENIED,
+            f"[permission_denied] {method} needs an operator identity "
+            "(metadata authorization: Bearer <operator token>)",
+        )
+
     async def set_group_members(self, message: SetGroupMembersRequest) -> GroupStatus:
+        """Pin nodes; grpclib reaches it only through :meth:`_rpc_set_group_members`."""
         with self._call("SetGroupMembers", message.group_id):
             await self._locks.set_members(message.group_id, list(message.nodes))
             return self._status(message.group_id)
@@ -191,6 +263,11 @@ class TimeSliceService(TimeSliceBase):
 
 
 _SERVICE = "timeslice.v1.TimeSlice"
+# Typed errors that refuse a caller for who it is, and the cause each is counted under.
+_REFUSALS = {
+    ErrorKind.UNAUTHENTICATED: "session secret missing or wrong",
+    ErrorKind.PERMISSION_DENIED: "acting for another job or session",
+}
 
 
 def _failed(span: Span, status: Status, message: str) -> None:
@@ -252,6 +329,7 @@ def group_status(view: GroupView, mirror: Mirror) -> GroupStatus:
         switches=view.stats.switches,
         driver_replica=view.driver or "",
         static_members=list(view.static_members),
+        missing_members=[n for n in view.static_members if n not in agents],
         usage=[
             JobUsage(
                 job_id=job,

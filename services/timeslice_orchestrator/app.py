@@ -33,6 +33,7 @@ from timeslice.backoff import Backoff
 from timeslice.tasks import Supervisor
 from timeslice.tracing import provider_from_env, tracer_for
 from timeslice_orchestrator.api import TimeSliceService
+from timeslice_orchestrator.authz import Authorizer, load_operator_token
 from timeslice_orchestrator.config import OrchestratorConfig
 from timeslice_orchestrator.driver import DriverConfig, SwitchDriver
 from timeslice_orchestrator.http import make_app
@@ -131,7 +132,9 @@ class Orchestrator:
         self._term = self._begin_term(lease)
         self._membership = self._spawn(self._keep_membership(), "membership")
         tracer = tracer_for(self._tracing)
-        self._server = Server([TimeSliceService(locks, self.mirror, self.metrics, tracer), hub])
+        authz = await self._authorizer()
+        service = TimeSliceService(locks, self.mirror, self.metrics, tracer, authz)
+        self._server = Server([service, hub])
         await self._server.start(cfg.listen.host, cfg.listen.port)
         self._runner = web.AppRunner(make_app(self.metrics, self.ready), access_log=None)
         await self._runner.setup()
@@ -146,6 +149,15 @@ class Orchestrator:
             ",".join(cfg.etcd),
             cfg.prefix,
         )
+
+    async def _authorizer(self) -> Authorizer:
+        """Who is an operator: the token file is read once, at start (restart to rotate)."""
+        path = self.config.operator_token_file
+        if not path:
+            log.warning("no operator token (--operator-token-file): operator RPCs are refused")
+            return Authorizer(self.metrics)
+        token = await asyncio.to_thread(load_operator_token, path)
+        return Authorizer(self.metrics, token)
 
     async def _grant_lease(self) -> int:
         deadline = asyncio.get_running_loop().time() + SYNC_TIMEOUT

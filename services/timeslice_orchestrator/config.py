@@ -51,6 +51,8 @@ class OrchestratorConfig:
     prefetch: bool
     policy: Policy
     max_hold: float
+    # A file holding the operator token (operator RPCs need it); "": no operator token.
+    operator_token_file: str = ""
 
 
 ENV_PREFIX = "TIMESLICE_ORCHESTRATOR_"
@@ -151,6 +153,12 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         help="seconds after which a holder is asked (co-operatively) to yield when others "
         "wait; 0 = never",
     )
+    p.add_argument(
+        "--operator-token-file",
+        default=_env("OPERATOR_TOKEN_FILE", ""),
+        help="file with the operator token: SetGroupMembers and the operator yield need it "
+        "as gRPC metadata 'authorization: Bearer <token>' (none: operator RPCs are refused)",
+    )
     a = p.parse_args(argv)
     try:
         listen, http = Address.parse(a.listen), Address.parse(a.http)
@@ -176,4 +184,5 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         prefetch=a.prefetch,
         policy=Policy(a.policy),
         max_hold=a.max_hold,
+        operator_token_file=a.operator_token_file,
     )

@@ -229,8 +229,12 @@ class SwitchDriver:
         agents = self._mirror.agents()
         missing = [n for n in view.static_members if n not in agents]
         if missing:
-            # A pinned node must take part in every switch: wait for its agent to come back.
-            log.warning("group %s: waiting for pinned node(s) %s", group, ", ".join(missing))
+            # A pinned node must take part in every switch: wait for its agent to come back,
+            # and say why in the group's last_error (status shows it to whoever waits). The
+            # note is written, and logged, only when it changes: this path comes back often.
+            note = f"waiting for pinned node(s) {', '.join(missing)}: no agent connected"
+            if view.stats.last_error != note and await self._store.note_error(group, note):
+                log.warning("group %s: %s", group, note)
             return Next.LATER
         steps = plan(view, head.job, agents, self._config.co_residency)
         assert steps is not None  # nothing is protected without a holder

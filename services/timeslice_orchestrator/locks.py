@@ -20,13 +20,17 @@ from dataclasses import dataclass
 from timeslice import AcquireStage
 from timeslice.errors import (
     Cancelled,
+    FailedPrecondition,
     GroupFaulted,
     InvalidArgument,
     NotFound,
     PermissionDenied,
+    ResourceExhausted,
     SessionExpired,
+    Unauthenticated,
 )
 from timeslice.ids import validate_group_id, validate_job_id, validate_node
+from timeslice_orchestrator.authz import new_session_secret, secret_hash, secret_matches
 from timeslice_orchestrator.grants import holder_for, in_place, resident_after_grant
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.policy import Policy, order
@@ -41,7 +45,7 @@ from timeslice_orchestrator.store.groups import (
     Hold,
     lease_of,
 )
-from timeslice_orchestrator.store.records import Hint
+from timeslice_orchestrator.store.records import Hint, SessionRecord, Stored
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +53,8 @@ MIRROR_LAG_TIMEOUT = 10.0
 # Groups whose last yield here the mirror may not show yet, kept at most (then pruned).
 _RELEASED_KEPT = 1024
 MAX_TTL = 3600
+# Nodes one group may have pinned: a bound on the members record and on every status.
+MAX_PINNED_NODES = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,15 +94,34 @@ class LockService:
         # queueing behind its own hold.
         self._released: dict[str, int] = {}
 
-    async def open_session(self, job: str, ttl: int, host: str, pid: int) -> tuple[str, int]:
+    async def open_session(self, job: str, ttl: int, host: str, pid: int) -> tuple[str, str, int]:
+        """Open a session; returns its id, its secret (the only time it is told) and TTL."""
         validate_job_id(job)
         if ttl < 0 or ttl > MAX_TTL:
             raise InvalidArgument(f"ttl_seconds must be between 1 and {MAX_TTL} (0 = default)")
         ttl = ttl or self._default_ttl
-        return await self._store.open_session(job, ttl, host[:253], pid), ttl
+        secret = new_session_secret()
+        sid = await self._store.open_session(
+            job, ttl, host[:253], pid, secret_hash=secret_hash(secret)
+        )
+        return sid, secret, ttl
 
-    async def keepalive(self, session_id: str) -> tuple[int, list[str]]:
+    async def authenticate(self, session_id: str, secret: str) -> Stored[SessionRecord]:
+        """The session, if ``secret`` is its secret: the check before any call acts on it.
+
+        Raises NotFound (not a session id), SessionExpired (gone), or Unauthenticated (the
+        secret is missing or wrong: knowing the id, or an epoch, is not enough).
+        """
+        lease_of(session_id)
+        # The mirror's copy saves an etcd read; a session record never changes once written.
+        session = self._mirror.session(session_id) or await self._store.session(session_id)
+        if not secret_matches(secret, session.record.secret_hash):
+            raise Unauthenticated(f"session {session_id}: session secret missing or wrong")
+        return session
+
+    async def keepalive(self, session_id: str, secret: str) -> tuple[int, list[str]]:
         """Refresh the session; also return the groups it is asked to yield."""
+        await self.authenticate(session_id, secret)
         ttl = await self._store.keepalive(session_id)
         return ttl, self.yield_requested(session_id)
 
@@ -118,19 +143,26 @@ class LockService:
                 asked.append(group)
         return asked
 
-    async def close_session(self, session_id: str) -> None:
+    async def close_session(self, session_id: str, secret: str) -> None:
+        await self.authenticate(session_id, secret)
         await self._store.close_session(session_id)
 
     async def acquire(
-        self, session_id: str, job: str, group: str, priority: int, request_id: str = ""
+        self,
+        session_id: str,
+        job: str,
+        group: str,
+        priority: int,
+        request_id: str = "",
+        *,
+        secret: str,
     ) -> AsyncGenerator[Progress, None]:
         """Queue ``job`` for ``group`` and yield its progress; the last item is GRANTED."""
         validate_job_id(job)
         validate_group_id(group)
-        lease_of(session_id)
-        # The mirror's copies save two etcd reads; the enqueue transaction compares both, so a
-        # stale copy costs a retry, never a wrong answer.
-        session = self._mirror.session(session_id) or await self._store.session(session_id)
+        # The enqueue transaction compares the session still exists, so a stale mirror copy
+        # costs a retry, never a wrong answer.
+        session = await self.authenticate(session_id, secret)
         if session.record.job != job:
             raise PermissionDenied(f"session {session_id} belongs to job {session.record.job}")
         started = time.monotonic()
@@ -245,8 +277,21 @@ class LockService:
         except Exception:
             log.exception("could not release undelivered grant of %s on %s", job, group)
 
-    async def release(self, session_id: str, job: str, group: str, epoch: int) -> None:
+    async def release(
+        self,
+        session_id: str,
+        job: str,
+        group: str,
+        epoch: int,
+        *,
+        secret: str,
+        operator: bool = False,
+    ) -> None:
         """Yield; then, if the next waiter's state is already where it runs, grant it here.
+
+        The hold must be the session's (``secret`` proves the caller owns it). An empty
+        ``session_id`` is the operator yield, by job and epoch alone: only with ``operator``
+        (the caller proved an operator identity), else PermissionDenied.
 
         The hand-over saves the hop through the mirror to the driver and its pass: the
         waiter's grant commits before this call returns. It is an optimisation only; when
@@ -255,7 +300,15 @@ class LockService:
         validate_job_id(job)
         validate_group_id(group)
         if session_id:
-            lease_of(session_id)
+            session = await self.authenticate(session_id, secret)
+            if session.record.job != job:
+                raise PermissionDenied(
+                    f"session {session_id} belongs to job {session.record.job}, not {job}"
+                )
+        elif not operator:
+            raise PermissionDenied(
+                "a yield without a session is an operator yield: it needs an operator identity"
+            )
         if epoch <= 0:
             raise InvalidArgument("epoch must be the positive fencing token of the grant")
         revision = await self._store.release(
@@ -301,9 +354,31 @@ class LockService:
             self._metrics.acquire_wait_seconds.observe(holder.waited_seconds)
 
     async def set_members(self, group: str, nodes: list[str]) -> None:
+        """Pin ``nodes`` to ``group`` (an empty list unpins).
+
+        Refused: more than :data:`MAX_PINNED_NODES` nodes (ResourceExhausted), and a node whose
+        agent never connected (FailedPrecondition: a typo or a made-up name would block every
+        switch of the group until unpinned). Nodes pinned already stay allowed, so that an
+        operator can always shrink a list whose node was decommissioned.
+        """
         validate_group_id(group)
+        nodes = sorted(set(nodes))
+        if len(nodes) > MAX_PINNED_NODES:
+            raise ResourceExhausted(
+                f"{len(nodes)} nodes given: at most {MAX_PINNED_NODES} can be pinned to a group"
+            )
         for node in nodes:
             validate_node(node)
+        seen = set(self._mirror.agents()) | set(self._mirror.group(group).static_members)
+        unseen = [n for n in nodes if n not in seen]
+        if unseen:
+            unknown = sorted(set(unseen) - await self._store.known_nodes(unseen))
+            if unknown:
+                raise FailedPrecondition(
+                    f"cannot pin node(s) {', '.join(unknown[:10])}"
+                    f"{' and more' if len(unknown) > 10 else ''} to {group}: "
+                    "no agent for them ever connected"
+                )
         revision = await self._store.set_members(group, nodes)
         # The caller reads its own write back from the mirror.
         await self._mirror.wait_for_revision(revision, MIRROR_LAG_TIMEOUT)

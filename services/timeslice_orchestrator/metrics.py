@@ -49,6 +49,13 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        self.authz_refusals = Counter(
+            "timeslice_authz_refusals",
+            "Client API calls refused for who made them (a session's secret missing or wrong, "
+            "an operator RPC without an operator identity), by RPC and cause",
+            ["rpc", "cause"],
+            registry=r,
+        )
         self.replica_terms = Counter(
             "timeslice_replica_terms",
             "Terms of this replica: one at start, one more each time it rejoins after losing "

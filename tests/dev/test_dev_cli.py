@@ -273,14 +273,21 @@ def test_holder_queue_operator_yield_and_interrupts(cluster: LocalCluster) -> No
             groups = run("groups", "--target", cluster.target).stdout
             assert f"{group}  holder=cli-holder  queue=1  switching=no" in groups.splitlines()
 
+            # Without the operator token the yield is refused, whatever the epoch.
+            anyone = run("yield", group, "--job", "cli-holder", "--epoch", str(epoch),
+                         "--target", cluster.target)  # fmt: skip
+            assert anyone.returncode == 1
+            assert anyone.stderr.startswith("error: permission_denied: Yield needs an operator")
+            assert _status(cluster, group)["holder_job_id"] == "cli-holder"
             # A stale epoch changes nothing; the right one releases the hold without a session.
+            token = str(cluster.operator_token_file)
             stale = run("yield", group, "--job", "cli-holder", "--epoch", str(epoch - 1),
-                        "--target", cluster.target)  # fmt: skip
+                        "--target", cluster.target, "--token-file", token)  # fmt: skip
             assert stale.returncode == 1
             assert stale.stderr.startswith("error: not_holder: ")
             assert _status(cluster, group)["holder_job_id"] == "cli-holder"
             ok = run("yield", group, "--job", "cli-holder", "--epoch", str(epoch),
-                     "--target", cluster.target)  # fmt: skip
+                     "--target", cluster.target, "--token-file", token)  # fmt: skip
             assert ok.returncode == 0 and ok.stdout == "yielded\n"
             line = waiter.line()
             assert line is not None and line.startswith("granted epoch=")
@@ -336,3 +343,35 @@ def test_acquire_timeout_is_a_typed_error(cluster: LocalCluster) -> None:
         assert holder.finish() == (["yielded"], "", 0)
     finally:
         holder.kill()
+
+
+def test_members_needs_the_operator_token_and_a_known_node(cluster: LocalCluster) -> None:
+    # Runs last: it creates a group in the module's cluster.
+    target = ("--target", cluster.target)
+    anyone = run("members", "cli-pinned", "--clear", *target)
+    assert anyone.returncode == 1
+    assert anyone.stderr.startswith("error: permission_denied: SetGroupMembers needs an operator")
+    wrong = subprocess.run(
+        [*TIMESLICE, "members", "cli-pinned", "--clear", *target],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+        env={**os.environ, "TIMESLICE_OPERATOR_TOKEN": "not-the-token"},
+    )
+    assert wrong.returncode == 1 and "permission_denied" in wrong.stderr
+    # The token from the environment (a file), then from the flag.
+    by_env = subprocess.run(
+        [*TIMESLICE, "members", "cli-pinned", "--clear", *target],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+        env={**os.environ, "TIMESLICE_OPERATOR_TOKEN_FILE": str(cluster.operator_token_file)},
+    )
+    assert by_env.returncode == 0, by_env.stderr
+    assert by_env.stdout == "cli-pinned: pinned nodes (none: registrations only)\n"
+    token = ("--token-file", str(cluster.operator_token_file))
+    ghost = run("members", "cli-pinned", "--set", "node-ghost", *target, *token)
+    assert ghost.returncode == 1
+    assert ghost.stderr.startswith("error: failed_precondition: cannot pin node(s) node-ghost")

@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 
 from grpclib.client import Channel
 
-from timeslice_proto.timeslice.v1 import TimeSliceStub
+from timeslice_proto.timeslice.v1 import OpenSessionResponse, TimeSliceStub
 
 
 @asynccontextmanager
@@ -18,3 +18,9 @@ async def raw_stub(target: str) -> AsyncIterator[TimeSliceStub]:
         yield TimeSliceStub(channel, timeout=10)
     finally:
         channel.close()
+
+
+def opened(response: OpenSessionResponse) -> tuple[str, str]:
+    """A session's id and its secret (every call on the session must carry the secret)."""
+    assert response.session_secret, "OpenSession must return the session's secret"
+    return response.session_id, response.session_secret

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from tests.conftest import ClusterFactory
-from tests.integration.rawclient import raw_stub
+from tests.integration.rawclient import opened, raw_stub
 from timeslice_orchestrator.store.etcd import EtcdClient, EventType
 from timeslice_orchestrator.store.records import HolderRecord
 from timeslice_proto.timeslice.v1 import (
@@ -65,10 +65,18 @@ async def test_a_free_group_costs_one_write_to_acquire_and_one_to_yield(
     cluster = cluster_factory(agents=0)
     endpoint, prefix = cluster.etcd_endpoint, cluster.prefix
     async with raw_stub(cluster.target) as stub:
-        a = (await stub.open_session(OpenSessionRequest(job_id="a", ttl_seconds=30))).session_id
-        b = (await stub.open_session(OpenSessionRequest(job_id="b", ttl_seconds=30))).session_id
+        a, a_secret = opened(
+            await stub.open_session(OpenSessionRequest(job_id="a", ttl_seconds=30))
+        )
+        b, b_secret = opened(
+            await stub.open_session(OpenSessionRequest(job_id="b", ttl_seconds=30))
+        )
         first, writes = await _writes(
-            endpoint, prefix, lambda: _granted(stub, AcquireRequest(a, "a", "g", request_id="r"))
+            endpoint,
+            prefix,
+            lambda: _granted(
+                stub, AcquireRequest(a, "a", "g", request_id="r", session_secret=a_secret)
+            ),
         )
         assert {r for r, _, _ in writes} == {first.epoch}, writes
         assert {k for _, _, k in writes} == {
@@ -82,19 +90,27 @@ async def test_a_free_group_costs_one_write_to_acquire_and_one_to_yield(
         status = await stub.get_group_status(GetGroupStatusRequest("g"))
         assert (status.holder_job_id, status.holder_epoch) == ("a", first.epoch)
         _, writes = await _writes(
-            endpoint, prefix, lambda: stub.yield_(YieldRequest(a, "a", "g", first.epoch))
+            endpoint,
+            prefix,
+            lambda: stub.yield_(YieldRequest(a, "a", "g", first.epoch, session_secret=a_secret)),
         )
         assert len({r for r, _, _ in writes}) == 1, writes
         second, writes = await _writes(
-            endpoint, prefix, lambda: _granted(stub, AcquireRequest(b, "b", "g", request_id="s"))
+            endpoint,
+            prefix,
+            lambda: _granted(
+                stub, AcquireRequest(b, "b", "g", request_id="s", session_secret=b_secret)
+            ),
         )
         assert {r for r, _, _ in writes} == {second.epoch}, writes
         assert first.ticket < first.epoch < second.ticket < second.epoch  # FIFO by ticket
         # Contended: b holds, a queues; the driver grants a when b yields.
-        waiter = asyncio.create_task(_granted(stub, AcquireRequest(a, "a", "g", request_id="t")))
+        waiter = asyncio.create_task(
+            _granted(stub, AcquireRequest(a, "a", "g", request_id="t", session_secret=a_secret))
+        )
         while not (await stub.get_group_status(GetGroupStatusRequest("g"))).queue:
             await asyncio.sleep(0.01)
-        await stub.yield_(YieldRequest(b, "b", "g", second.epoch))
+        await stub.yield_(YieldRequest(b, "b", "g", second.epoch, session_secret=b_secret))
         third = await waiter
         assert second.epoch < third.ticket < third.epoch
     client = EtcdClient([endpoint])
@@ -114,14 +130,24 @@ async def test_a_yield_hands_the_group_to_a_waiter_whose_state_is_in_place(
     cluster = cluster_factory(agents=0)
     endpoint, prefix = cluster.etcd_endpoint, cluster.prefix
     async with raw_stub(cluster.target) as stub:
-        a = (await stub.open_session(OpenSessionRequest(job_id="a", ttl_seconds=30))).session_id
-        b = (await stub.open_session(OpenSessionRequest(job_id="b", ttl_seconds=30))).session_id
-        first = await _granted(stub, AcquireRequest(a, "a", "g", request_id="r"))
-        waiter = asyncio.create_task(_granted(stub, AcquireRequest(b, "b", "g", request_id="s")))
+        a, a_secret = opened(
+            await stub.open_session(OpenSessionRequest(job_id="a", ttl_seconds=30))
+        )
+        b, b_secret = opened(
+            await stub.open_session(OpenSessionRequest(job_id="b", ttl_seconds=30))
+        )
+        first = await _granted(
+            stub, AcquireRequest(a, "a", "g", request_id="r", session_secret=a_secret)
+        )
+        waiter = asyncio.create_task(
+            _granted(stub, AcquireRequest(b, "b", "g", request_id="s", session_secret=b_secret))
+        )
         while not (await stub.get_group_status(GetGroupStatusRequest("g"))).queue:
             await asyncio.sleep(0.01)
         _, writes = await _writes(
-            endpoint, prefix, lambda: stub.yield_(YieldRequest(a, "a", "g", first.epoch))
+            endpoint,
+            prefix,
+            lambda: stub.yield_(YieldRequest(a, "a", "g", first.epoch, session_secret=a_secret)),
         )
         # Written before the Yield returned: the release, then b's grant (the driver may
         # claim the group between them; it finds nothing left to do).

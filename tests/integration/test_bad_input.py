@@ -46,9 +46,13 @@ async def test_bad_input_is_refused_and_changes_nothing(cluster_factory: Cluster
     cluster = cluster_factory(agents=0)
     async with raw_stub(cluster.target) as stub:
         good = await stub.open_session(OpenSessionRequest(job_id="good", ttl_seconds=30))
-        sid = good.session_id
+        sid, sec = good.session_id, good.session_secret
         granted = (
-            await drain(stub.acquire(AcquireRequest(session_id=sid, job_id="good", group_id="g")))
+            await drain(
+                stub.acquire(
+                    AcquireRequest(session_id=sid, session_secret=sec, job_id="good", group_id="g")
+                )
+            )
         )[-1]
         assert granted.state == AcquireState.GRANTED
         before = await snapshot(cluster.etcd_endpoint, cluster.prefix)
@@ -59,22 +63,44 @@ async def test_bad_input_is_refused_and_changes_nothing(cluster_factory: Cluster
             )
             await expect(
                 ErrorKind.INVALID_ARGUMENT,
-                drain(stub.acquire(AcquireRequest(session_id=sid, job_id=bad, group_id="g"))),
+                drain(
+                    stub.acquire(
+                        AcquireRequest(session_id=sid, session_secret=sec, job_id=bad, group_id="g")
+                    )
+                ),
             )
             await expect(
                 ErrorKind.INVALID_ARGUMENT,
-                drain(stub.acquire(AcquireRequest(session_id=sid, job_id="good", group_id=bad))),
-            )
-            await expect(
-                ErrorKind.INVALID_ARGUMENT,
-                stub.yield_(
-                    YieldRequest(session_id=sid, job_id=bad, group_id="g", epoch=granted.epoch)
+                drain(
+                    stub.acquire(
+                        AcquireRequest(
+                            session_id=sid, session_secret=sec, job_id="good", group_id=bad
+                        )
+                    )
                 ),
             )
             await expect(
                 ErrorKind.INVALID_ARGUMENT,
                 stub.yield_(
-                    YieldRequest(session_id=sid, job_id="good", group_id=bad, epoch=granted.epoch)
+                    YieldRequest(
+                        session_id=sid,
+                        session_secret=sec,
+                        job_id=bad,
+                        group_id="g",
+                        epoch=granted.epoch,
+                    )
+                ),
+            )
+            await expect(
+                ErrorKind.INVALID_ARGUMENT,
+                stub.yield_(
+                    YieldRequest(
+                        session_id=sid,
+                        session_secret=sec,
+                        job_id="good",
+                        group_id=bad,
+                        epoch=granted.epoch,
+                    )
                 ),
             )
             await expect(
@@ -88,7 +114,11 @@ async def test_bad_input_is_refused_and_changes_nothing(cluster_factory: Cluster
         )
         await expect(
             ErrorKind.NOT_FOUND,
-            stub.yield_(YieldRequest(session_id=sid, job_id="good", group_id="nope", epoch=1)),
+            stub.yield_(
+                YieldRequest(
+                    session_id=sid, session_secret=sec, job_id="good", group_id="nope", epoch=1
+                )
+            ),
         )
         await expect(
             ErrorKind.NOT_FOUND,
@@ -108,24 +138,42 @@ async def test_bad_input_is_refused_and_changes_nothing(cluster_factory: Cluster
         )
         await expect(
             ErrorKind.PERMISSION_DENIED,
-            drain(stub.acquire(AcquireRequest(session_id=sid, job_id="other", group_id="g"))),
+            drain(
+                stub.acquire(
+                    AcquireRequest(session_id=sid, session_secret=sec, job_id="other", group_id="g")
+                )
+            ),
         )
 
         # Acquire twice: the holder asks again.
         await expect(
             ErrorKind.ALREADY_EXISTS,
-            drain(stub.acquire(AcquireRequest(session_id=sid, job_id="good", group_id="g"))),
+            drain(
+                stub.acquire(
+                    AcquireRequest(session_id=sid, session_secret=sec, job_id="good", group_id="g")
+                )
+            ),
         )
         # Yield with a stale or zero epoch, by a non-holder.
         await expect(
             ErrorKind.NOT_HOLDER,
             stub.yield_(
-                YieldRequest(session_id=sid, job_id="good", group_id="g", epoch=granted.epoch - 1)
+                YieldRequest(
+                    session_id=sid,
+                    session_secret=sec,
+                    job_id="good",
+                    group_id="g",
+                    epoch=granted.epoch - 1,
+                )
             ),
         )
         await expect(
             ErrorKind.INVALID_ARGUMENT,
-            stub.yield_(YieldRequest(session_id=sid, job_id="good", group_id="g", epoch=0)),
+            stub.yield_(
+                YieldRequest(
+                    session_id=sid, session_secret=sec, job_id="good", group_id="g", epoch=0
+                )
+            ),
         )
         await expect(
             ErrorKind.PERMISSION_DENIED,
@@ -139,18 +187,30 @@ async def test_bad_input_is_refused_and_changes_nothing(cluster_factory: Cluster
 
         # Yield twice: the first works, the second is a clear error.
         await stub.yield_(
-            YieldRequest(session_id=sid, job_id="good", group_id="g", epoch=granted.epoch)
+            YieldRequest(
+                session_id=sid, session_secret=sec, job_id="good", group_id="g", epoch=granted.epoch
+            )
         )
         await expect(
             ErrorKind.NOT_HOLDER,
             stub.yield_(
-                YieldRequest(session_id=sid, job_id="good", group_id="g", epoch=granted.epoch)
+                YieldRequest(
+                    session_id=sid,
+                    session_secret=sec,
+                    job_id="good",
+                    group_id="g",
+                    epoch=granted.epoch,
+                )
             ),
         )
 
         # The service is still up and serving.
         again = (
-            await drain(stub.acquire(AcquireRequest(session_id=sid, job_id="good", group_id="g")))
+            await drain(
+                stub.acquire(
+                    AcquireRequest(session_id=sid, session_secret=sec, job_id="good", group_id="g")
+                )
+            )
         )[-1]
         assert again.state == AcquireState.GRANTED and again.epoch > granted.epoch
     assert cluster.exited() == {}

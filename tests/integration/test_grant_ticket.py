@@ -9,7 +9,7 @@ soak test's FIFO check caught it once in a few runs). The grant now remembers it
 from __future__ import annotations
 
 from tests.conftest import ClusterFactory
-from tests.integration.rawclient import raw_stub
+from tests.integration.rawclient import opened, raw_stub
 from timeslice_proto.timeslice.v1 import (
     AcquireEvent,
     AcquireRequest,
@@ -30,14 +30,26 @@ async def test_reattached_grant_carries_its_original_ticket(
 ) -> None:
     cluster = cluster_factory(agents=0)
     async with raw_stub(cluster.target) as stub:
-        a = (await stub.open_session(OpenSessionRequest(job_id="a", ttl_seconds=30))).session_id
-        b = (await stub.open_session(OpenSessionRequest(job_id="b", ttl_seconds=30))).session_id
-        first = await _granted(stub, AcquireRequest(a, "a", "g", request_id="ra"))
+        a, a_secret = opened(
+            await stub.open_session(OpenSessionRequest(job_id="a", ttl_seconds=30))
+        )
+        b, b_secret = opened(
+            await stub.open_session(OpenSessionRequest(job_id="b", ttl_seconds=30))
+        )
+        first = await _granted(
+            stub, AcquireRequest(a, "a", "g", request_id="ra", session_secret=a_secret)
+        )
         assert first.ticket > 0
-        again = await _granted(stub, AcquireRequest(a, "a", "g", request_id="ra"))
+        again = await _granted(
+            stub, AcquireRequest(a, "a", "g", request_id="ra", session_secret=a_secret)
+        )
         assert (again.epoch, again.ticket) == (first.epoch, first.ticket)
-        await stub.yield_(YieldRequest(a, "a", "g", first.epoch))
-        second = await _granted(stub, AcquireRequest(b, "b", "g", request_id="rb"))
-        again = await _granted(stub, AcquireRequest(b, "b", "g", request_id="rb"))
+        await stub.yield_(YieldRequest(a, "a", "g", first.epoch, session_secret=a_secret))
+        second = await _granted(
+            stub, AcquireRequest(b, "b", "g", request_id="rb", session_secret=b_secret)
+        )
+        again = await _granted(
+            stub, AcquireRequest(b, "b", "g", request_id="rb", session_secret=b_secret)
+        )
         assert second.ticket > first.ticket
         assert (again.epoch, again.ticket) == (second.epoch, second.ticket)

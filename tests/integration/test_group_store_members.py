@@ -267,3 +267,28 @@ async def test_the_mirror_is_read_through_typed_accessors(
         assert mirror.relay("n0", "d1") is None and mirror.relays() == []
         assert mirror.group_names() == ["g", "h"]
         assert not mirror.group("nope").exists
+
+
+async def test_a_node_is_known_for_good_once_its_agent_published(store: GroupStore) -> None:
+    assert await store.known_nodes(["n0", "n1"]) == set()
+    lease = await store.agent_lease("n0", 30)
+    await store.publish_agent(AgentRecord("n0", "r1", "sim", True, 1.0), lease)
+    marker = (await snapshot(store))["nodes/n0"]
+    assert marker.lease == 0, "the marker outlives the agent record"
+    await store.publish_agent(AgentRecord("n0", "r1", "sim", True, 2.0), lease)
+    assert (await snapshot(store))["nodes/n0"].mod_revision == marker.mod_revision
+    await store.etcd.revoke_lease(lease)
+    assert "agents/n0" not in await snapshot(store)
+    many = [f"n{i}" for i in range(250)]  # more than one transaction's worth of reads
+    assert await store.known_nodes(many) == {"n0"}
+
+
+async def test_a_note_in_last_error_is_written_once(store: GroupStore) -> None:
+    assert not await store.note_error("g", "waiting"), "no group: nothing to explain"
+    assert "groups/g/stats" not in await snapshot(store)
+    await store.set_members("g", ["n0"])
+    assert await store.note_error("g", "waiting")
+    written = (await snapshot(store))["groups/g/stats"]
+    assert GroupStats.decode(written.value).last_error == "waiting"
+    assert not await store.note_error("g", "waiting")
+    assert (await snapshot(store))["groups/g/stats"].mod_revision == written.mod_revision

@@ -251,10 +251,12 @@ async def test_static_membership_pins_nodes_into_every_switch(
     only_node0 = [
         register("g", job_id=j, socket=str(cluster.agent_sockets["node-0"])) for j in ("a", "b")
     ]
+    # Pinning is an operator command: it needs the cluster's operator token.
+    token = ["--token-file", str(cluster.operator_token_file)]
     cli = [sys.executable, "-m", "timeslice.cli"]
     try:
         out = subprocess.run(
-            [*cli, "members", "g", "--set", "node-0,node-1", "--target", cluster.target],
+            [*cli, "members", "g", "--set", "node-0,node-1", "--target", cluster.target, *token],
             capture_output=True, text=True, timeout=30, check=True,
         ).stdout  # fmt: skip
         assert "pinned nodes node-0, node-1" in out
@@ -277,13 +279,16 @@ async def test_static_membership_pins_nodes_into_every_switch(
             await b.yield_("g")
             await asyncio.sleep(2)
             assert not waiter.done(), "no grant while a pinned node is missing"
+            blocked = await b.status("g")
+            assert list(blocked.missing_members) == ["node-1"]
+            assert "waiting for pinned node(s) node-1" in blocked.last_error
             cluster.start_agent("node-1")
             grant = await waiter
             assert grant.job_id == "a"
             await a.yield_("g")
 
             subprocess.run(
-                [*cli, "members", "g", "--clear", "--target", cluster.target],
+                [*cli, "members", "g", "--clear", "--target", cluster.target, *token],
                 capture_output=True, text=True, timeout=30, check=True,
             )  # fmt: skip
             assert list((await a.status("g")).static_members) == []

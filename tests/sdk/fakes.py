@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import secrets
 import socket
 import threading
 import time
@@ -110,6 +111,7 @@ class FakeSession:
     session_id: str
     job: str
     ttl: int
+    secret: str = ""
     expired: bool = False
 
 
@@ -175,15 +177,21 @@ class OrchestratorState:
 
     def new_session(self, job: str, ttl: int) -> FakeSession:
         sid = f"{next(self._sessions):016x}"
-        session = FakeSession(sid, job, ttl)
+        session = FakeSession(sid, job, ttl, secret=secrets.token_urlsafe(16))
         self.sessions[sid] = session
         return session
 
-    def live_session(self, session_id: str) -> FakeSession:
+    def live_session(self, session_id: str, secret: str) -> FakeSession:
+        """The session, if it lives and ``secret`` is its secret (as the orchestrator checks:
+        the SDK must send it on every call, through failovers and re-attaches)."""
         session = self.sessions.get(session_id)
         if session is None or session.expired:
             raise grpclib.GRPCError(
                 Status.FAILED_PRECONDITION, f"[session_expired] session {session_id} expired"
+            )
+        if secret != session.secret:
+            raise grpclib.GRPCError(
+                Status.UNAUTHENTICATED, f"[unauthenticated] session {session_id}: wrong secret"
             )
         return session
 
@@ -241,23 +249,28 @@ class Frontend(TimeSliceBase):
         self._enter("OpenSession")
         ttl = message.ttl_seconds or 10
         session = self.state.new_session(message.job_id, ttl)
-        return OpenSessionResponse(session_id=session.session_id, ttl_seconds=ttl)
+        return OpenSessionResponse(
+            session_id=session.session_id, ttl_seconds=ttl, session_secret=session.secret
+        )
 
     async def keep_alive(self, message: KeepAliveRequest) -> KeepAliveResponse:
         self._enter("KeepAlive")
-        session = self.state.live_session(message.session_id)
+        session = self.state.live_session(message.session_id, message.session_secret)
         self.state.keepalives += 1
         return KeepAliveResponse(ttl_seconds=session.ttl)
 
     async def close_session(self, message: CloseSessionRequest) -> CloseSessionResponse:
         self._enter("CloseSession")
+        session = self.state.sessions.get(message.session_id)
+        if session is not None and not session.expired:
+            self.state.live_session(message.session_id, message.session_secret)
         self.state.end_session(message.session_id)
         return CloseSessionResponse()
 
     async def acquire(self, message: AcquireRequest) -> AsyncIterator[AcquireEvent]:
         self._enter("Acquire")
         state = self.state
-        session = state.live_session(message.session_id)
+        session = state.live_session(message.session_id, message.session_secret)
         g = state.group(message.group_id)
         if g.holder is not None and g.holder.job == message.job_id:
             raise grpclib.GRPCError(
@@ -319,7 +332,7 @@ class Frontend(TimeSliceBase):
 
     async def yield_(self, message: YieldRequest) -> YieldResponse:
         self._enter("Yield")
-        self.state.live_session(message.session_id)
+        self.state.live_session(message.session_id, message.session_secret)
         if self.state.yield_delay:
             await asyncio.sleep(self.state.yield_delay)
         g = self.state.group(message.group_id)

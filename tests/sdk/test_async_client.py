@@ -33,12 +33,15 @@ from timeslice import (
 )
 from timeslice.errors import (
     ErrorKind,
+    FailedPrecondition,
     GroupFaulted,
     InternalError,
     NotFound,
     PermissionDenied,
+    ResourceExhausted,
     SessionExpired,
     TimeSliceError,
+    Unauthenticated,
 )
 
 
@@ -392,8 +395,11 @@ ERROR_CASES = [
     (ErrorKind.INVALID_ARGUMENT, InvalidArgument),
     (ErrorKind.NOT_FOUND, NotFound),
     (ErrorKind.PERMISSION_DENIED, PermissionDenied),
+    (ErrorKind.UNAUTHENTICATED, Unauthenticated),
     (ErrorKind.ALREADY_EXISTS, AlreadyExists),
     (ErrorKind.NOT_HOLDER, NotHolder),
+    (ErrorKind.FAILED_PRECONDITION, FailedPrecondition),
+    (ErrorKind.RESOURCE_EXHAUSTED, ResourceExhausted),
     (ErrorKind.SESSION_EXPIRED, SessionExpired),
     (ErrorKind.GROUP_FAULTED, GroupFaulted),
     (ErrorKind.TIMEOUT, Timeout),

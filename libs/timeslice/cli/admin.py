@@ -5,7 +5,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from timeslice.cli.base import Commands, add_target_option, call, epoch, out, parse_targets
+from timeslice.cli.base import (
+    Commands,
+    add_operator_option,
+    add_target_option,
+    call,
+    epoch,
+    operator_metadata,
+    out,
+    parse_targets,
+)
 from timeslice.ids import validate_group_id, validate_job_id, validate_node
 from timeslice_proto.timeslice.v1 import (
     GroupStatus,
@@ -27,6 +36,7 @@ def register(commands: Commands) -> None:
     yield_.add_argument("--job", required=True, metavar="J")
     yield_.add_argument("--epoch", required=True, type=epoch, metavar="E")
     add_target_option(yield_)
+    add_operator_option(yield_)
 
     members = commands.add(
         "members",
@@ -38,6 +48,7 @@ def register(commands: Commands) -> None:
     pin.add_argument("--set", metavar="NODES", help="comma-separated node names")
     pin.add_argument("--clear", action="store_true", help="back to registrations only")
     add_target_option(members)
+    add_operator_option(members)
 
 
 def cmd_yield(args: argparse.Namespace) -> int:
@@ -45,11 +56,12 @@ def cmd_yield(args: argparse.Namespace) -> int:
     group = validate_group_id(args.group)
     job = validate_job_id(args.job)
     targets = parse_targets(args.target)
-    # An empty session_id is the operator yield: authorised by (job, epoch) alone.
+    # An empty session_id is the operator yield: by (job, epoch), with the operator token.
     request = YieldRequest(session_id="", job_id=job, group_id=group, epoch=args.epoch)
+    metadata = operator_metadata(args)
 
     async def rpc(stub: TimeSliceStub, timeout: float) -> YieldResponse:
-        return await stub.yield_(request, timeout=timeout)
+        return await stub.yield_(request, timeout=timeout, metadata=metadata)
 
     asyncio.run(call(targets, f"Yield({group})", rpc))
     out("yielded")
@@ -64,9 +76,10 @@ def cmd_members(args: argparse.Namespace) -> int:
         validate_node(node)
     targets = parse_targets(args.target)
     request = SetGroupMembersRequest(group_id=group, nodes=nodes)
+    metadata = operator_metadata(args)
 
     async def rpc(stub: TimeSliceStub, timeout: float) -> GroupStatus:
-        return await stub.set_group_members(request, timeout=timeout)
+        return await stub.set_group_members(request, timeout=timeout, metadata=metadata)
 
     status = asyncio.run(call(targets, f"SetGroupMembers({group})", rpc))
     pinned = ", ".join(status.static_members) or "(none: registrations only)"

@@ -15,6 +15,7 @@ operator looking at a group must not appear in it), except ``acquire``, which is
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import NoReturn, TypeVar
@@ -35,11 +36,14 @@ __all__ = [
     "CALL_TIMEOUT",
     "EXIT_BAD_INPUT",
     "EXIT_FAILURE",
+    "OPERATOR_TOKEN_ENV",
+    "OPERATOR_TOKEN_FILE_ENV",
     "Commands",
     "Handler",
     "Interrupted",
     "Parser",
     "Register",
+    "add_operator_option",
     "add_target_option",
     "build_parser",
     "call",
@@ -47,6 +51,7 @@ __all__ = [
     "epoch",
     "fail",
     "non_negative_float",
+    "operator_metadata",
     "out",
     "parse_targets",
     "positive_float",
@@ -183,6 +188,39 @@ def add_target_option(parser: argparse.ArgumentParser) -> None:
         help=f"orchestrator address(es), comma-separated (default: ${TARGET_ENV} or "
         f"{DEFAULT_TARGET})",
     )
+
+
+OPERATOR_TOKEN_ENV = "TIMESLICE_OPERATOR_TOKEN"
+OPERATOR_TOKEN_FILE_ENV = "TIMESLICE_OPERATOR_TOKEN_FILE"
+
+
+def add_operator_option(parser: argparse.ArgumentParser) -> None:
+    """``--token-file``: the operator token that commands changing a group must present."""
+    parser.add_argument(
+        "--token-file",
+        metavar="PATH",
+        help=f"file with the operator token (default: ${OPERATOR_TOKEN_FILE_ENV}, or the token "
+        f"itself in ${OPERATOR_TOKEN_ENV}); the orchestrator refuses operator commands without it",
+    )
+
+
+def operator_metadata(args: argparse.Namespace) -> dict[str, str]:
+    """The gRPC metadata that proves an operator: ``authorization: Bearer <token>``.
+
+    The token comes from ``--token-file``, else ``$TIMESLICE_OPERATOR_TOKEN_FILE``, else
+    ``$TIMESLICE_OPERATOR_TOKEN`` (never a flag's value: it would show in ``ps``). No token: no
+    metadata, and the orchestrator answers PERMISSION_DENIED.
+    """
+    path = args.token_file or os.environ.get(OPERATOR_TOKEN_FILE_ENV, "")
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as exc:
+            raise InvalidArgument(f"cannot read the operator token file {path}: {exc}") from None
+    else:
+        token = os.environ.get(OPERATOR_TOKEN_ENV, "").strip()
+    return {"authorization": f"Bearer {token}"} if token else {}
 
 
 def parse_targets(text: str | None) -> list[Target]:

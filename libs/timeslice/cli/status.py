@@ -12,7 +12,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from timeslice.cli.base import Commands, add_target_option, call, out, parse_targets
 from timeslice.ids import validate_group_id
@@ -90,6 +90,8 @@ class StatusView:
     last_error: str
     switches: int
     driver_replica: str
+    # Pinned nodes with no agent connected: the group cannot switch until they are back.
+    missing_members: list[str] = field(default_factory=list)
 
 
 def _since(t: float, now: float) -> float | None:
@@ -134,6 +136,7 @@ def status_view(status: GroupStatus, now: float) -> StatusView:
         last_error=status.last_error,
         switches=status.switches,
         driver_replica=status.driver_replica,
+        missing_members=list(status.missing_members),
     )
 
 
@@ -180,6 +183,10 @@ def format_status(view: StatusView) -> str:
             lines.append(f"    {job}: {reason}")
     else:
         lines.append("  faulted:    none")
+    if view.missing_members:
+        lines.append(
+            f"  blocked:    pinned node(s) {', '.join(view.missing_members)} not connected"
+        )
     lines.append(f"  last error: {view.last_error or 'none'}")
     lines.append(f"  switches:   {view.switches}")
     lines.append(f"  driver:     {view.driver_replica or 'none'}")

@@ -13,7 +13,15 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from timeslice.cli.base import Commands, Interrupted, Parser, count, out, positive_float
+from timeslice.cli.base import (
+    OPERATOR_TOKEN_FILE_ENV,
+    Commands,
+    Interrupted,
+    Parser,
+    count,
+    out,
+    positive_float,
+)
 from timeslice.errors import InvalidArgument, Unavailable
 from timeslice.targets import TARGET_ENV, parse_address
 from timeslice_tools.dev.cluster import BACKENDS, ClusterError, LocalCluster
@@ -100,6 +108,7 @@ def cmd_dev_cluster(args: argparse.Namespace) -> int:
             raise Unavailable(f"the local cluster did not start: {exc}") from None
         out(f"ready {cluster.target}")
         out(f"export {TARGET_ENV}={cluster.target}")
+        out(f"export {OPERATOR_TOKEN_FILE_ENV}={cluster.operator_token_file}")
         for node, path in cluster.agent_sockets.items():
             out(f"agent {node}: export TIMESLICE_AGENT_SOCKET={path}")
         out(f"etcd {cluster.etcd_endpoint} prefix {cluster.prefix}")

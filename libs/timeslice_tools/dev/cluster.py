@@ -101,6 +101,8 @@ class LocalCluster:
         node_args: extra arguments for one agent by node name (fault injection, say)
             (for example ``["--sim-state-gb", "1"]``).
         env: variables added to the services' environment.
+            Replicas get an operator token (``operator_token_file``, made at start) unless
+            ``env`` or ``orchestrator_args`` name one.
         ready_timeout: deadline for each start to become ready (``/readyz`` answers 200).
     """
 
@@ -147,6 +149,12 @@ class LocalCluster:
         self._env.update(env or {})
         # Services' logs should be current when a test or a user reads them.
         self._env["PYTHONUNBUFFERED"] = "1"
+        # Operator commands (pinning members, the operator yield) need a token: a fresh one
+        # per cluster, in a file only its user can read, written at start.
+        self._operator_token = secrets.token_urlsafe(32)
+        self._env.setdefault(
+            "TIMESLICE_ORCHESTRATOR_OPERATOR_TOKEN_FILE", str(self.operator_token_file)
+        )
         self._given_etcd = etcd_endpoint
         self._etcd: EtcdServer | None = None
         self._replicas = [self._new_replica(i) for i in range(replicas)]
@@ -156,6 +164,16 @@ class LocalCluster:
         self._stopped = False
 
     # -- what tests and clients use ----------------------------------------------------------
+
+    @property
+    def operator_token_file(self) -> Path:
+        """The file with the replicas' operator token (``timeslice members --token-file``)."""
+        return self._base_dir / "operator-token"
+
+    @property
+    def operator_token(self) -> str:
+        """The operator token itself (for clients that send it as metadata)."""
+        return self._operator_token
 
     @property
     def targets(self) -> list[str]:
@@ -251,6 +269,9 @@ class LocalCluster:
         try:
             self._base_dir.mkdir(parents=True, exist_ok=True)
             self.log_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.operator_token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(self._operator_token + "\n")
             if self._given_etcd is None:
                 self._etcd = EtcdServer(self._base_dir / "etcd")
                 self._etcd.start()

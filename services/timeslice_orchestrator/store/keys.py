@@ -10,6 +10,8 @@ split back into its parts.
     relay/<node>/<directive>           a directive relayed to the replica holding <node>'s stream
     fences/<node>                      the node was fenced out; its mod revision is the floor of
                                        the epochs it may act on (not mirrored: read on hello)
+    nodes/<node>                       an agent for the node connected once: only such nodes
+                                       can be pinned (not mirrored: read by SetGroupMembers)
     groups/<group>/meta                marks the group as existing
     groups/<group>/queue/<job>         a waiter, attached to its session; FIFO by create revision
     groups/<group>/holder              the hold; its create revision is the fencing epoch
@@ -140,6 +142,9 @@ class Keyspace:
 
     def fence(self, node: str) -> bytes:
         return self._k("fences", node)
+
+    def known_node(self, node: str) -> bytes:
+        return self._k("nodes", node)
 
     # -- one group --------------------------------------------------------------------------
 

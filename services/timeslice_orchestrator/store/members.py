@@ -11,13 +11,16 @@ from __future__ import annotations
 from timeslice_orchestrator.store.base import StoreBase
 from timeslice_orchestrator.store.etcd import (
     Delete,
+    Get,
     LeaseExpired,
     LeaseKeeper,
     Op,
     Put,
     StoreUnavailable,
     Txn,
+    absent,
     modified_at,
+    present,
 )
 from timeslice_orchestrator.store.records import (
     AgentRecord,
@@ -30,6 +33,8 @@ from timeslice_orchestrator.store.records import (
 
 # Read-modify-write attempts of one group's residency before giving up (a busy group).
 _RESIDENCY_ATTEMPTS = 8
+# Reads per transaction when looking nodes up (etcd's default limit is 128 operations).
+_READS_PER_TXN = 100
 
 
 class MemberStore(StoreBase):
@@ -44,6 +49,41 @@ class MemberStore(StoreBase):
         change = Put(self.keys.members(group), MembersRecord(sorted(set(nodes))).encode())
         result = await self.etcd.txn(Txn([], [change, self._create_group(group)]))
         return result.revision
+
+    async def known_nodes(self, nodes: list[str]) -> set[str]:
+        """Those of ``nodes`` whose agent connected at least once (see :meth:`publish_agent`)."""
+        known: set[str] = set()
+        for start in range(0, len(nodes), _READS_PER_TXN):
+            chunk = nodes[start : start + _READS_PER_TXN]
+            result = await self.etcd.txn(Txn([], [Get(self.keys.known_node(n)) for n in chunk]))
+            known.update(n for n, kvs in zip(chunk, result.reads, strict=True) if kvs)
+        return known
+
+    async def note_error(self, group: str, note: str) -> bool:
+        """Set the group's ``last_error`` to ``note`` unless it already says so.
+
+        Returns whether it was written (a concurrent change of the stats costs one more read).
+        """
+        key = self.keys.stats(group)
+        for _ in range(_RESIDENCY_ATTEMPTS):
+            current = await self.etcd.get(key)
+            stats = GroupStats.decode(current.value) if current else GroupStats()
+            if stats.last_error == note:
+                return False
+            stats.last_error = note
+            revision = current.mod_revision if current else 0
+            result = await self.etcd.txn(
+                Txn(
+                    [modified_at(key, revision), present(self.keys.meta(group))],
+                    [Put(key, stats.encode())],
+                    [Get(self.keys.meta(group))],
+                )
+            )
+            if result.succeeded:
+                return True
+            if not result.reads[0]:
+                return False  # the group is gone: nothing to explain
+        raise StoreUnavailable(f"stats of {group} kept changing: last_error not updated")
 
     async def forget_residency(self, group: str, node: str, job: str) -> bool:
         """Record that ``job``'s state is no longer on ``node``'s devices (an agent said so)."""
@@ -137,5 +177,11 @@ class MemberStore(StoreBase):
         return LeaseKeeper(self.etcd, lease, ttl)
 
     async def publish_agent(self, record: AgentRecord, lease: int) -> None:
-        """Write the agent's record (its workers) on the agent lease."""
-        await self.etcd.put(self.keys.agent(record.node), record.encode(), lease=lease)
+        """Write the agent's record (its workers) on the agent lease.
+
+        The first time a node is seen, it is also remembered for good (``nodes/<node>``, on no
+        lease): a node that is away can still be pinned, one that never existed cannot.
+        """
+        agent, known = self.keys.agent(record.node), self.keys.known_node(record.node)
+        put = Put(agent, record.encode(), lease=lease)
+        await self.etcd.txn(Txn([absent(known)], [put, Put(known, b"{}")], [put]))

@@ -106,7 +106,9 @@ class Hold:
     group: str
     job: str
     epoch: int  # the fencing token: the holder key's create revision
-    session_id: str = ""  # "" accepts the hold of any session of the job
+    # "" accepts the hold of any session of the job: the operator yield, which the client
+    # API allows only to an operator (every other caller names its session and its secret).
+    session_id: str = ""
 
 
 class QueueStore(StoreBase):

@@ -61,6 +61,9 @@ class SessionRecord(_Record):
     host: str
     pid: int
     opened_at: float
+    # SHA-256 (hex) of the session's secret: never the secret itself, so reading etcd is not
+    # enough to act on a session. "" (a record from before secrets): nothing matches it.
+    secret_hash: str = ""
 
 
 @dataclass(slots=True)

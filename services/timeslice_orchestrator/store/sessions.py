@@ -34,11 +34,18 @@ def lease_of(session_id: str) -> int:
 class SessionStore(StoreBase):
     """Open, read, refresh and close client sessions."""
 
-    async def open_session(self, job: str, ttl: int, host: str, pid: int) -> str:
-        """Grant a lease of ``ttl`` seconds and describe the client under it."""
+    async def open_session(
+        self, job: str, ttl: int, host: str, pid: int, *, secret_hash: str = ""
+    ) -> str:
+        """Grant a lease of ``ttl`` seconds and describe the client under it.
+
+        ``secret_hash`` is what the session's calls are checked against (see ``authz``).
+        """
         lease = await self.etcd.grant_lease(ttl)
         sid = session_id_of(lease)
-        record = SessionRecord(job=job, host=host, pid=pid, opened_at=time.time())
+        record = SessionRecord(
+            job=job, host=host, pid=pid, opened_at=time.time(), secret_hash=secret_hash
+        )
         await self.etcd.put(self.keys.session(sid), record.encode(), lease=lease)
         return sid
 

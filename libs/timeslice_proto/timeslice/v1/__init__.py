@@ -349,6 +349,11 @@ class AcquireRequest(betterproto2.Message):
     ALREADY_EXISTS.
     """
 
+    session_secret: "str" = betterproto2.field(6, betterproto2.TYPE_STRING)
+    """
+    from OpenSessionResponse
+    """
+
 
 default_message_pool.register_message("timeslice.v1", "AcquireRequest", AcquireRequest)
 
@@ -441,6 +446,11 @@ default_message_pool.register_message("timeslice.v1", "AgentMessage", AgentMessa
 @dataclass(eq=False, repr=False)
 class CloseSessionRequest(betterproto2.Message):
     session_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    session_secret: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    from OpenSessionResponse
+    """
 
 
 default_message_pool.register_message("timeslice.v1", "CloseSessionRequest", CloseSessionRequest)
@@ -633,6 +643,12 @@ class GroupStatus(betterproto2.Message):
 
     policy: "str" = betterproto2.field(14, betterproto2.TYPE_STRING)
 
+    missing_members: "list[str]" = betterproto2.field(15, betterproto2.TYPE_STRING, repeated=True)
+    """
+    Pinned nodes whose agent is not connected: the group cannot switch until they are back
+    (or unpinned); last_error says so too.
+    """
+
 
 default_message_pool.register_message("timeslice.v1", "GroupStatus", GroupStatus)
 
@@ -714,6 +730,11 @@ default_message_pool.register_message("timeslice.v1", "JobUsage", JobUsage)
 class KeepAliveRequest(betterproto2.Message):
     session_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
 
+    session_secret: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    from OpenSessionResponse
+    """
+
 
 default_message_pool.register_message("timeslice.v1", "KeepAliveRequest", KeepAliveRequest)
 
@@ -788,6 +809,13 @@ class OpenSessionResponse(betterproto2.Message):
     session_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
 
     ttl_seconds: "int" = betterproto2.field(2, betterproto2.TYPE_UINT32)
+
+    session_secret: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+    """
+    The session's secret, sent only here, once: every call that acts on the session
+    (KeepAlive, CloseSession, Acquire, Yield) must carry it. The orchestrator keeps only its
+    hash, so a session id or an epoch read from status or watch is not enough to act.
+    """
 
 
 default_message_pool.register_message("timeslice.v1", "OpenSessionResponse", OpenSessionResponse)
@@ -953,12 +981,21 @@ default_message_pool.register_message("timeslice.v1", "WorkersChanged", WorkersC
 @dataclass(eq=False, repr=False)
 class YieldRequest(betterproto2.Message):
     session_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The session the hold was granted under, with its secret. An empty session_id is the
+    operator yield (release a stuck hold by job and epoch): it needs an operator identity.
+    """
 
     job_id: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
 
     group_id: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
 
     epoch: "int" = betterproto2.field(4, betterproto2.TYPE_UINT64)
+
+    session_secret: "str" = betterproto2.field(5, betterproto2.TYPE_STRING)
+    """
+    from OpenSessionResponse
+    """
 
 
 default_message_pool.register_message("timeslice.v1", "YieldRequest", YieldRequest)
@@ -1180,6 +1217,8 @@ class TimeSliceStub(betterproto2_grpclib.ServiceStub):
     ) -> "GroupStatus":
         """
         Operators: pin the nodes a group always spans (empty list: back to registrations only).
+        Needs an operator identity (gRPC metadata "authorization: Bearer <operator token>");
+        every node must have a connected agent or have had one (FAILED_PRECONDITION otherwise).
         """
 
         return await self._unary_unary(
@@ -1335,6 +1374,8 @@ class TimeSliceBase(betterproto2_grpclib.ServiceBase):
     async def set_group_members(self, message: "SetGroupMembersRequest") -> "GroupStatus":
         """
         Operators: pin the nodes a group always spans (empty list: back to registrations only).
+        Needs an operator identity (gRPC metadata "authorization: Bearer <operator token>");
+        every node must have a connected agent or have had one (FAILED_PRECONDITION otherwise).
         """
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
