@@ -15,6 +15,7 @@ from opentelemetry.trace import Span, SpanKind, StatusCode, Tracer
 
 from timeslice import AcquireStage
 from timeslice.errors import TimeSliceError
+from timeslice_orchestrator import identity
 from timeslice_orchestrator.locks import LockService, Progress
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.store.cache import GroupView, Mirror, group_topic
@@ -92,6 +93,7 @@ class TimeSliceService(TimeSliceBase):
 
     async def open_session(self, message: OpenSessionRequest) -> OpenSessionResponse:
         with self._call("OpenSession", job=message.job_id):
+            identity.check_job(message.job_id, "OpenSession")
             sid, ttl = await self._locks.open_session(
                 message.job_id, message.ttl_seconds, message.client_host, message.client_pid
             )
@@ -112,6 +114,7 @@ class TimeSliceService(TimeSliceBase):
         delivered = False
         try:
             with self._call("Acquire", message.group_id, message.job_id) as span:
+                identity.check_job(message.job_id, "Acquire")
                 progress = self._locks.acquire(
                     message.session_id,
                     message.job_id,
@@ -141,6 +144,7 @@ class TimeSliceService(TimeSliceBase):
 
     async def yield_(self, message: YieldRequest) -> YieldResponse:
         with self._call("Yield", message.group_id, message.job_id):
+            identity.check_job(message.job_id, "Yield")
             await self._locks.release(
                 message.session_id, message.job_id, message.group_id, message.epoch
             )
@@ -175,6 +179,7 @@ class TimeSliceService(TimeSliceBase):
 
     async def set_group_members(self, message: SetGroupMembersRequest) -> GroupStatus:
         with self._call("SetGroupMembers", message.group_id):
+            identity.check_operator("SetGroupMembers")
             await self._locks.set_members(message.group_id, list(message.nodes))
             return self._status(message.group_id)
 
