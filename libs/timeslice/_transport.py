@@ -69,11 +69,19 @@ def map_error(exc: BaseException, where: object) -> TimeSliceError | None:
     if isinstance(exc, TimeoutError):
         return Timeout(f"{where}: deadline exceeded")
     if isinstance(exc, ssl.SSLError):
-        return Unavailable(f"{where}: {describe_tls_error(exc)}")
+        return TlsRefused(f"{where}: {describe_tls_error(exc)}")
     if isinstance(exc, OSError | StreamTerminatedError | ProtocolError):
         detail = str(exc) or type(exc).__name__
         return Unavailable(f"{where}: {detail}")
     return None
+
+
+class TlsRefused(Unavailable):
+    """A connection failed at the TLS level (a certificate refused or not trusted).
+
+    Still an outage to the retry loops (a rotation in progress heals by itself), but its
+    message is kept as the reason when the budget ends.
+    """
 
 
 class ReplicasUnreachable(Unavailable):
@@ -128,8 +136,8 @@ class Transport:
         error = map_error(exc, where)
         if isinstance(error, Unavailable) and not isinstance(exc, ssl.SSLError):
             channel = self._channels.get(self._current)
-            if isinstance(channel, TlsChannel) and channel.last_tls_error is not None:
-                return Unavailable(f"{where}: {describe_tls_error(channel.last_tls_error)}")
+            if isinstance(channel, TlsChannel) and channel.tls_problem is not None:
+                return TlsRefused(f"{where}: {channel.tls_problem}")
         return error
 
     def close(self) -> None:
@@ -187,12 +195,15 @@ class Transport:
                 timed_out = isinstance(exc, TimeoutError)
                 if not (isinstance(error, Unavailable) or timed_out):
                     raise error from exc
-                problems.pop(str(target), None)
+                earlier = problems.pop(str(target), None)
+                if timed_out and isinstance(earlier, TlsRefused):
+                    # An attempt cut short by the budget says less than the refusal before.
+                    error = earlier
                 problems[str(target)] = error
                 failures += 1
                 if attempts is not None and failures >= attempts:
                     raise self._unreachable(what, problems, None) from exc
-                if timed_out and deadline - loop.time() <= 0.05:
+                if timed_out and deadline - loop.time() <= 0.05 and error is not earlier:
                     # The budget itself ran out: that is a timeout, not an outage.
                     raise error from exc
                 log.debug("%s", error)

@@ -194,36 +194,78 @@ class TlsChannel(Channel):
             target.host, target.port, ssl=ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), config=config
         )
         self._tls = tls
-        self.last_tls_error: ssl.SSLError | None = None
-        """The TLS failure that ended the last connection, if one did (error messages)."""
+        self.tls_problem: str | None = None
+        """Why the last connection failed or ended at the TLS level, if it did (errors)."""
 
     async def _create_connection(self) -> H2Protocol:
         self._ssl = await self._tls.current()
         try:
             protocol = await super()._create_connection()
         except ssl.SSLError as exc:
-            self.last_tls_error = exc
+            self.tls_problem = describe_tls_error(exc)
             raise
-        self.last_tls_error = None
-        _watch_tls_loss(protocol, self)
+        except ConnectionError:
+            self.tls_problem = "TLS error: the server reset the connection during the handshake"
+            raise
+        self.tls_problem = None
         return protocol
 
+    def _protocol_factory(self) -> H2Protocol:
+        protocol = super()._protocol_factory()
+        self._watch_refusal(protocol)
+        return protocol
 
-def _watch_tls_loss(protocol: H2Protocol, channel: TlsChannel) -> None:
-    """Remember a TLS alert that ends the connection.
+    def _watch_refusal(self, protocol: H2Protocol) -> None:
+        """Name a refusal of our certificate, which grpclib reports as "connection lost".
 
-    With TLS 1.3 the server checks our certificate after our side of the handshake is done:
-    its refusal arrives as an alert on the first read and grpclib reports only "connection
-    lost". Keeping the alert lets the error say what happened.
-    """
-    lost = protocol.connection_lost
+        With TLS 1.3 the server checks our certificate after our side of the handshake is
+        done, and its refusal ends the connection before the server sent a single HTTP/2
+        byte (a server that accepted us sends its SETTINGS at once). It may end it with an
+        alert, a reset, or a bare end of stream, which asyncio's TLS would otherwise wait on
+        for its shutdown timeout (30 s) before grpclib hears of it: cut it short.
+        """
+        made = protocol.connection_made
+        received = protocol.data_received
+        lost = protocol.connection_lost
+        heard = False
+        transport: asyncio.BaseTransport | None = None
 
-    def connection_lost(exc: BaseException | None) -> None:
-        if isinstance(exc, ssl.SSLError):
-            channel.last_tls_error = exc
-        lost(exc)
+        def refused() -> str:
+            return "TLS error: the server closed the connection right after the handshake: " + (
+                "it requires a client certificate and none is configured"
+                if self._tls.files.cert is None
+                else "it refused our client certificate (signed by a CA it does not trust, "
+                "expired, or not yet valid)"
+            )
 
-    protocol.connection_lost = connection_lost  # type: ignore[method-assign]
+        def connection_made(tr: asyncio.BaseTransport) -> None:
+            nonlocal transport
+            transport = tr
+            made(tr)
+
+        def data_received(data: bytes) -> None:
+            nonlocal heard
+            heard = True
+            received(data)
+
+        def eof_received() -> bool | None:
+            if not heard:
+                self.tls_problem = refused()
+                if isinstance(transport, asyncio.Transport):
+                    transport.abort()  # connection_lost follows: grpclib fails the calls
+            return None
+
+        def connection_lost(exc: BaseException | None) -> None:
+            if isinstance(exc, ssl.SSLError):
+                self.tls_problem = describe_tls_error(exc)
+            elif not heard:
+                self.tls_problem = refused()
+            lost(exc)
+
+        protocol.connection_made = connection_made  # type: ignore[method-assign,assignment]
+        protocol.data_received = data_received  # type: ignore[method-assign]
+        protocol.eof_received = eof_received  # type: ignore[method-assign]
+        protocol.connection_lost = connection_lost  # type: ignore[method-assign]
 
 
 def describe_tls_error(exc: ssl.SSLError) -> str:

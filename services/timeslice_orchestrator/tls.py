@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+from typing import cast
 
 from grpclib.server import Server
 
@@ -91,12 +92,15 @@ class _Handshake(asyncio.Protocol):
         self._listener = listener
         self._server = server
         self._early = bytearray()
+        self._peer = "?"
         self._task: asyncio.Task[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        # uvloop's transports are not asyncio.Transport subclasses, but act as one.
+        transport = cast(asyncio.Transport, transport)
         peer = transport.get_extra_info("peername")
         name = peer[0] if isinstance(peer, tuple) else str(peer)
+        self._peer = name
         self._task = self._listener._tasks.spawn(
             self._upgrade(transport, name), f"tls-handshake-{name}", kind="tls-handshake"
         )
@@ -106,7 +110,10 @@ class _Handshake(asyncio.Protocol):
         self._early += data
 
     def connection_lost(self, exc: Exception | None) -> None:
+        # Before the hand-over: the handshake failed. uvloop reports why only here (its
+        # start_tls may never return), so the refusal is counted here and the wait ended.
         if self._task is not None and not self._task.done():
+            self._listener.refused(self._peer, exc or ConnectionResetError("closed by peer"))
             self._task.cancel()
 
     async def _upgrade(self, transport: asyncio.Transport, peer: str) -> None:
@@ -124,6 +131,7 @@ class _Handshake(asyncio.Protocol):
             transport.abort()
             raise
         except Exception as exc:  # a refused or broken handshake: never fatal to the server
+            self._task = None  # counted here, not again in connection_lost
             self._listener.refused(peer, exc)
             transport.abort()
             return

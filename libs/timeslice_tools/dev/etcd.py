@@ -288,7 +288,8 @@ class EtcdServer:
         if self._tls is None:
             return argv
         # Clients must show a certificate from our CA; with auth on, its CN is the user.
-        return argv + [
+        return [
+            *argv,
             "--cert-file", str(self._tls.etcd_server.cert),
             "--key-file", str(self._tls.etcd_server.key),
             "--client-cert-auth",
