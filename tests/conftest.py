@@ -5,6 +5,7 @@ Every test gets its own key prefix, so tests share the etcd server but never eac
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,26 @@ import pytest
 
 from timeslice_tools.dev.cluster import LocalCluster
 from timeslice_tools.dev.etcd import EtcdServer
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _plaintext_unless_told() -> Iterator[None]:
+    """Clients and services the tests start outside a TLS cluster talk in plaintext.
+
+    Plaintext must be chosen explicitly (timeslice.tls); a TLS cluster's clients get their
+    certificates from ``cluster.client_env`` or their arguments, which win over this.
+    """
+    saved = {k: os.environ.get(k) for k in _INSECURE}
+    os.environ.update(dict.fromkeys(_INSECURE, "1"))
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+_INSECURE = ("TIMESLICE_INSECURE", "TIMESLICE_ORCHESTRATOR_INSECURE", "TIMESLICE_AGENT_INSECURE")
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from timeslice._transport import Transport, map_error
+from timeslice._transport import Transport
 from timeslice.backoff import Backoff
 from timeslice.errors import TimeSliceError, Unavailable
 from timeslice.targets import Target
@@ -97,7 +97,7 @@ async def retrying_stream(
                     yield message
             return
         except Exception as exc:
-            error = map_error(exc, f"{what} via {target}")
+            error = transport.map_error(exc, f"{what} via {target}")
             decision = on_failure(exc, error)
             if decision is None:
                 if error is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
@@ -25,6 +26,7 @@ from timeslice.errors import (
     error_from_status,
 )
 from timeslice.targets import Target, UnixSocket
+from timeslice.tls import ReloadingContext, TlsChannel, describe_tls_error
 from timeslice_proto.timeslice.v1 import TimeSliceStub
 
 log = logging.getLogger("timeslice.transport")
@@ -41,10 +43,16 @@ CHANNEL_CONFIG = Configuration(
 )
 
 
-def open_channel(target: Target) -> Channel:
-    """Create a channel to ``target`` (call it inside the loop that will use the channel)."""
+def open_channel(target: Target, tls: ReloadingContext | None = None) -> Channel:
+    """Create a channel to ``target`` (call it inside the loop that will use the channel).
+
+    With ``tls``, every connection of a TCP channel uses TLS with the context's current
+    certificate; a unix socket stays plaintext (it is local, guarded by its file mode).
+    """
     if isinstance(target, UnixSocket):
         return Channel(path=target.path, config=CHANNEL_CONFIG)
+    if tls is not None:
+        return TlsChannel(target, tls, CHANNEL_CONFIG)
     return Channel(host=target.host, port=target.port, config=CHANNEL_CONFIG)
 
 
@@ -60,10 +68,20 @@ def map_error(exc: BaseException, where: object) -> TimeSliceError | None:
     # TimeoutError is an OSError subclass: test it before the connection errors.
     if isinstance(exc, TimeoutError):
         return Timeout(f"{where}: deadline exceeded")
+    if isinstance(exc, ssl.SSLError):
+        return TlsRefused(f"{where}: {describe_tls_error(exc)}")
     if isinstance(exc, OSError | StreamTerminatedError | ProtocolError):
         detail = str(exc) or type(exc).__name__
         return Unavailable(f"{where}: {detail}")
     return None
+
+
+class TlsRefused(Unavailable):
+    """A connection failed at the TLS level (a certificate refused or not trusted).
+
+    Still an outage to the retry loops (a rotation in progress heals by itself), but its
+    message is kept as the reason when the budget ends.
+    """
 
 
 class ReplicasUnreachable(Unavailable):
@@ -81,10 +99,11 @@ class ReplicasUnreachable(Unavailable):
 class Transport:
     """Channels to every target, bound to the event loop that first uses them."""
 
-    def __init__(self, targets: Sequence[Target]) -> None:
+    def __init__(self, targets: Sequence[Target], tls: ReloadingContext | None = None) -> None:
         if not targets:
             raise InvalidArgument("no orchestrator target given")
         self.targets = list(targets)
+        self._tls = tls
         self._channels: dict[int, Channel] = {}
         self._current = 0
         self._closed = False
@@ -104,9 +123,22 @@ class Transport:
             raise Unavailable("the client's connections were closed")
         channel = self._channels.get(self._current)
         if channel is None:
-            channel = open_channel(self.current)
+            channel = open_channel(self.current, self._tls)
             self._channels[self._current] = channel
         return self.current, TimeSliceStub(channel)
+
+    def map_error(self, exc: BaseException, where: object) -> TimeSliceError | None:
+        """:func:`map_error`, naming the TLS refusal behind a lost connection if there was one.
+
+        A server that refuses our certificate (TLS 1.3) does so after our handshake ended,
+        so grpclib only sees the connection drop; the channel kept the alert.
+        """
+        error = map_error(exc, where)
+        if isinstance(error, Unavailable) and not isinstance(exc, ssl.SSLError):
+            channel = self._channels.get(self._current)
+            if isinstance(channel, TlsChannel) and channel.tls_problem is not None:
+                return TlsRefused(f"{where}: {channel.tls_problem}")
+        return error
 
     def close(self) -> None:
         """Close every open channel; later calls raise :class:`Unavailable`."""
@@ -156,19 +188,22 @@ class Transport:
             try:
                 return await call(stub, min(remaining, share))
             except Exception as exc:
-                error = map_error(exc, f"{what} via {target}")
+                error = self.map_error(exc, f"{what} via {target}")
                 if error is None:
                     raise
                 # Our own per-attempt deadline passed (not a typed timeout the server sent).
                 timed_out = isinstance(exc, TimeoutError)
                 if not (isinstance(error, Unavailable) or timed_out):
                     raise error from exc
-                problems.pop(str(target), None)
+                earlier = problems.pop(str(target), None)
+                if timed_out and isinstance(earlier, TlsRefused):
+                    # An attempt cut short by the budget says less than the refusal before.
+                    error = earlier
                 problems[str(target)] = error
                 failures += 1
                 if attempts is not None and failures >= attempts:
                     raise self._unreachable(what, problems, None) from exc
-                if timed_out and deadline - loop.time() <= 0.05:
+                if timed_out and deadline - loop.time() <= 0.05 and error is not earlier:
                     # The budget itself ran out: that is a timeout, not an outage.
                     raise error from exc
                 log.debug("%s", error)

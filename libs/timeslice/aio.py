@@ -57,6 +57,7 @@ from timeslice.ids import validate_group_id, validate_job_id
 from timeslice.runner import ClientRunner
 from timeslice.targets import Target, targets_from_env
 from timeslice.tasks import Supervisor
+from timeslice.tls import client_tls
 from timeslice_proto.timeslice.v1 import (
     GetGroupStatusRequest,
     GroupEvent,
@@ -93,9 +94,16 @@ class AsyncTimeSliceClient:
         call_timeout: the bound on every unary call, retries and failover included.
         on_yield_request: called with a group id when the orchestrator starts asking this
             job to yield it (see :meth:`yield_requested`).
+        tls_ca, tls_cert, tls_key: PEM files: the CA that signed the orchestrators'
+            certificates, and this job's client certificate and key (mutual TLS). Default:
+            ``TIMESLICE_TLS_CA``, ``TIMESLICE_TLS_CERT``, ``TIMESLICE_TLS_KEY``. Rotated files
+            are picked up by the next connection.
+        insecure: ``True`` for plaintext (also ``TIMESLICE_INSECURE=1``, or unix targets);
+            with neither TLS nor this, the client refuses to start.
 
     Raises:
-        InvalidArgument: no job id, or a malformed id, target or duration.
+        InvalidArgument: no job id, or a malformed id, target or duration; no TLS
+            configuration and plaintext not chosen.
     """
 
     def __init__(
@@ -106,8 +114,17 @@ class AsyncTimeSliceClient:
         session_ttl: float = 10.0,
         call_timeout: float = 10.0,
         on_yield_request: Callable[[str], None] | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        insecure: bool | None = None,
     ) -> None:
         self._targets: list[Target] = targets_from_env(target)
+        # TLS files (or $TIMESLICE_TLS_CA/_CERT/_KEY); plaintext only when chosen: see
+        # timeslice.tls. Files are read at the first connection, off the loop.
+        self._tls = client_tls(
+            self._targets, ca=tls_ca, cert=tls_cert, key=tls_key, insecure=insecure
+        )
         if job_id is None:
             job_id = os.environ.get("TIMESLICE_JOB_ID") or None
         if job_id is None:
@@ -117,7 +134,7 @@ class AsyncTimeSliceClient:
         self._job_id = validate_job_id(job_id)
         self._session_ttl = check_positive(session_ttl, "session_ttl")
         self._call_timeout = check_positive(call_timeout, "call_timeout")
-        self._transport = Transport(self._targets)
+        self._transport = Transport(self._targets, self._tls)
         self._runner = ClientRunner(
             self._job_id, call_timeout=self._call_timeout, acquire=self._acquire, yield_=self._yield
         )
@@ -325,7 +342,7 @@ class AsyncTimeSliceClient:
         self._check_open()
         # Watches need no session: they get their own channels on the caller's loop, so they
         # work from any loop and never compete with acquire for a connection.
-        transport = Transport(self._targets)
+        transport = Transport(self._targets, self._tls)
 
         def open_stream(target: Target, stub: TimeSliceStub) -> AsyncGenerator[GroupEvent, None]:
             request = WatchGroupRequest(group_id=group)

@@ -122,6 +122,10 @@ class TimeSliceOrchestratorClient:
         session_ttl: float = 10.0,
         call_timeout: float = 10.0,
         on_yield_request: Callable[[str], None] | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        insecure: bool | None = None,
     ) -> None:
         # Validate everything before starting a thread, so bad input leaves nothing behind.
         self._client = AsyncTimeSliceClient(
@@ -130,6 +134,10 @@ class TimeSliceOrchestratorClient:
             session_ttl=session_ttl,
             call_timeout=call_timeout,
             on_yield_request=on_yield_request,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            insecure=insecure,
         )
         self._call_timeout = float(call_timeout)
         self._runner = self._client.runner

@@ -20,6 +20,7 @@ from pathlib import Path
 from timeslice.errors import InvalidArgument
 from timeslice.ids import validate_node
 from timeslice.targets import parse_address
+from timeslice.tls import TlsFiles
 
 ENV_PREFIX = "TIMESLICE_AGENT_"
 DEFAULT_WORKER_SOCKET = Path("/run/timeslice/agent.sock")
@@ -141,6 +142,10 @@ class AgentConfig:
     cuda: CudaSettings = CudaSettings()
     discovery: Discovery = Discovery.AUTO
     device_check: DeviceCheckSettings = DeviceCheckSettings()
+    tls: TlsFiles | None = None
+    """CA of the orchestrators' certificate, and this node's certificate and key (mutual TLS;
+    the orchestrator takes the node name from it). None: plaintext, only with --insecure."""
+    insecure: bool = False
 
 
 def parse_endpoint(text: str, *, allow_port_zero: bool = False) -> Endpoint:
@@ -355,6 +360,22 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "append one JSON line per executed directive to this file (histories, audits)",
         metavar="PATH",
     )
+    add("--tls-ca", None, "CA of the orchestrators' server certificates (PEM)", metavar="PATH")
+    add(
+        "--tls-cert",
+        None,
+        "this node's client certificate (PEM; reloaded on change)",
+        metavar="PATH",
+    )
+    add("--tls-key", None, "its private key (PEM)", metavar="PATH")
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        default=environ.get(_env_name("--insecure"), "").strip().lower()
+        in ("1", "true", "yes", "on"),
+        help="talk to the orchestrators in plaintext, unauthenticated (development only) "
+        f"[env {_env_name('--insecure')}]",
+    )
     return parser
 
 
@@ -393,6 +414,16 @@ def parse_config(
         time_scale=ns.sim_time_scale,
         faults=tuple(_faults(parser, ns.sim_fault)),
     )
+    tls: TlsFiles | None = None
+    if ns.tls_ca or ns.tls_cert or ns.tls_key:
+        if not (ns.tls_ca and ns.tls_cert and ns.tls_key):
+            parser.error("--tls-ca, --tls-cert and --tls-key go together (mutual TLS)")
+        tls = TlsFiles(ns.tls_ca, ns.tls_cert, ns.tls_key)
+    elif not ns.insecure:
+        parser.error(
+            "no TLS: give --tls-ca, --tls-cert and --tls-key, or --insecure to talk to the "
+            "orchestrators in plaintext"
+        )
     return AgentConfig(
         orchestrators=ns.orchestrator,
         node=node,
@@ -416,4 +447,6 @@ def parse_config(
             release_wait=ns.release_wait,
             app_residual_bytes=int(ns.app_residual_mib * 1024 * 1024),
         ),
+        tls=tls,
+        insecure=tls is None,
     )

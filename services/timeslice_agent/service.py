@@ -147,6 +147,7 @@ class Agent:
             metrics=self.metrics,
             on_welcome=self._welcomed,
             settle=self._settle,
+            tls=config.tls,
         )
         self.executor.stalled = self.link.stalled
         self.devices: list[Device] = []
@@ -278,6 +279,10 @@ class Agent:
     async def start(self) -> None:
         """Bring everything up; raises :class:`AgentStartError` with a reason on failure."""
         cfg = self.config
+        if cfg.tls is None:
+            log.warning(
+                "--insecure: the stream to the orchestrators is plaintext and unauthenticated"
+            )
         # First make sure no live agent serves this socket: a second agent of the node must
         # not even read, let alone rewrite, the state file the first one owns.
         await prepare_socket_path(cfg.worker_socket)

@@ -34,6 +34,8 @@ from grpclib.client import Channel, Stream
 from grpclib.config import Configuration
 
 from timeslice.backoff import Backoff
+from timeslice.targets import HostPort
+from timeslice.tls import ReloadingContext, TlsChannel, TlsFiles, client_context
 from timeslice_agent.config import Endpoint
 from timeslice_agent.metrics import AgentMetrics
 from timeslice_proto.timeslice.v1 import (
@@ -96,6 +98,7 @@ class OrchestratorLink:
         backoff: Backoff | None = None,
         on_welcome: Callable[[Welcome], None] | None = None,
         settle: Callable[[], Awaitable[None]] | None = None,
+        tls: TlsFiles | None = None,
     ) -> None:
         if not targets:
             raise ValueError("at least one orchestrator target is needed")
@@ -114,6 +117,10 @@ class OrchestratorLink:
         self.replica_id = ""
         self._on_welcome = on_welcome
         self._settle = settle
+        # Files are read (in a thread) at the first connect, and again when they change.
+        self._tls = (
+            ReloadingContext(tls, client_context, name="agent TLS") if tls is not None else None
+        )
         # Asked for by the current stream's Welcome (0: no heartbeats, no stall detection).
         self._heartbeat_interval = 0.0
         self._liveness_timeout = 0.0
@@ -194,7 +201,11 @@ class OrchestratorLink:
             await asyncio.sleep(delay)
 
     async def _session(self, target: Endpoint) -> None:
-        channel = Channel(target.host, target.port, config=_CHANNEL_CONFIG)
+        channel = (
+            Channel(target.host, target.port, config=_CHANNEL_CONFIG)
+            if self._tls is None
+            else TlsChannel(HostPort(target.host, target.port), self._tls, _CHANNEL_CONFIG)
+        )
         try:
             async with channel.request(
                 CONNECT_ROUTE,

@@ -16,12 +16,17 @@ def main() -> None:
         level=logging.INFO,
         format=f"%(asctime)s %(levelname)s [{config.replica_id}] %(name)s: %(message)s",
     )
-    try:
-        import uvloop
+    runner: object = asyncio.run
+    if config.tls is None:
+        # Not with TLS: uvloop's start_tls neither returns nor raises for some refused
+        # handshakes (the client then waits out its deadline with no reason given), while
+        # asyncio's reports every refusal (timeslice_orchestrator.tls).
+        try:
+            import uvloop
 
-        runner: object = uvloop.run
-    except ImportError:
-        runner = asyncio.run
+            runner = uvloop.run
+        except ImportError:
+            pass
     sys.exit(runner(serve(config)))  # type: ignore[operator]
 
 

@@ -21,6 +21,7 @@ from opentelemetry.trace import Span, SpanKind, StatusCode, Tracer
 
 from timeslice import AcquireStage
 from timeslice.errors import ErrorKind, TimeSliceError
+from timeslice_orchestrator import identity
 from timeslice_orchestrator.authz import Authorizer, peer_of
 from timeslice_orchestrator.locks import LockService, Progress
 from timeslice_orchestrator.metrics import Metrics
@@ -123,6 +124,7 @@ class TimeSliceService(TimeSliceBase):
 
     async def open_session(self, message: OpenSessionRequest) -> OpenSessionResponse:
         with self._call("OpenSession", job=message.job_id):
+            identity.check_job(message.job_id, "OpenSession")
             sid, secret, ttl = await self._locks.open_session(
                 message.job_id, message.ttl_seconds, message.client_host, message.client_pid
             )
@@ -143,6 +145,7 @@ class TimeSliceService(TimeSliceBase):
         delivered = False
         try:
             with self._call("Acquire", message.group_id, message.job_id) as span:
+                identity.check_job(message.job_id, "Acquire")
                 progress = self._locks.acquire(
                     message.session_id,
                     message.job_id,
@@ -186,6 +189,8 @@ class TimeSliceService(TimeSliceBase):
 
     async def _yield(self, message: YieldRequest, operator: bool, peer: str = "") -> YieldResponse:
         with self._call("Yield", message.group_id, message.job_id, peer):
+            if not operator:
+                identity.check_job(message.job_id, "Yield")
             await self._locks.release(
                 message.session_id,
                 message.job_id,

@@ -32,6 +32,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from timeslice.backoff import Backoff
 from timeslice.tasks import Supervisor
 from timeslice.tracing import provider_from_env, tracer_for
+from timeslice_orchestrator import identity
 from timeslice_orchestrator.api import TimeSliceService
 from timeslice_orchestrator.authz import Authorizer, load_operator_token
 from timeslice_orchestrator.config import OrchestratorConfig
@@ -46,6 +47,7 @@ from timeslice_orchestrator.store.etcd import EtcdClient, LeaseKeeper, StoreUnav
 from timeslice_orchestrator.store.groups import GroupStore
 from timeslice_orchestrator.store.keys import Keyspace
 from timeslice_orchestrator.store.relay import RelayStore
+from timeslice_orchestrator.tls import TlsListener
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,8 @@ CLOSE_SECONDS = 5.0
 REJOIN_CATCH_UP = 10.0
 # Retries of a rejoin while etcd is still away (doubling up to the cap).
 REJOIN_BACKOFF = (0.1, 1.0)
+# How often the etcd client certificate files are checked for a rotation.
+TLS_CHECK_SECONDS = 2.0
 
 
 @dataclass(eq=False)
@@ -79,7 +83,7 @@ class Orchestrator:
     def __init__(self, config: OrchestratorConfig, tracing: TracerProvider | None = None) -> None:
         self.config = config
         self.metrics = Metrics()
-        self.etcd = EtcdClient(config.etcd)
+        self.etcd = EtcdClient(config.etcd, tls=config.etcd_tls)
         self.keys = Keyspace(config.prefix)
         self.store = GroupStore(self.etcd, self.keys)
         self.mirror = Mirror(self.etcd, self.keys)
@@ -93,6 +97,7 @@ class Orchestrator:
         self._hub: AgentHub | None = None
         self._locks: LockService | None = None
         self._ready = False
+        self.tls: TlsListener | None = None
         self.terms = 0
         """Terms started so far: 1 after start, one more per rejoin."""
         self._tracing = (
@@ -135,7 +140,7 @@ class Orchestrator:
         authz = await self._authorizer()
         service = TimeSliceService(locks, self.mirror, self.metrics, tracer, authz)
         self._server = Server([service, hub])
-        await self._server.start(cfg.listen.host, cfg.listen.port)
+        await self._listen(self._server)
         self._runner = web.AppRunner(make_app(self.metrics, self.ready), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, cfg.http.host, cfg.http.port)
@@ -154,10 +159,41 @@ class Orchestrator:
         """Who is an operator: the token file is read once, at start (restart to rotate)."""
         path = self.config.operator_token_file
         if not path:
-            log.warning("no operator token (--operator-token-file): operator RPCs are refused")
+            log.warning(
+                "no operator token (--operator-token-file): only operator certificates may "
+                "use operator RPCs"
+            )
             return Authorizer(self.metrics)
         token = await asyncio.to_thread(load_operator_token, path)
         return Authorizer(self.metrics, token)
+
+    async def _listen(self, server: Server) -> None:
+        """Serve the gRPC port: mutual TLS with identities, or plaintext if chosen."""
+        cfg = self.config
+        if cfg.tls is None:
+            log.warning(
+                "--insecure: the gRPC port %s is plaintext and unauthenticated; any client "
+                "that reaches it may act as any job or node",
+                cfg.listen,
+            )
+            await server.start(cfg.listen.host, cfg.listen.port)
+        else:
+            identity.install(server, cfg.identity)
+            self.tls = TlsListener(cfg.tls, self.metrics, self._tasks)
+            await self.tls.start(server, cfg.listen.host, cfg.listen.port)
+        if cfg.etcd_tls is None:
+            log.warning("--insecure: etcd at %s is reached in plaintext", ",".join(cfg.etcd))
+        else:
+            self._tasks.spawn(self._refresh_etcd_tls(), "etcd-tls-reload", kind="tls-reload")
+
+    async def _refresh_etcd_tls(self) -> None:
+        """Follow rotations of the etcd client certificate (grpc cannot swap it in place)."""
+        while True:
+            await asyncio.sleep(TLS_CHECK_SECONDS)
+            try:
+                await self.etcd.refresh_tls()
+            except Exception:  # never let a bad rotation end the loop: log and check again
+                log.exception("reloading the etcd TLS certificate failed")
 
     async def _grant_lease(self) -> int:
         deadline = asyncio.get_running_loop().time() + SYNC_TIMEOUT

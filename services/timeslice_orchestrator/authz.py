@@ -30,6 +30,7 @@ from typing import Any
 import grpclib.server
 
 from timeslice.errors import InvalidArgument
+from timeslice_orchestrator import identity
 from timeslice_orchestrator.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -83,16 +84,18 @@ class Authorizer:
 
     @property
     def has_operator_identity(self) -> bool:
-        """Whether any operator identity is configured (else operator RPCs are refused)."""
+        """Whether an operator token is configured (else only operator certificates are)."""
         return self._token is not None
 
     def is_operator(self, stream: grpclib.server.Stream[Any, Any]) -> bool:
         """Whether the caller of ``stream`` is an operator.
 
-        The hook for every kind of operator identity: the bearer token here; a client
-        certificate with the operator role (``stream.peer.cert()``) is checked here as well
-        once mutual TLS is on.
+        The one place for every kind of operator identity: a client certificate with the
+        operator role (mutual TLS, :mod:`.identity`), or the bearer token.
         """
+        who = identity.current()
+        if who is not None and who.operator:
+            return True
         return self._token_matches(stream)
 
     def _token_matches(self, stream: grpclib.server.Stream[Any, Any]) -> bool:

@@ -12,9 +12,11 @@ import os
 import socket
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from timeslice.targets import HostPort, parse_address
+from timeslice.tls import TlsFiles
+from timeslice_orchestrator.identity import IdentityRules, JobSource
 from timeslice_orchestrator.policy import Policy
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,12 @@ class OrchestratorConfig:
     max_hold: float
     # A file holding the operator token (operator RPCs need it); "": no operator token.
     operator_token_file: str = ""
+    tls: TlsFiles | None = None
+    """The gRPC port's certificate, key and client CA; None: plaintext (``--insecure``)."""
+    etcd_tls: TlsFiles | None = None
+    """The CA of etcd's server certificate and our client certificate; None: plaintext."""
+    identity: IdentityRules = field(default_factory=IdentityRules)
+    insecure: bool = False
 
 
 ENV_PREFIX = "TIMESLICE_ORCHESTRATOR_"
@@ -61,10 +69,13 @@ ENV_PREFIX = "TIMESLICE_ORCHESTRATOR_"
 _LEGACY_PREFIX = "TIMESLICE_"
 
 
-def _env(name: str, default: str) -> str:
+def _env(name: str, default: str, *, legacy_name: bool = True) -> str:
     value = os.environ.get(ENV_PREFIX + name)
     if value is not None:
         return value
+    if not legacy_name:
+        # Options newer than the scheme have no old name; TIMESLICE_TLS_* are the SDK's.
+        return default
     legacy = os.environ.get(_LEGACY_PREFIX + name)
     if legacy is not None:
         log.warning("%s%s is deprecated: use %s%s", _LEGACY_PREFIX, name, ENV_PREFIX, name)
@@ -72,8 +83,9 @@ def _env(name: str, default: str) -> str:
     return default
 
 
-def _env_flag(name: str) -> bool:
-    return _env(name, "false").strip().lower() in ("1", "true", "yes", "on")
+def _env_flag(name: str, *, legacy_name: bool = True) -> bool:
+    value = _env(name, "false", legacy_name=legacy_name)
+    return value.strip().lower() in ("1", "true", "yes", "on")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
@@ -157,7 +169,38 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         "--operator-token-file",
         default=_env("OPERATOR_TOKEN_FILE", ""),
         help="file with the operator token: SetGroupMembers and the operator yield need it "
-        "as gRPC metadata 'authorization: Bearer <token>' (none: operator RPCs are refused)",
+        "as gRPC metadata 'authorization: Bearer <token>', or an operator certificate",
+    )
+    tls = p.add_argument_group(
+        "TLS", "certificates are PEM files, reloaded when they change (new connections use them)"
+    )
+    for flag, name, what in (
+        ("--tls-cert", "TLS_CERT", "this replica's server certificate (chain)"),
+        ("--tls-key", "TLS_KEY", "its private key"),
+        ("--tls-ca", "TLS_CA", "the CA that signs clients' and agents' certificates"),
+        ("--etcd-ca", "ETCD_CA", "the CA of etcd's server certificate (turns etcd TLS on)"),
+        ("--etcd-cert", "ETCD_CERT", "our client certificate towards etcd (its CN: the user)"),
+        ("--etcd-key", "ETCD_KEY", "its private key"),
+    ):
+        tls.add_argument(flag, default=_env(name, "", legacy_name=False) or None, help=what)
+    tls.add_argument(
+        "--tls-job-identity",
+        choices=[x.value for x in JobSource],
+        default=_env("TLS_JOB_IDENTITY", "uri", legacy_name=False),
+        help="where a job's client certificate names its job: SAN URI timeslice://job/<id>, "
+        "the first DNS SAN, or the subject CN",
+    )
+    tls.add_argument(
+        "--tls-operator-ou",
+        default=_env("TLS_OPERATOR_OU", "timeslice-operators", legacy_name=False),
+        help="a client certificate with this subject OU is an operator (as is SAN URI "
+        "timeslice://operator); empty: the URI only",
+    )
+    tls.add_argument(
+        "--insecure",
+        action="store_true",
+        default=_env_flag("INSECURE", legacy_name=False),
+        help="allow plaintext where no certificate is given (gRPC port, etcd): development only",
     )
     a = p.parse_args(argv)
     try:
@@ -168,6 +211,27 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         p.error("TTLs must be at least 1 second")
     if a.agent_liveness_timeout < 0 or a.agent_liveness_timeout > 3600:
         p.error("--agent-liveness-timeout must be between 0 and 3600 seconds")
+    try:
+        server_tls = (
+            None if a.tls_cert is None and a.tls_key is None and a.tls_ca is None
+            else TlsFiles(a.tls_ca or "", a.tls_cert, a.tls_key)
+        )  # fmt: skip
+        etcd_tls = (
+            None if a.etcd_ca is None and a.etcd_cert is None and a.etcd_key is None
+            else TlsFiles(a.etcd_ca or "", a.etcd_cert, a.etcd_key)
+        )  # fmt: skip
+    except ValueError as exc:
+        p.error(str(exc))
+    if server_tls is not None and not (server_tls.ca and server_tls.cert):
+        p.error("--tls-cert, --tls-key and --tls-ca go together (mutual TLS)")
+    if etcd_tls is not None and not etcd_tls.ca:
+        p.error("--etcd-cert and --etcd-key need --etcd-ca")
+    if (server_tls is None or etcd_tls is None) and not a.insecure:
+        plain = [w for w, t in (("the gRPC port", server_tls), ("etcd", etcd_tls)) if t is None]
+        p.error(
+            f"no TLS for {' and '.join(plain)}: give --tls-cert/--tls-key/--tls-ca and "
+            "--etcd-ca/--etcd-cert/--etcd-key, or --insecure to run in plaintext"
+        )
     replica_id = a.replica_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
     return OrchestratorConfig(
         listen=listen,
@@ -185,4 +249,8 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         policy=Policy(a.policy),
         max_hold=a.max_hold,
         operator_token_file=a.operator_token_file,
+        tls=server_tls,
+        etcd_tls=etcd_tls,
+        identity=IdentityRules(JobSource(a.tls_job_identity), a.tls_operator_ou),
+        insecure=a.insecure,
     )

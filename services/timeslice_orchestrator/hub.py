@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 import grpclib
 from grpclib.const import Status
 
-from timeslice.errors import InvalidArgument
+from timeslice.errors import InvalidArgument, PermissionDenied
 from timeslice.ids import validate_group_id, validate_job_id, validate_node
+from timeslice_orchestrator import identity
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.store.etcd import StoreUnavailable
 from timeslice_orchestrator.store.groups import GroupStore
@@ -156,6 +157,13 @@ class AgentHub(AgentHubBase):
     ) -> AsyncIterator[OrchestratorMessage]:
         hello = await self._read_hello(messages)
         node = hello.node
+        try:
+            # With mutual TLS only the node's own certificate may speak for it, so a stream
+            # can displace this node's current one only with the same identity.
+            identity.check_node(node)
+        except PermissionDenied as exc:
+            self._metrics.rpc_errors.labels(kind=exc.kind.value).inc()
+            raise grpclib.GRPCError(exc.status, exc.wire_message()) from exc
         record = AgentRecord(
             node=node,
             replica=self._replica_id,

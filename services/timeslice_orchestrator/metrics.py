@@ -62,6 +62,12 @@ class Metrics:
             "its lease",
             registry=r,
         )
+        self.tls_refusals = Counter(
+            "timeslice_tls_refusals",
+            "TLS handshakes this replica refused (no, unknown or expired client certificate)",
+            ["reason"],
+            registry=r,
+        )
         self.driver_errors = Counter(
             "timeslice_driver_errors", "Unexpected errors in the switch driver", registry=r
         )

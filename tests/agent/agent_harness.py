@@ -213,6 +213,7 @@ class AgentProcess:
             "--state-file", str(self.state_file),
             "--http", "127.0.0.1:0",
             "--hook-timeout", "2",
+            "--insecure",
             *extra,
         ]  # fmt: skip
         self.proc: asyncio.subprocess.Process | None = None

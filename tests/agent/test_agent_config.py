@@ -10,7 +10,7 @@ from timeslice_agent.config import GB, BackendKind, Endpoint, parse_config, pars
 
 
 def test_defaults_and_derived_paths() -> None:
-    cfg = parse_config(["--orchestrator", "a:1,[::1]:2", "--node", "n1"], environ={})
+    cfg = parse_config(["--orchestrator", "a:1,[::1]:2", "--node", "n1", "--insecure"], environ={})
     assert cfg.orchestrators == (Endpoint("a", 1), Endpoint("::1", 2))
     assert cfg.backend is BackendKind.SIM
     assert cfg.worker_socket == Path("/run/timeslice/agent.sock")
@@ -33,7 +33,7 @@ def test_environment_variables_and_command_line_precedence() -> None:
         "TIMESLICE_AGENT_SIM_TIME_SCALE": "0",
         "TIMESLICE_AGENT_HOOK_TIMEOUT": "5",
     }
-    cfg = parse_config(["--node", "cli-node"], environ=env)
+    cfg = parse_config(["--node", "cli-node", "--insecure"], environ=env)
     assert cfg.node == "cli-node"
     assert cfg.orchestrators == (Endpoint("o", 50051),)
     assert cfg.backend is BackendKind.FREEZE

@@ -30,6 +30,7 @@ from timeslice.errors import (
     Unavailable,
 )
 from timeslice.targets import DEFAULT_TARGET, TARGET_ENV, Target, targets_from_env
+from timeslice.tls import client_tls
 from timeslice_proto.timeslice.v1 import TimeSliceStub
 
 __all__ = [
@@ -264,7 +265,8 @@ async def call(
         Unavailable: no replica could be reached (every replica's problem is listed).
         Timeout: no replica answered in time.
     """
-    transport = Transport(targets)
+    # TLS as the SDK: $TIMESLICE_TLS_CA/_CERT/_KEY, or plaintext by $TIMESLICE_INSECURE=1.
+    transport = Transport(targets, client_tls(targets))
     try:
         return await transport.unary(
             what, rpc, budget=CALL_TIMEOUT * len(targets), attempts=len(targets)

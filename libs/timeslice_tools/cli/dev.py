@@ -48,6 +48,12 @@ def register(commands: Commands) -> None:
     cluster.add_argument("--prefix", help="etcd key prefix (default /timeslice/dev-<random>)")
     cluster.add_argument("--session-ttl", type=positive_float, default=10.0)
     cluster.add_argument(
+        "--tls",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="make a throw-away CA and certificates: mutual TLS on every hop, etcd auth",
+    )
+    cluster.add_argument(
         "--base-dir",
         type=Path,
         help="directory for logs, sockets and state (default: a temporary one, removed on exit)",
@@ -96,6 +102,7 @@ def cmd_dev_cluster(args: argparse.Namespace) -> int:
             prefix=args.prefix,
             session_ttl=args.session_ttl,
             base_dir=args.base_dir,
+            tls=args.tls,
         )
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from None
@@ -109,6 +116,8 @@ def cmd_dev_cluster(args: argparse.Namespace) -> int:
         out(f"ready {cluster.target}")
         out(f"export {TARGET_ENV}={cluster.target}")
         out(f"export {OPERATOR_TOKEN_FILE_ENV}={cluster.operator_token_file}")
+        for name, value in cluster.client_env.items():
+            out(f"export {name}={value}")
         for node, path in cluster.agent_sockets.items():
             out(f"agent {node}: export TIMESLICE_AGENT_SOCKET={path}")
         out(f"etcd {cluster.etcd_endpoint} prefix {cluster.prefix}")

@@ -12,6 +12,7 @@ import http.client
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -123,10 +124,12 @@ def log_since(path: Path, offset: int) -> str:
         return ""
 
 
-def http_status(url: str, timeout: float = 0.5) -> tuple[int, bytes] | None:
+def http_status(
+    url: str, timeout: float = 0.5, context: ssl.SSLContext | None = None
+) -> tuple[int, bytes] | None:
     """GET ``url``; the status and body, or None when nothing answered."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        with urllib.request.urlopen(url, timeout=timeout, context=context) as resp:
             return int(resp.status), resp.read()
     except urllib.error.HTTPError as exc:
         return int(exc.code), exc.read()

@@ -30,8 +30,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Literal
 
+from timeslice.tls import CA_ENV, CERT_ENV, INSECURE_ENV, KEY_ENV
 from timeslice_agent.config import BackendKind
 from timeslice_tools.dev import _procs
+from timeslice_tools.dev.certs import Pki
 from timeslice_tools.dev.etcd import EtcdServer
 
 __all__ = ["Backend", "ClusterError", "LocalCluster", "ServiceProcess"]
@@ -104,6 +106,12 @@ class LocalCluster:
             Replicas get an operator token (``operator_token_file``, made at start) unless
             ``env`` or ``orchestrator_args`` name one.
         ready_timeout: deadline for each start to become ready (``/readyz`` answers 200).
+        tls: ``True`` makes a throw-away CA and certificates in ``base_dir/tls``; a
+            :class:`~timeslice_tools.dev.certs.Pki` uses those (it must be the given etcd's
+            too); ``False`` runs every hop in plaintext (``--insecure``). With TLS, the
+            private etcd requires client certificates and auth, replicas serve mutual TLS,
+            agents present their node's certificate, and :attr:`client_env` holds what a
+            client needs (the operator certificate, which may act as any job).
     """
 
     def __init__(
@@ -122,6 +130,7 @@ class LocalCluster:
         orchestrator_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         ready_timeout: float = 30.0,
+        tls: bool | Pki = False,
     ) -> None:
         if replicas < 1:
             raise ValueError(f"replicas must be at least 1, got {replicas}")
@@ -156,6 +165,9 @@ class LocalCluster:
             "TIMESLICE_ORCHESTRATOR_OPERATOR_TOKEN_FILE", str(self.operator_token_file)
         )
         self._given_etcd = etcd_endpoint
+        self._pki: Pki | None = (
+            tls if isinstance(tls, Pki) else (Pki(self._base_dir / "tls") if tls else None)
+        )
         self._etcd: EtcdServer | None = None
         self._replicas = [self._new_replica(i) for i in range(replicas)]
         self._agents = {f"node-{i}": self._new_agent(f"node-{i}") for i in range(agents)}
@@ -217,6 +229,22 @@ class LocalCluster:
         return self._etcd
 
     @property
+    def pki(self) -> Pki | None:
+        """The cluster's certificates (None: plaintext)."""
+        return self._pki
+
+    @property
+    def client_env(self) -> dict[str, str]:
+        """What a client of this cluster needs in its environment: TLS files, or plaintext."""
+        if self._pki is None:
+            return {INSECURE_ENV: "1"}
+        return {
+            CA_ENV: str(self._pki.ca),
+            CERT_ENV: str(self._pki.operator.cert),
+            KEY_ENV: str(self._pki.operator.key),
+        }
+
+    @property
     def prefix(self) -> str:
         return self._prefix
 
@@ -272,8 +300,10 @@ class LocalCluster:
             fd = os.open(self.operator_token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(self._operator_token + "\n")
+            if self._pki is not None and not self._pki.ca.exists():
+                self._pki = Pki.create(self._pki.directory, nodes=list(self._agents))
             if self._given_etcd is None:
-                self._etcd = EtcdServer(self._base_dir / "etcd")
+                self._etcd = EtcdServer(self._base_dir / "etcd", tls=self._pki)
                 self._etcd.start()
             self._start_batch(self._replicas)
             for node in self._agents:
@@ -439,7 +469,7 @@ class LocalCluster:
             ]  # fmt: skip
             if self._replica_ttl is not None:
                 argv += ["--replica-ttl", _format_seconds(self._replica_ttl)]
-            return argv + self._orchestrator_args
+            return argv + self._tls_args(service) + self._orchestrator_args
         # Each agent starts on a different replica (node-i on replica i mod N), as agents
         # spread behind a load balancer would; the rest of the list is its failover order.
         index = list(self._agents).index(service.name)
@@ -458,9 +488,26 @@ class LocalCluster:
             # cannot tell their nodes apart unless processes carry TIMESLICE_NODE: opt in with
             # agent_args=["--discover", "procfs"] (a later option wins).
             "--discover", "off",
+            *self._tls_args(service),
             *self._agent_args,
             *self._node_args.get(service.name, []),
         ]  # fmt: skip
+
+    def _tls_args(self, service: ServiceProcess) -> list[str]:
+        pki = self._pki
+        if pki is None:
+            return ["--insecure"]
+        if service.kind == "orchestrator":
+            return [
+                "--tls-cert", str(pki.orchestrator.cert),
+                "--tls-key", str(pki.orchestrator.key),
+                "--tls-ca", str(pki.ca),
+                "--etcd-ca", str(pki.ca),
+                "--etcd-cert", str(pki.etcd_client.cert),
+                "--etcd-key", str(pki.etcd_client.key),
+            ]  # fmt: skip
+        node = pki.node(service.name)
+        return ["--tls-ca", str(pki.ca), "--tls-cert", str(node.cert), "--tls-key", str(node.key)]
 
     def _launch(self, service: ServiceProcess) -> None:
         service.popen = _procs.spawn(self._argv(service), service.log_path, env=self._env)

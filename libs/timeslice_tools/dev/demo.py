@@ -168,9 +168,12 @@ def _run_in(
         agent_args=SIM_AGENT_ARGS,
         base_dir=work / "cluster",
         ready_timeout=min(30.0, max(1.0, deadline - time.monotonic())),
+        tls=True,
     )
     try:
         cluster.start()
+        # The jobs (child processes and this one) find the certificates in the environment.
+        os.environ.update(cluster.client_env)
         _say(out, f"  cluster ready: orchestrator {cluster.target}, agent node-0 (sim)")
         _say(
             out,

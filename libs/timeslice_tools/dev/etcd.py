@@ -15,7 +15,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import secrets
 import shutil
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -23,7 +25,13 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+import grpc
+from aetcd.rpc import auth_pb2
+from aetcd.rpc import rpc_pb2 as pb
+from aetcd.rpc import rpc_pb2_grpc as pb_grpc
+
 from timeslice_tools.dev import _procs
+from timeslice_tools.dev.certs import ETCD_USER, Pki
 
 __all__ = ["EtcdError", "EtcdServer", "find_etcd_binary"]
 
@@ -33,6 +41,8 @@ _HEALTH_POLL_SECONDS = 0.02
 # A port picked as free can be taken by someone else before etcd binds it (parallel test
 # workers do this); a start that fails that way is retried on fresh ports.
 _PORT_RETRIES = 3
+# What the etcd user of the replicas (``timeslice``) may read and write when auth is on.
+DEFAULT_AUTH_PREFIX = "/timeslice/"
 
 
 class EtcdError(RuntimeError):
@@ -116,7 +126,11 @@ class EtcdServer:
         binary: Path | str | None = None,
         name: str = "timeslice-dev",
         start_timeout: float = 20.0,
+        tls: Pki | None = None,
+        auth_prefix: str = DEFAULT_AUTH_PREFIX,
     ) -> None:
+        self._tls = tls
+        self._auth_prefix = auth_prefix
         self._binary = Path(binary) if binary is not None else find_etcd_binary()
         self._owns_dir = data_dir is None
         self._dir = (
@@ -137,7 +151,13 @@ class EtcdServer:
 
     @property
     def client_url(self) -> str:
-        return f"http://127.0.0.1:{self._client_port}"
+        scheme = "https" if self._tls is not None else "http"
+        return f"{scheme}://127.0.0.1:{self._client_port}"
+
+    @property
+    def tls(self) -> Pki | None:
+        """The certificates etcd serves and trusts; None: plaintext, no auth."""
+        return self._tls
 
     @property
     def peer_url(self) -> str:
@@ -202,6 +222,8 @@ class EtcdServer:
                     continue
                 raise
             self._started_once = True
+            if self._tls is not None:
+                self._enable_auth(self._tls)
             return self
 
     def stop(self, grace: float = 5.0) -> None:
@@ -245,7 +267,7 @@ class EtcdServer:
     # -- internals ---------------------------------------------------------------------------
 
     def _argv(self) -> list[str]:
-        return [
+        argv = [
             str(self._binary),
             "--name", self._name,
             "--data-dir", str(self._dir / "etcd"),
@@ -263,6 +285,76 @@ class EtcdServer:
             "--auto-compaction-mode", "periodic",
             "--auto-compaction-retention", "5m",
         ]  # fmt: skip
+        if self._tls is None:
+            return argv
+        # Clients must show a certificate from our CA; with auth on, its CN is the user.
+        return [
+            *argv,
+            "--cert-file", str(self._tls.etcd_server.cert),
+            "--key-file", str(self._tls.etcd_server.key),
+            "--client-cert-auth",
+            "--trusted-ca-file", str(self._tls.ca),
+        ]  # fmt: skip
+
+    def _root_channel(self, tls: Pki) -> grpc.Channel:
+        creds = grpc.ssl_channel_credentials(
+            tls.ca.read_bytes(), tls.etcd_root.key.read_bytes(), tls.etcd_root.cert.read_bytes()
+        )
+        return grpc.secure_channel(self.endpoint, creds)
+
+    def _enable_auth(self, tls: Pki) -> None:
+        """Turn etcd's auth on, once per data directory: ``root`` (certificate CN ``root``)
+        administers; user ``timeslice`` (the replicas' certificate CN) may read and write
+        only under ``auth_prefix``."""
+        marker = self._dir / "auth-enabled"
+        if marker.exists():
+            return
+        end = bytearray(self._auth_prefix.encode())
+        end[-1] += 1
+        with self._root_channel(tls) as channel:
+            auth = pb_grpc.AuthStub(channel)
+            t = self._start_timeout
+            auth.UserAdd(
+                pb.AuthUserAddRequest(name="root", password=secrets.token_hex(16)), timeout=t
+            )
+            auth.UserGrantRole(pb.AuthUserGrantRoleRequest(user="root", role="root"), timeout=t)
+            auth.RoleAdd(pb.AuthRoleAddRequest(name=ETCD_USER), timeout=t)
+            permission = auth_pb2.Permission(
+                permType=auth_pb2.Permission.READWRITE,
+                key=self._auth_prefix.encode(),
+                range_end=bytes(end),
+            )
+            auth.RoleGrantPermission(
+                pb.AuthRoleGrantPermissionRequest(name=ETCD_USER, perm=permission), timeout=t
+            )
+            auth.UserAdd(
+                pb.AuthUserAddRequest(
+                    name=ETCD_USER, options=auth_pb2.UserAddOptions(no_password=True)
+                ),
+                timeout=t,
+            )
+            auth.UserGrantRole(
+                pb.AuthUserGrantRoleRequest(user=ETCD_USER, role=ETCD_USER), timeout=t
+            )
+            auth.AuthEnable(pb.AuthEnableRequest(), timeout=t)
+        marker.write_text("auth enabled\n")
+
+    def compact(self, revision: int) -> None:
+        """Compact etcd's history as root (tests; with auth on, only root may compact)."""
+        if self._tls is None:
+            raise EtcdError("compact() is for TLS etcds; use an EtcdClient on a plaintext one")
+        with self._root_channel(self._tls) as channel:
+            pb_grpc.KVStub(channel).Compact(
+                pb.CompactionRequest(revision=revision, physical=True),
+                timeout=self._start_timeout,
+            )
+
+    def _health_context(self) -> ssl.SSLContext | None:
+        if self._tls is None:
+            return None
+        context = ssl.create_default_context(cafile=str(self._tls.ca))
+        context.load_cert_chain(str(self._tls.etcd_root.cert), str(self._tls.etcd_root.key))
+        return context
 
     def _wait_healthy(self) -> None:
         assert self._proc is not None
@@ -275,7 +367,9 @@ class EtcdServer:
                     f"etcd ({self._binary}) exited with status {code} while starting at "
                     f"{self.endpoint}; log {self.log_path}:\n{_procs.log_tail(self.log_path)}"
                 )
-            answer = _procs.http_status(f"{self.client_url}/health", timeout=0.5)
+            answer = _procs.http_status(
+                f"{self.client_url}/health", timeout=0.5, context=self._health_context()
+            )
             if answer is not None:
                 status, body = answer
                 try:

@@ -20,6 +20,8 @@ import grpc
 from aetcd.rpc import rpc_pb2 as pb
 from aetcd.rpc import rpc_pb2_grpc as pb_grpc
 
+from timeslice.tls import TlsFiles
+
 log = logging.getLogger(__name__)
 
 
@@ -312,8 +314,41 @@ PAGE_BYTES = 4 * 1024 * 1024
 MAX_RECEIVE_BYTES = 64 * 1024 * 1024
 
 
+_CHANNEL_OPTIONS: list[tuple[str, int | str]] = [
+    ("grpc.keepalive_time_ms", 5000),
+    ("grpc.keepalive_timeout_ms", 3000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+# After a certificate rotation the previous channel keeps serving the streams it carries
+# (watches, lease keepalives) this long; then it closes and they resume on the new channel.
+OLD_CHANNEL_GRACE = 30.0
+
+
+def _credentials(tls: TlsFiles) -> grpc.ChannelCredentials:
+    """Channel credentials from PEM files (reads them: call off the event loop)."""
+    with open(tls.ca, "rb") as f:
+        ca = f.read()
+    key = cert = None
+    if tls.cert is not None and tls.key is not None:
+        with open(tls.cert, "rb") as f:
+            cert = f.read()
+        with open(tls.key, "rb") as f:
+            key = f.read()
+    return grpc.ssl_channel_credentials(ca, key, cert)
+
+
 class EtcdClient:
-    """One gRPC channel to an etcd cluster; endpoints are tried in order on failure."""
+    """One gRPC channel to an etcd cluster; endpoints are tried in order on failure.
+
+    With ``tls`` the channel verifies etcd against ``tls.ca`` and presents ``tls.cert``
+    (etcd started with ``--client-cert-auth`` takes the user from its CN). grpc fixes a
+    channel's credentials for its life, so :meth:`refresh_tls` (called periodically) opens a
+    new channel when the files change: new calls use it at once; streams on the old one
+    (watches, keepalives) move over when it closes :data:`OLD_CHANNEL_GRACE` later, as after
+    any broken stream.
+    """
 
     def __init__(
         self,
@@ -321,32 +356,65 @@ class EtcdClient:
         *,
         timeout: float = 5.0,
         max_receive_bytes: int = MAX_RECEIVE_BYTES,
+        tls: TlsFiles | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("at least one etcd endpoint is required")
         self._endpoints = list(endpoints)
         self._timeout = timeout
+        self._max_receive_bytes = max_receive_bytes
+        self._tls = tls
+        self._tls_stamp = tls.stamp() if tls is not None else ()
+        self._retiring: list[tuple[float, grpc.aio.Channel]] = []
+        # Read once at construction, before the replica serves anything; reloads read in a
+        # thread (refresh_tls).
+        self._open_channel(_credentials(tls) if tls is not None else None)
+        self._keepalives: dict[int, _LeaseStream] = {}
+        self._swept_at = 0.0
+
+    def _open_channel(self, credentials: grpc.ChannelCredentials | None) -> None:
         # With several endpoints, grpc's default policy (pick_first) uses the first one that
         # answers and moves on to the next when it fails; calls are not spread over them.
         target = (
             self._endpoints[0] if len(self._endpoints) == 1 else "ipv4:" + ",".join(self._endpoints)
         )
-        self._channel = grpc.aio.insecure_channel(
-            target,
-            options=[
-                ("grpc.keepalive_time_ms", 5000),
-                ("grpc.keepalive_timeout_ms", 3000),
-                ("grpc.keepalive_permit_without_calls", 1),
-                ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 1000),
-                ("grpc.max_receive_message_length", max_receive_bytes),
-            ],
-        )
+        options = [*_CHANNEL_OPTIONS, ("grpc.max_receive_message_length", self._max_receive_bytes)]
+        if credentials is None:
+            self._channel = grpc.aio.insecure_channel(target, options=options)
+        else:
+            if len(self._endpoints) > 1:
+                # An ipv4: target has no host name to check the certificate against.
+                options.append(("grpc.ssl_target_name_override", "localhost"))
+            self._channel = grpc.aio.secure_channel(target, credentials, options=options)
         self._kv = pb_grpc.KVStub(self._channel)
         self._lease = pb_grpc.LeaseStub(self._channel)
         self._watch = pb_grpc.WatchStub(self._channel)
-        self._keepalives: dict[int, _LeaseStream] = {}
-        self._swept_at = 0.0
+
+    async def refresh_tls(self) -> bool:
+        """Switch to a new channel if the TLS files changed; True when it did.
+
+        Also closes channels retired more than :data:`OLD_CHANNEL_GRACE` ago. A change whose
+        files do not load yet (a certificate written before its key) is retried next time.
+        """
+        now = asyncio.get_running_loop().time()
+        while self._retiring and self._retiring[0][0] <= now:
+            _, old = self._retiring.pop(0)
+            await old.close()
+        if self._tls is None:
+            return False
+        stamp = self._tls.stamp()
+        if stamp == self._tls_stamp:
+            return False
+        try:
+            credentials = await asyncio.to_thread(_credentials, self._tls)
+        except OSError as exc:
+            log.warning("etcd TLS files changed but do not load yet: %s", exc)
+            return False
+        self._tls_stamp = stamp
+        self._retiring.append((now + OLD_CHANNEL_GRACE, self._channel))
+        self._open_channel(credentials)
+        log.info("etcd TLS certificate reloaded from %s", ", ".join(self._tls.paths()))
+        return True
 
     @property
     def endpoints(self) -> list[str]:
@@ -356,6 +424,9 @@ class EtcdClient:
         for stream in self._keepalives.values():
             stream.close()
         self._keepalives.clear()
+        for _, old in self._retiring:
+            await old.close()
+        self._retiring.clear()
         await self._channel.close()
 
     async def _call(self, coro: object) -> object:

@@ -1,0 +1,343 @@
+"""TLS for every gRPC hop: certificate files, contexts that follow file rotation, the one rule
+for when plaintext is allowed.
+
+Certificates come from files (cert-manager and Vault rewrite them in place). Nothing here runs
+a background task: a :class:`ReloadingContext` checks the files' ``stat`` (cheap, at most once
+per ``check_interval``) when a *new* connection is about to be made, and rebuilds its
+:class:`ssl.SSLContext` off the event loop when they changed. Connections already open keep the
+context they were made with, so a running hold survives a rotation; the next connection uses
+the new certificate.
+
+The SDK reads its files from its constructor's arguments or from ``$TIMESLICE_TLS_CA``,
+``$TIMESLICE_TLS_CERT`` and ``$TIMESLICE_TLS_KEY``. Plaintext needs an explicit choice:
+``insecure=True``, ``$TIMESLICE_INSECURE=1``, a ``unix:`` target (a local socket, protected
+by its file mode), or no TLS file at all together with one of those.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import ssl
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from grpclib.client import Channel
+from grpclib.config import Configuration
+from grpclib.protocol import H2Protocol
+
+from timeslice.errors import InvalidArgument
+from timeslice.targets import HostPort, Target, UnixSocket
+
+__all__ = [
+    "CA_ENV",
+    "CERT_ENV",
+    "INSECURE_ENV",
+    "KEY_ENV",
+    "ReloadingContext",
+    "TlsChannel",
+    "TlsFiles",
+    "client_context",
+    "client_tls",
+    "client_tls_from_env",
+    "describe_tls_error",
+]
+
+log = logging.getLogger("timeslice.tls")
+
+CA_ENV = "TIMESLICE_TLS_CA"
+CERT_ENV = "TIMESLICE_TLS_CERT"
+KEY_ENV = "TIMESLICE_TLS_KEY"
+INSECURE_ENV = "TIMESLICE_INSECURE"
+
+# How often, at most, a context stats its files before a new connection (rotation tools
+# replace files within seconds of each other; a second of lag is well below any cert's life).
+CHECK_INTERVAL = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """PEM files: the CA bundle that verifies the peer, and our own certificate chain and key.
+
+    ``cert`` and ``key`` go together; without them a client cannot pass mutual TLS.
+    """
+
+    ca: str
+    cert: str | None = None
+    key: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise InvalidArgument("a TLS certificate and its key must be given together")
+
+    def paths(self) -> tuple[str, ...]:
+        return tuple(p for p in (self.ca, self.cert, self.key) if p is not None)
+
+    def stamp(self) -> tuple[tuple[int, int, int], ...]:
+        """What changes when a file is rewritten or replaced (a rename, as Kubernetes does)."""
+        out = []
+        for path in self.paths():
+            try:
+                st = os.stat(path)
+            except OSError:
+                out.append((0, 0, 0))
+            else:
+                out.append((st.st_ino, st.st_mtime_ns, st.st_size))
+        return tuple(out)
+
+
+def _base(purpose: ssl.Purpose, files: TlsFiles) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(purpose=purpose, cafile=files.ca)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.set_alpn_protocols(["h2"])
+    if files.cert is not None and files.key is not None:
+        ctx.load_cert_chain(files.cert, files.key)
+    return ctx
+
+
+def client_context(files: TlsFiles) -> ssl.SSLContext:
+    """A client context that verifies the server against ``files.ca`` (reads the files)."""
+    return _base(ssl.Purpose.SERVER_AUTH, files)
+
+
+def server_context(files: TlsFiles) -> ssl.SSLContext:
+    """A server context that requires a client certificate signed by ``files.ca``."""
+    if files.cert is None:
+        raise InvalidArgument("a TLS server needs a certificate and a key")
+    ctx = _base(ssl.Purpose.CLIENT_AUTH, files)
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+class ReloadingContext:
+    """The current :class:`ssl.SSLContext` built from ``files``, rebuilt when they change.
+
+    :meth:`current` is what a new connection should use: the first call builds the context
+    (in a thread), later ones stat the files at most every ``check_interval`` seconds and
+    rebuild (in a thread) when they changed. A rebuild that fails (a certificate already
+    replaced but not yet its key) keeps the previous context and is tried again at the next
+    check; a first build that fails raises. :meth:`load` builds synchronously (start-up, to
+    refuse bad files before serving).
+    """
+
+    def __init__(
+        self,
+        files: TlsFiles,
+        build: Callable[[TlsFiles], ssl.SSLContext],
+        *,
+        check_interval: float = CHECK_INTERVAL,
+        name: str = "TLS",
+    ) -> None:
+        self.files = files
+        self._build = build
+        self._interval = check_interval
+        self._name = name
+        self._stamp = files.stamp()
+        self._context: ssl.SSLContext | None = None
+        self._checked_at = 0.0
+        self._lock = asyncio.Lock()
+        self.reloads = 0
+        """How many times a changed set of files was loaded (tests and metrics read it)."""
+
+    def load(self) -> ssl.SSLContext:
+        """Build the context now (blocking); raises when the files do not load."""
+        self._stamp = self.files.stamp()
+        self._context = self._build(self.files)
+        return self._context
+
+    async def current(self) -> ssl.SSLContext:
+        if self._context is None:
+            async with self._lock:
+                if self._context is None:
+                    await asyncio.to_thread(self.load)
+        assert self._context is not None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if now - self._checked_at < self._interval:
+            return self._context
+        async with self._lock:
+            if loop.time() - self._checked_at < self._interval:
+                return self._context
+            self._checked_at = loop.time()
+            # A few stat calls: cheap enough for the loop; reading happens in a thread.
+            stamp = self.files.stamp()
+            if stamp == self._stamp:
+                return self._context
+            try:
+                context = await asyncio.to_thread(self._build, self.files)
+            except (OSError, ssl.SSLError, ValueError) as exc:
+                log.warning(
+                    "%s files changed but do not load yet (%s): keeping the previous ones",
+                    self._name,
+                    exc,
+                )
+                return self._context
+            self._stamp = stamp
+            self._context = context
+            self.reloads += 1
+            log.info("%s certificate reloaded from %s", self._name, ", ".join(self.files.paths()))
+            return context
+
+
+class TlsChannel(Channel):
+    """A grpclib channel whose every new connection uses the current context of ``tls``.
+
+    grpclib keeps one ``ssl`` for the channel's life; a reconnect after a rotation must
+    present the new certificate, so the context is looked up at each connect.
+    """
+
+    def __init__(self, target: HostPort, tls: ReloadingContext, config: Configuration) -> None:
+        # A bare placeholder (reads no file) makes grpclib speak https; every connect
+        # replaces it with the current context.
+        super().__init__(
+            target.host, target.port, ssl=ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), config=config
+        )
+        self._tls = tls
+        self.tls_problem: str | None = None
+        """Why the last connection failed or ended at the TLS level, if it did (errors)."""
+
+    async def _create_connection(self) -> H2Protocol:
+        self._ssl = await self._tls.current()
+        try:
+            protocol = await super()._create_connection()
+        except ssl.SSLError as exc:
+            self.tls_problem = describe_tls_error(exc)
+            raise
+        except ConnectionError:
+            self.tls_problem = "TLS error: the server reset the connection during the handshake"
+            raise
+        self.tls_problem = None
+        return protocol
+
+    def _protocol_factory(self) -> H2Protocol:
+        protocol = super()._protocol_factory()
+        self._watch_refusal(protocol)
+        return protocol
+
+    def _watch_refusal(self, protocol: H2Protocol) -> None:
+        """Name a refusal of our certificate, which grpclib reports as "connection lost".
+
+        With TLS 1.3 the server checks our certificate after our side of the handshake is
+        done, and its refusal ends the connection before the server sent a single HTTP/2
+        byte (a server that accepted us sends its SETTINGS at once). It may end it with an
+        alert, a reset, or a bare end of stream, which asyncio's TLS would otherwise wait on
+        for its shutdown timeout (30 s) before grpclib hears of it: cut it short.
+        """
+        made = protocol.connection_made
+        received = protocol.data_received
+        lost = protocol.connection_lost
+        heard = False
+        transport: asyncio.BaseTransport | None = None
+
+        def refused() -> str:
+            return "TLS error: the server closed the connection right after the handshake: " + (
+                "it requires a client certificate and none is configured"
+                if self._tls.files.cert is None
+                else "it refused our client certificate (signed by a CA it does not trust, "
+                "expired, or not yet valid)"
+            )
+
+        def connection_made(tr: asyncio.BaseTransport) -> None:
+            nonlocal transport
+            transport = tr
+            made(tr)
+
+        def data_received(data: bytes) -> None:
+            nonlocal heard
+            heard = True
+            received(data)
+
+        def eof_received() -> bool | None:
+            if not heard:
+                self.tls_problem = refused()
+                if isinstance(transport, asyncio.Transport):
+                    transport.abort()  # connection_lost follows: grpclib fails the calls
+            return None
+
+        def connection_lost(exc: BaseException | None) -> None:
+            if isinstance(exc, ssl.SSLError):
+                self.tls_problem = describe_tls_error(exc)
+            elif not heard:
+                self.tls_problem = refused()
+            lost(exc)
+
+        protocol.connection_made = connection_made  # type: ignore[method-assign,assignment]
+        protocol.data_received = data_received  # type: ignore[method-assign]
+        protocol.eof_received = eof_received  # type: ignore[method-assign]
+        protocol.connection_lost = connection_lost  # type: ignore[method-assign]
+
+
+def describe_tls_error(exc: ssl.SSLError) -> str:
+    """A sentence for a TLS failure, naming the likely cause."""
+    reason = (exc.reason or str(exc)).lower()
+    if "certificate_required" in reason or "certificate required" in reason:
+        why = "the server requires a client certificate and none was sent"
+    elif "unknown_ca" in reason or "unknown ca" in reason:
+        why = "the server does not trust the CA that signed our certificate"
+    elif "expired" in reason:
+        why = "a certificate has expired"
+    elif "bad_certificate" in reason or "bad certificate" in reason:
+        why = "the server refused our certificate"
+    elif "certificate_verify_failed" in reason or "verify failed" in reason:
+        why = "the server's certificate did not verify against our CA"
+    elif "wrong_version" in reason or "record_layer" in reason or "packet_length" in reason:
+        why = "the server does not speak TLS (started with --insecure?)"
+    else:
+        why = "the TLS handshake failed"
+    detail = getattr(exc, "verify_message", None) or exc.reason or str(exc)
+    return f"TLS error: {why} ({detail})"
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def client_tls_from_env(
+    *,
+    ca: str | None = None,
+    cert: str | None = None,
+    key: str | None = None,
+    insecure: bool | None = None,
+    all_unix: bool = False,
+) -> TlsFiles | None:
+    """The client's TLS files, or None for an explicitly chosen plaintext.
+
+    Order: ``insecure=True``; files given as arguments; files from the environment;
+    ``$TIMESLICE_INSECURE``; unix targets only (``all_unix``). Anything else is refused:
+    plaintext over a network is never the silent default.
+    """
+    if insecure:
+        return None
+    ca = ca or os.environ.get(CA_ENV) or None
+    cert = cert or os.environ.get(CERT_ENV) or None
+    key = key or os.environ.get(KEY_ENV) or None
+    if ca is not None:
+        return TlsFiles(ca, cert, key)
+    if cert is not None or key is not None:
+        raise InvalidArgument(f"a client certificate needs the CA too (tls_ca= or ${CA_ENV})")
+    if insecure is None and (_env_flag(INSECURE_ENV) or all_unix):
+        return None
+    raise InvalidArgument(
+        f"no TLS configured: pass tls_ca= (and tls_cert=, tls_key=) or set ${CA_ENV} "
+        f"(${CERT_ENV}, ${KEY_ENV}); for plaintext pass insecure=True or set ${INSECURE_ENV}=1"
+    )
+
+
+def client_tls(
+    targets: Sequence[Target],
+    *,
+    ca: str | None = None,
+    cert: str | None = None,
+    key: str | None = None,
+    insecure: bool | None = None,
+) -> ReloadingContext | None:
+    """The TLS context of a client of ``targets`` (None: plaintext, chosen explicitly).
+
+    See :func:`client_tls_from_env` for the order; no file is read here.
+    """
+    all_unix = bool(targets) and all(isinstance(t, UnixSocket) for t in targets)
+    files = client_tls_from_env(ca=ca, cert=cert, key=key, insecure=insecure, all_unix=all_unix)
+    if files is None:
+        return None
+    return ReloadingContext(files, client_context, name="orchestrator TLS")
