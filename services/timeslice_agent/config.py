@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import grp
 import math
 import os
 import socket
@@ -141,6 +142,8 @@ class AgentConfig:
     cuda: CudaSettings = CudaSettings()
     discovery: Discovery = Discovery.AUTO
     device_check: DeviceCheckSettings = DeviceCheckSettings()
+    # The group that may connect to the worker socket (mode 0660); None: the agent's own group.
+    worker_socket_group: int | None = None
 
 
 def parse_endpoint(text: str, *, allow_port_zero: bool = False) -> Endpoint:
@@ -185,6 +188,17 @@ def _number(minimum: float, *, inclusive: bool) -> Callable[[str], float]:
 
     convert.__name__ = "number"
     return convert
+
+
+def _group(text: str) -> int:
+    """A group name or a numeric gid; the name must exist on this machine."""
+    value = text.strip()
+    if value.isdigit():
+        return int(value)
+    try:
+        return grp.getgrnam(value).gr_gid
+    except KeyError:
+        raise InvalidArgument(f"--worker-socket-group {text!r}: no such group") from None
 
 
 def _backend(text: str) -> BackendKind:
@@ -286,6 +300,14 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         str(DEFAULT_WORKER_SOCKET),
         "unix socket for the WorkerLink service",
         metavar="PATH",
+    )
+    add(
+        "--worker-socket-group",
+        None,
+        "group (name or gid) whose processes may register workers: the socket is created "
+        "with mode 0660 and this group (default: the agent's own group)",
+        type=_argtype(_group),
+        metavar="GROUP",
     )
     add(
         "--state-file",
@@ -416,4 +438,5 @@ def parse_config(
             release_wait=ns.release_wait,
             app_residual_bytes=int(ns.app_residual_mib * 1024 * 1024),
         ),
+        worker_socket_group=ns.worker_socket_group,
     )
