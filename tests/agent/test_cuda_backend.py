@@ -301,9 +301,9 @@ async def test_cli_failure_rolls_back_the_others_and_reports_the_tool_message(
 ) -> None:
     (fake_cli / "fail-13").touch()
     with pytest.raises(BackendError) as info:
-        await CudaBackend(open_driver(CudaSettings(path=CudaPath.CLI)), targets=unchecked).checkpoint(
-            job(pids=(11, 13))
-        )
+        await CudaBackend(
+            open_driver(CudaSettings(path=CudaPath.CLI)), targets=unchecked
+        ).checkpoint(job(pids=(11, 13)))
     assert "pid 13" in info.value.reason and "CUDA_ERROR_NOT_SUPPORTED" in info.value.reason
     assert "[cli]" in info.value.reason
     assert (fake_cli / "11").read_text().strip() == "running"

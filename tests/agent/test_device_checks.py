@@ -331,9 +331,7 @@ async def test_agent_keeps_parked_processes_that_nvml_no_longer_lists(
         saved_identities=(pinned, dataclasses.replace(pinned, pid=999999)),
     )
     parked = await agent._parked([])
-    assert [(d.info.job_id, d.info.group_id, d.info.pid) for d in parked] == [
-        ("j1", "g1", sleeper)
-    ]
+    assert [(d.info.job_id, d.info.group_id, d.info.pid) for d in parked] == [("j1", "g1", sleeper)]
     # A parked pid now held by another process (another start time) is not the job's.
     agent.executor.jobs["j1"].saved_identities = (
         dataclasses.replace(pinned, start_time=pinned.start_time - 1),
