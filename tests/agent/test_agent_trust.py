@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from agent_harness import AgentFactory, FakeHub, WorkerProcess, directive
+from agent_harness import AgentFactory, FakeHub, WorkerProcess, directive, eventually
 from grpclib.client import Channel
 from grpclib.exceptions import GRPCError
 from test_agent_executor import CKPT, REST, Rig
@@ -74,6 +74,15 @@ def respawn_at(pid: int, procs: list[subprocess.Popen[bytes]]) -> subprocess.Pop
         proc.kill()
         proc.wait()
     raise AssertionError(f"could not get pid {pid} again (another process keeps taking it)")
+
+
+async def asleep(pid: int) -> None:
+    """Wait until ``pid`` sleeps (S): a process just started runs (R) for a moment."""
+
+    async def sleeping() -> bool:
+        return process_state(pid) == "S"
+
+    await eventually(sleeping, what=f"pid {pid} to sleep")
 
 
 class StateSampler:
@@ -140,6 +149,7 @@ async def test_a_foreign_pid_is_refused_and_never_stopped_through_a_switch(
     agent = await agents(f"127.0.0.1:{port}", backend="freeze").start()
     await h.next_hello()
     victim = sleeper(procs)  # the test's child: no descendant of the worker
+    await asleep(victim.pid)
     intruder = await WorkerProcess(agent.socket, "job-x", "grp", "--pid", str(victim.pid)).start(
         expect_registered=False
     )
@@ -220,6 +230,7 @@ async def test_a_reused_pid_is_never_signalled_by_the_agent(
         await h.next_workers()
         os.kill(child, signal.SIGKILL)  # the worker reaps it at once (SIGCHLD ignored)
         newcomer = respawn_at(child, procs)
+        await asleep(newcomer.pid)
         async with StateSampler(newcomer.pid) as sampled:
             ack = await h.execute(directive("r-1", CKPT, "job-r", "grp", 1))
         # Either the sweep already dropped the registration (nothing to move) or the backend
