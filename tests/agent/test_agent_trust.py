@@ -357,6 +357,7 @@ async def test_freeze_backend_refuses_a_reused_pid(procs: list[subprocess.Popen[
     old.kill()
     old.wait()
     newcomer = respawn_at(pinned.pid, procs)
+    await asleep(newcomer.pid)
     worker = WorkerInfo(job_id="j1", group_id="g1", pid=pinned.pid)
     ctx = JobContext("j1", "g1", workers=(worker,), identities=(pinned,))
     with pytest.raises(BackendRefused, match="the pid was reused"):
@@ -365,7 +366,12 @@ async def test_freeze_backend_refuses_a_reused_pid(procs: list[subprocess.Popen[
     # A restore does not resume it either: the frozen process it stood for is gone.
     saved = JobContext("j1", "g1", saved_pids=(pinned.pid,), identities=(pinned,))
     os.kill(newcomer.pid, signal.SIGSTOP)
+
+    async def stopped() -> bool:
+        return process_state(newcomer.pid) == "T"
+
     try:
+        await eventually(stopped, what="the newcomer to stop")
         with pytest.raises(Exception, match="vanished while frozen"):
             await FreezeBackend().restore(saved)
         assert process_state(newcomer.pid) == "T"
