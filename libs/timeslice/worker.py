@@ -318,7 +318,9 @@ def register(
     Args:
         group_id: the accelerator group the worker's devices belong to.
         job_id: the job; default ``TIMESLICE_JOB_ID``.
-        pid: the process holding the device state; default this process.
+        pid: the process holding the device state; default this process. It must be this
+            process or one of its descendants: the agent checks the caller's credentials and
+            refuses any other pid.
         state_bytes: device bytes the job's state takes on this node (sim backend, admission).
         socket: the agent's unix socket; default ``TIMESLICE_AGENT_SOCKET``, else
             ``/run/timeslice/agent.sock``.
@@ -330,6 +332,8 @@ def register(
 
     Raises:
         InvalidArgument: bad ids or arguments (nothing is sent).
+        PermissionDenied: ``pid`` is not this process or a descendant of it, runs as another
+            user, or is labelled for another job (the agent recorded nothing).
         Unavailable: the agent could not be reached or did not accept in time.
     """
     group = validate_group_id(group_id)

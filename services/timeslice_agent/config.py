@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import grp
 import math
 import os
 import socket
@@ -146,6 +147,8 @@ class AgentConfig:
     """CA of the orchestrators' certificate, and this node's certificate and key (mutual TLS;
     the orchestrator takes the node name from it). None: plaintext, only with --insecure."""
     insecure: bool = False
+    # The group that may connect to the worker socket (mode 0660); None: the agent's own group.
+    worker_socket_group: int | None = None
 
 
 def parse_endpoint(text: str, *, allow_port_zero: bool = False) -> Endpoint:
@@ -190,6 +193,17 @@ def _number(minimum: float, *, inclusive: bool) -> Callable[[str], float]:
 
     convert.__name__ = "number"
     return convert
+
+
+def _group(text: str) -> int:
+    """A group name or a numeric gid; the name must exist on this machine."""
+    value = text.strip()
+    if value.isdigit():
+        return int(value)
+    try:
+        return grp.getgrnam(value).gr_gid
+    except KeyError:
+        raise InvalidArgument(f"--worker-socket-group {text!r}: no such group") from None
 
 
 def _backend(text: str) -> BackendKind:
@@ -291,6 +305,14 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         str(DEFAULT_WORKER_SOCKET),
         "unix socket for the WorkerLink service",
         metavar="PATH",
+    )
+    add(
+        "--worker-socket-group",
+        None,
+        "group (name or gid) whose processes may register workers: the socket is created "
+        "with mode 0660 and this group (default: the agent's own group)",
+        type=_argtype(_group),
+        metavar="GROUP",
     )
     add(
         "--state-file",
@@ -449,4 +471,5 @@ def parse_config(
         ),
         tls=tls,
         insecure=tls is None,
+        worker_socket_group=ns.worker_socket_group,
     )

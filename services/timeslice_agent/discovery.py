@@ -9,7 +9,10 @@ Candidates come from NVML's running compute processes on a GPU node, or from eve
 in procfs where NVML is absent, which lets CPU-only tests prove discovery with real processes.
 
 The same labels guard against misuse: a process whose environment names a job is never
-registered, frozen or checkpointed for another job (:func:`foreign_pids`).
+registered, frozen or checkpointed for another job (:func:`foreign_pids`). Discovery follows
+the registration rules of :mod:`timeslice_agent.peers`: never the agent itself or pid 0/1,
+and each process found is pinned by its identity (start time and uids), so the backends act
+on it only while that same process holds the pid.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 from timeslice.errors import InvalidArgument
 from timeslice.ids import validate_group_id, validate_job_id
 from timeslice_agent.nvml import DeviceMemory
+from timeslice_agent.procs import PROC, ProcessIdentity, identity_of
 from timeslice_proto.timeslice.v1 import WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -31,7 +35,6 @@ log = logging.getLogger(__name__)
 JOB_ENV = "TIMESLICE_JOB_ID"
 GROUP_ENV = "TIMESLICE_GROUP"
 NODE_ENV = "TIMESLICE_NODE"
-PROC = Path("/proc")
 # A process environment larger than this is not read past (labels sit in the first pages).
 _MAX_ENVIRON_BYTES = 1 << 20
 
@@ -70,6 +73,14 @@ def labels_of(pid: int, proc: Path = PROC) -> ProcessLabels | None:
     return ProcessLabels(pid=pid, job_id=job, group_id=group, node=env.get(NODE_ENV, ""))
 
 
+@dataclass(frozen=True)
+class Discovered:
+    """A labelled process found by a scan, pinned to the process that was found."""
+
+    info: WorkerInfo
+    identity: ProcessIdentity
+
+
 def foreign_pids(job_id: str, pids: Iterable[int], proc: Path = PROC) -> list[int]:
     """The pids whose environment names a job other than ``job_id`` (never to be moved)."""
     foreign = []
@@ -105,26 +116,33 @@ class ProcessFinder:
         """``nvml`` or ``procfs``: where candidates come from."""
         return "nvml" if self._memory is not None else "procfs"
 
-    def _labelled(self, candidates: Iterable[int]) -> list[WorkerInfo]:
+    def _labelled(self, candidates: Iterable[int]) -> list[Discovered]:
         found = []
         for pid in sorted(candidates):
             if pid == self._own_pid or pid <= 1:
+                continue
+            identity = identity_of(pid, self._proc)
+            if identity is None:
                 continue
             labels = labels_of(pid, self._proc)
             if labels is None or not labels.group_id:
                 continue
             if labels.node and labels.node != self._node:
                 continue
-            found.append(WorkerInfo(job_id=labels.job_id, group_id=labels.group_id, pid=pid))
+            # The labels must be the pinned process's: not read across a pid reuse.
+            if identity_of(pid, self._proc) != identity:
+                continue
+            info = WorkerInfo(job_id=labels.job_id, group_id=labels.group_id, pid=pid)
+            found.append(Discovered(info, identity))
         return found
 
-    async def scan(self) -> list[WorkerInfo]:
+    async def scan(self) -> list[Discovered]:
         """Every labelled process of this node, as worker records without app callbacks."""
         if self._memory is not None:
             candidates: Iterable[int] = await self._memory.compute_pids()
             return await asyncio.to_thread(self._labelled, candidates)
 
-        def scan_procfs() -> list[WorkerInfo]:
+        def scan_procfs() -> list[Discovered]:
             return self._labelled(_all_pids(self._proc))
 
         return await asyncio.to_thread(scan_procfs)

@@ -57,7 +57,7 @@ from timeslice_agent.jobs import Job, JobState, Residency
 from timeslice_agent.journal import DirectiveJournal, JournalEntry
 from timeslice_agent.ledger import AckLedger
 from timeslice_agent.metrics import AgentMetrics
-from timeslice_agent.procs import pid_exists
+from timeslice_agent.procs import ProcessIdentity, identity_of, pid_exists
 from timeslice_agent.statefile import AgentState, StateStore, StateWriteError
 from timeslice_agent.tasks import KeyedLocks, LockWaitExpired, Supervisor, run_to_completion
 from timeslice_agent.workers import HookFailed, WorkerRegistry
@@ -101,6 +101,22 @@ class _Outcome:
 
 
 _OK_NOTHING = _Outcome(AckStatus.OK)
+
+
+def _pin(pids: tuple[int, ...]) -> tuple[ProcessIdentity, ...]:
+    """The identities of the processes now at ``pids`` (blocking /proc reads)."""
+    found = (identity_of(pid) for pid in pids)
+    return tuple(i for i in found if i is not None)
+
+
+def _merge(
+    saved: tuple[ProcessIdentity, ...], live: tuple[ProcessIdentity, ...]
+) -> tuple[ProcessIdentity, ...]:
+    """One identity per pid: what a checkpoint recorded wins over a later registration, so a
+    restore resumes the very process that was checkpointed."""
+    pinned = {i.pid: i for i in live}
+    pinned.update({i.pid: i for i in saved})
+    return tuple(pinned[pid] for pid in sorted(pinned))
 
 
 class DirectiveExecutor:
@@ -180,6 +196,7 @@ class DirectiveExecutor:
                     reason=j.reason,
                     saved_bytes=j.saved_bytes,
                     saved_pids=j.saved_pids,
+                    saved_identities=j.saved_identities,
                 )
                 for k, j in self._jobs.items()
             },
@@ -227,8 +244,23 @@ class DirectiveExecutor:
             if job.state is JobState.TRANSITIONING:
                 job.fault("the agent restarted during a checkpoint or restore")
             if job.residency is Residency.HOST:
+                if job.saved_pids and not job.saved_identities:
+                    # A state file from before identities were kept: pin what runs now.
+                    job.saved_identities = await asyncio.to_thread(_pin, job.saved_pids)
+                    log.warning(
+                        "job %s: the state file has no process identities; pinned pids %s as "
+                        "they run now",
+                        job.job_id,
+                        list(job.saved_pids),
+                    )
                 reason = await self._backend.reconcile(
-                    SavedJob(job.job_id, job.group_id, job.saved_bytes, job.saved_pids)
+                    SavedJob(
+                        job.job_id,
+                        job.group_id,
+                        job.saved_bytes,
+                        job.saved_pids,
+                        job.saved_identities,
+                    )
                 )
                 if reason is not None:
                     job.fault(reason)
@@ -625,6 +657,7 @@ class DirectiveExecutor:
             saved_bytes=job.saved_bytes,
             saved_pids=job.saved_pids,
             resident=tuple(resident),
+            identities=_merge(job.saved_identities, self._registry.identities_of(job.job_id)),
         )
 
     async def _guarded(
@@ -768,7 +801,7 @@ class DirectiveExecutor:
                     raise
             # NVML's measurement is the truth where there is one; announced bytes otherwise.
             total = measured if measured > 0 else transfer.bytes_moved + hook_bytes
-            job.settle_saved(total, moved)
+            job.settle_saved(total, moved, ctx.identities)
             return total
 
         return await self._guarded(
@@ -787,7 +820,7 @@ class DirectiveExecutor:
             await run_to_completion(self._backend.restore(ctx))
         except BackendError as exc:
             log.error("could not undo the checkpoint of %s: %s", ctx.job_id, exc.reason)
-            job.settle_saved(ctx.saved_bytes, ctx.saved_pids)
+            job.settle_saved(ctx.saved_bytes, ctx.saved_pids, ctx.identities)
 
     async def _restore(self, d: Directive, clock: _Clock) -> _Outcome:
         job = self._jobs.get(d.job_id)

@@ -23,6 +23,7 @@ import enum
 import logging
 from dataclasses import dataclass, field
 
+from timeslice_agent.procs import ProcessIdentity
 from timeslice_proto.timeslice.v1 import JobReport
 from timeslice_proto.timeslice.v1 import JobState as ProtoJobState
 
@@ -79,7 +80,8 @@ class Job:
 
     ``saved_bytes`` are the bytes parked on the host by the last checkpoint (backend plus app
     hooks); ``saved_pids`` are the worker pids it covered, kept so a restart of the agent can
-    still resume processes whose registration streams died with it.
+    still resume processes whose registration streams died with it; ``saved_identities`` pin
+    them to the processes that were checkpointed, so a reused pid is never resumed.
     """
 
     job_id: str
@@ -89,6 +91,7 @@ class Job:
     reason: str = ""
     saved_bytes: int = 0
     saved_pids: tuple[int, ...] = field(default_factory=tuple)
+    saved_identities: tuple[ProcessIdentity, ...] = field(default_factory=tuple)
 
     def transition(self, dst: JobState, reason: str = "") -> bool:
         """Move to ``dst``; an illegal move faults the job instead and returns False."""
@@ -110,11 +113,17 @@ class Job:
         """Record a failure; always legal."""
         self.transition(JobState.FAULTED, reason)
 
-    def settle_saved(self, saved_bytes: int, pids: tuple[int, ...]) -> bool:
+    def settle_saved(
+        self,
+        saved_bytes: int,
+        pids: tuple[int, ...],
+        identities: tuple[ProcessIdentity, ...] = (),
+    ) -> bool:
         """A checkpoint finished: the state is on the host now."""
         self.residency = Residency.HOST
         self.saved_bytes = saved_bytes
         self.saved_pids = pids
+        self.saved_identities = tuple(i for i in identities if i.pid in pids)
         return self.transition(JobState.SAVED)
 
     def settle_on_device(self, dst: JobState = JobState.RUNNING) -> bool:
@@ -129,6 +138,7 @@ class Job:
         self.residency = Residency.DEVICE
         self.saved_bytes = 0
         self.saved_pids = ()
+        self.saved_identities = ()
 
     @property
     def on_device(self) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import stat
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from timeslice_agent import __version__
 from timeslice_agent.backends import Backend, create_backend
 from timeslice_agent.config import AgentConfig, BackendKind, Discovery, Endpoint
 from timeslice_agent.devmem import MemoryCheck
-from timeslice_agent.discovery import ProcessFinder
+from timeslice_agent.discovery import Discovered, ProcessFinder
 from timeslice_agent.executor import DirectiveExecutor
 from timeslice_agent.hostmem import GB, HostMemory
 from timeslice_agent.http import HttpServer
@@ -31,7 +32,7 @@ from timeslice_agent.jobs import Residency
 from timeslice_agent.journal import DirectiveJournal
 from timeslice_agent.metrics import AgentMetrics
 from timeslice_agent.nvml import DeviceMemory, discover_devices, open_device_memory
-from timeslice_agent.procs import pid_exists
+from timeslice_agent.procs import identity_of
 from timeslice_agent.statefile import StateFileError, load_state
 from timeslice_agent.stream import OrchestratorLink
 from timeslice_agent.tasks import Supervisor
@@ -47,6 +48,8 @@ SETTLE_SECONDS = 60.0
 DISCOVERY_INTERVAL_SECONDS = 2.0
 CLOSE_SECONDS = 5.0
 _MAX_UNIX_PATH = 107
+# Owner and group may connect; nobody else (registering is a request to be frozen/checkpointed).
+WORKER_SOCKET_MODE = 0o660
 
 
 class AgentStartError(Exception):
@@ -85,6 +88,23 @@ async def prepare_socket_path(path: Path) -> None:
         raise AgentStartError(f"cannot tell whether {path} is in use: {exc!r}") from None
     writer.close()
     raise AgentStartError(f"another process is serving the worker socket {path}")
+
+
+def bind_worker_socket(path: Path, group: int | None) -> socket.socket:
+    """A unix socket bound at ``path`` with mode 0660 and ``group``, not yet listening (blocking).
+
+    The mode and group are set between ``bind`` and ``listen``: until ``listen`` a connect is
+    refused, so there is no moment in which the socket accepts anyone the mode would not.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(os.fspath(path))
+        os.chmod(path, WORKER_SOCKET_MODE)
+        os.chown(path, -1, os.getgid() if group is None else group)
+    except OSError as exc:
+        sock.close()
+        raise AgentStartError(f"cannot create the worker socket {path}: {exc}") from None
+    return sock
 
 
 # The sim backend parks emulated bytes, so it measures against an emulated host as well: by
@@ -186,23 +206,25 @@ class Agent:
             found = await self.finder.scan()
             self.registry.set_discovered(found + await self._parked(found))
 
-    async def _parked(self, found: list[WorkerInfo]) -> list[WorkerInfo]:
+    async def _parked(self, found: list[Discovered]) -> list[Discovered]:
         """Processes of jobs parked on the host, which NVML no longer lists.
 
         A checkpointed process holds no device context, so NVML stops reporting it; it is
         still the job's, and the orchestrator must keep seeing the job on this node, or it
-        would grant the job again without restoring it here.
+        would grant the job again without restoring it here. Only the very processes the
+        checkpoint pinned count: a pid reused since is not the job's.
         """
-        seen = {(w.job_id, w.pid) for w in found}
+        seen = {(d.info.job_id, d.info.pid) for d in found}
         candidates = [
-            WorkerInfo(job_id=job.job_id, group_id=job.group_id, pid=pid)
+            Discovered(WorkerInfo(job_id=job.job_id, group_id=job.group_id, pid=i.pid), i)
             for job in self.executor.jobs.values()
             if job.residency is Residency.HOST
-            for pid in job.saved_pids
-            if (job.job_id, pid) not in seen
+            for i in job.saved_identities
+            if (job.job_id, i.pid) not in seen
         ]
-        alive = await asyncio.to_thread(lambda: [w for w in candidates if pid_exists(w.pid)])
-        return alive
+        return await asyncio.to_thread(
+            lambda: [d for d in candidates if identity_of(d.info.pid) == d.identity]
+        )
 
     async def _discover_forever(self) -> None:
         while True:
@@ -308,7 +330,14 @@ class Agent:
             cfg.state_file,
         )
         self._grpc = Server([WorkerLinkService(self.registry)])
-        await self._grpc.start(path=str(cfg.worker_socket))
+        sock = await asyncio.to_thread(
+            bind_worker_socket, cfg.worker_socket, cfg.worker_socket_group
+        )
+        try:
+            await self._grpc.start(sock=sock)
+        except BaseException:
+            sock.close()
+            raise
         self._socket_inode = os.stat(cfg.worker_socket).st_ino
         log.info("worker socket listening on %s", cfg.worker_socket)
         if cfg.http is not None:

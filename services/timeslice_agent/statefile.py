@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from timeslice_agent.jobs import Job, JobState, Residency
+from timeslice_agent.procs import ProcessIdentity
 from timeslice_proto.timeslice.v1 import AckStatus, DirectiveAck
 from timeslice_proto.timeslice.v1 import JobState as ProtoJobState
 
@@ -65,6 +66,8 @@ def _job_to_json(job: Job) -> dict[str, Any]:
         "residency": job.residency.value,
         "saved_bytes": job.saved_bytes,
         "saved_pids": list(job.saved_pids),
+        # [pid, start time, uid, euid]: a restarted agent resumes only these very processes.
+        "saved_identities": [[i.pid, i.start_time, i.uid, i.euid] for i in job.saved_identities],
         "reason": job.reason,
     }
 
@@ -83,6 +86,14 @@ def _job_from_json(job_id: str, raw: object) -> Job:
     except (KeyError, ValueError) as exc:
         raise CorruptStateFile(f"job {job_id}: {exc}") from None
     pids = [_expect(p, int, "pid") for p in _expect(data.get("saved_pids", []), list, "saved_pids")]
+    identities = []
+    for raw_identity in _expect(data.get("saved_identities", []), list, "saved_identities"):
+        fields = [
+            _expect(v, int, "identity field") for v in _expect(raw_identity, list, "identity")
+        ]
+        if len(fields) != 4:
+            raise CorruptStateFile(f"job {job_id}: an identity needs 4 numbers, got {fields}")
+        identities.append(ProcessIdentity(*fields))
     return Job(
         job_id=job_id,
         group_id=_expect(data.get("group"), str, "group"),
@@ -91,6 +102,7 @@ def _job_from_json(job_id: str, raw: object) -> Job:
         reason=_expect(data.get("reason", ""), str, "reason"),
         saved_bytes=_expect(data.get("saved_bytes", 0), int, "saved_bytes"),
         saved_pids=tuple(pids),
+        saved_identities=tuple(identities),
     )
 
 

@@ -5,8 +5,14 @@ socket and keeps the response stream open: the registration lives exactly as lon
 stream. The first message down the stream is ``HOOK_KIND_REGISTERED``; workers that asked for
 app callbacks later receive ``BEFORE_CHECKPOINT`` / ``AFTER_RESTORE`` commands and answer each
 with ``CompleteCommand``. When the stream ends (the process exited, the worker cancelled) the
-registration is removed; a sweep every two seconds also drops registrations whose pid is gone,
-in case a stream outlives its process.
+registration is removed; a sweep every two seconds also drops registrations whose process is
+gone (or whose pid now names another process), in case a stream outlives its process.
+
+**A worker registers only itself or its descendants.** The kernel says who connected
+(``SO_PEERCRED``); :func:`timeslice_agent.peers.authorize_registration` refuses, with
+PERMISSION_DENIED and nothing recorded, a pid that is not the peer or a descendant of it, runs
+as another uid, or is labelled for another job. An accepted registration pins the process's
+identity (start time, uids); the backends act on the pid only while it still matches.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -23,10 +30,11 @@ import grpclib.const
 import grpclib.server
 from grpclib.exceptions import GRPCError
 
-from timeslice.errors import InvalidArgument, NotFound, PermissionDenied, TimeSliceError
+from timeslice.errors import InvalidArgument, NotFound, PermissionDenied, Timeout, TimeSliceError
 from timeslice.ids import validate_group_id, validate_job_id
-from timeslice_agent.discovery import labels_of
-from timeslice_agent.procs import pid_exists
+from timeslice_agent.discovery import Discovered, labels_of
+from timeslice_agent.peers import authorize_registration, credentials_of_stream
+from timeslice_agent.procs import ProcessIdentity, identity_of, pid_exists
 from timeslice_proto.timeslice.v1 import (
     CommandResult,
     CommandResultAck,
@@ -38,6 +46,9 @@ from timeslice_proto.timeslice.v1 import (
 log = logging.getLogger(__name__)
 
 SWEEP_INTERVAL_SECONDS = 2.0
+# Checking a registration reads a few /proc files of the peer's processes; a process stuck in
+# the kernel can hold such a read, so the check has a deadline (the registration is refused).
+AUTHORIZE_SECONDS = 5.0
 
 
 class HookFailed(Exception):
@@ -65,6 +76,7 @@ class Registration:
     reg_id: int
     info: WorkerInfo
     registered_at: float
+    identity: ProcessIdentity | None = None
     commands: asyncio.Queue[WorkerCommand | None] = field(default_factory=asyncio.Queue)
     pending: set[str] = field(default_factory=set)
     closed_reason: str | None = None
@@ -98,24 +110,36 @@ class WorkerRegistry:
         self._check = check
         self._ids = itertools.count(1)
         self._registrations: dict[int, Registration] = {}
-        self._discovered: dict[tuple[str, int], WorkerInfo] = {}
+        self._discovered: dict[tuple[str, int], Discovered] = {}
         self._waiters: dict[str, _Waiter] = {}
 
     def __len__(self) -> int:
         return len(self._registrations)
 
-    def register(self, info: WorkerInfo) -> Registration:
-        """Validate and add a registration; raises InvalidArgument and changes nothing if bad."""
+    @staticmethod
+    def validate(info: WorkerInfo) -> None:
+        """Raise InvalidArgument if the ids or the pid of ``info`` are malformed."""
         validate_job_id(info.job_id)
         validate_group_id(info.group_id)
         if info.pid <= 0:
             raise InvalidArgument(f"pid must be > 0, got {info.pid}")
-        labels = labels_of(info.pid)
-        if labels is not None and labels.job_id != info.job_id:
-            raise PermissionDenied(
-                f"pid {info.pid} belongs to job {labels.job_id} by its environment "
-                f"(TIMESLICE_JOB_ID); it cannot be registered for job {info.job_id}"
-            )
+
+    def register(self, info: WorkerInfo, identity: ProcessIdentity | None = None) -> Registration:
+        """Validate and add a registration; raises InvalidArgument and changes nothing if bad.
+
+        ``identity``: the process :func:`~timeslice_agent.peers.authorize_registration` pinned
+        for the socket's peer. Without one (in-process callers) the process now at the pid is
+        pinned, after the same job-label check.
+        """
+        self.validate(info)
+        if identity is None:
+            labels = labels_of(info.pid)
+            if labels is not None and labels.job_id != info.job_id:
+                raise PermissionDenied(
+                    f"pid {info.pid} belongs to job {labels.job_id} by its environment "
+                    f"(TIMESLICE_JOB_ID); it cannot be registered for job {info.job_id}"
+                )
+            identity = identity_of(info.pid)
         for other in self._registrations.values():
             if other.info.job_id == info.job_id and other.info.group_id != info.group_id:
                 raise InvalidArgument(
@@ -124,7 +148,9 @@ class WorkerRegistry:
                 )
         if self._check is not None:
             self._check(info)
-        reg = Registration(reg_id=next(self._ids), info=info, registered_at=time.time())
+        reg = Registration(
+            reg_id=next(self._ids), info=info, registered_at=time.time(), identity=identity
+        )
         self._registrations[reg.reg_id] = reg
         log.info(
             "worker registered: job %s group %s pid %d state_bytes %d app_callbacks %s acquirer %s",
@@ -168,26 +194,45 @@ class WorkerRegistry:
             if key not in latest or latest[key].reg_id < reg.reg_id:
                 latest[key] = reg
         registered = [r.info for r in sorted(latest.values(), key=lambda r: r.reg_id)]
-        found = [w for key, w in sorted(self._discovered.items()) if key not in latest]
+        found = [d.info for key, d in sorted(self._discovered.items()) if key not in latest]
         return registered + found
 
-    def set_discovered(self, found: list[WorkerInfo]) -> None:
+    def identities_of(self, job_id: str) -> tuple[ProcessIdentity, ...]:
+        """The pinned process behind each pid of ``job_id`` (the newest registration wins)."""
+        pinned: dict[int, ProcessIdentity] = {
+            pid: d.identity for (job, pid), d in self._discovered.items() if job == job_id
+        }
+        for reg in sorted(self._registrations.values(), key=lambda r: r.reg_id):
+            if reg.info.job_id == job_id and reg.identity is not None:
+                pinned[reg.info.pid] = reg.identity
+        return tuple(pinned[pid] for pid in sorted(pinned))
+
+    def set_discovered(self, found: list[Discovered]) -> None:
         """Replace the discovered processes; notifies each job whose set changed."""
-        fresh: dict[tuple[str, int], WorkerInfo] = {}
-        for info in found:
+        fresh: dict[tuple[str, int], Discovered] = {}
+        for item in found:
+            info = item.info
             try:
                 if self._check is not None:
                     self._check(info)
             except InvalidArgument as exc:
                 log.warning("ignoring discovered pid %d: %s", info.pid, exc.message)
                 continue
-            fresh[info.job_id, info.pid] = info
-        changed = {job for job, _ in fresh.keys() ^ self._discovered.keys()}
+            fresh[info.job_id, info.pid] = item
+        # A pid whose process changed (reused within the job) counts as gone and found again.
+        changed = {
+            job
+            for job, pid in fresh.keys() | self._discovered.keys()
+            if fresh.get((job, pid)) != self._discovered.get((job, pid))
+        }
         if not changed:
             return
         for job, pid in sorted(fresh.keys() - self._discovered.keys()):
             log.info(
-                "process discovered: job %s group %s pid %d", job, fresh[job, pid].group_id, pid
+                "process discovered: job %s group %s pid %d",
+                job,
+                fresh[job, pid].info.group_id,
+                pid,
             )
         self._discovered = fresh
         for job_id in sorted(changed):
@@ -263,18 +308,37 @@ class WorkerRegistry:
             )
         )
 
-    def sweep(self) -> int:
-        """Drop registrations whose process no longer exists; returns how many."""
-        gone = [r for r in self._registrations.values() if not pid_exists(r.info.pid)]
+    @staticmethod
+    def _gone(regs: list[Registration]) -> list[Registration]:
+        """The registrations whose pinned process is gone (blocking /proc reads)."""
+        gone = []
+        for reg in regs:
+            if not pid_exists(reg.info.pid):
+                gone.append(reg)
+            elif reg.identity is not None and identity_of(reg.info.pid) != reg.identity:
+                gone.append(reg)  # exited, and the pid already names another process
+        return gone
+
+    def _drop(self, gone: list[Registration]) -> int:
         for reg in gone:
             self.unregister(reg, f"process {reg.info.pid} no longer exists")
         return len(gone)
 
+    def sweep(self) -> int:
+        """Drop registrations whose process no longer exists; returns how many."""
+        return self._drop(self._gone(list(self._registrations.values())))
+
     async def sweep_forever(self, interval: float = SWEEP_INTERVAL_SECONDS) -> None:
-        """Run :meth:`sweep` every ``interval`` seconds until cancelled."""
+        """Sweep every ``interval`` seconds until cancelled (the /proc reads off the loop)."""
         while True:
             await asyncio.sleep(interval)
-            self.sweep()
+            try:
+                async with asyncio.timeout(interval * 5):
+                    gone = await asyncio.to_thread(self._gone, list(self._registrations.values()))
+            except TimeoutError:
+                log.warning("the worker sweep's /proc reads took over %g s", interval * 5)
+                continue
+            self._drop(gone)
 
     def close(self, reason: str) -> None:
         """Unregister everyone (agent shutdown)."""
@@ -289,15 +353,35 @@ def _grpc_error(exc: TimeSliceError) -> GRPCError:
 class WorkerLinkService:
     """The ``timeslice.v1.WorkerLink`` service over a :class:`WorkerRegistry` (grpclib)."""
 
-    def __init__(self, registry: WorkerRegistry) -> None:
+    def __init__(self, registry: WorkerRegistry, *, own_pid: int | None = None) -> None:
         self._registry = registry
+        self._own_pid = os.getpid() if own_pid is None else own_pid
+
+    async def _authorize(
+        self, stream: grpclib.server.Stream[WorkerInfo, WorkerCommand], info: WorkerInfo
+    ) -> ProcessIdentity:
+        """The pinned process ``info`` names, if the peer may register it; else raises."""
+        self._registry.validate(info)
+        peer = credentials_of_stream(stream)
+        try:
+            async with asyncio.timeout(AUTHORIZE_SECONDS):
+                identity = await asyncio.to_thread(
+                    authorize_registration, peer, info.pid, info.job_id, own_pid=self._own_pid
+                )
+        except TimeoutError:
+            raise Timeout(
+                f"checking the registration of pid {info.pid} took over {AUTHORIZE_SECONDS:g} s"
+            ) from None
+        log.debug("peer pid %d uid %d may register pid %d", peer.pid, peer.uid, info.pid)
+        return identity
 
     async def register(self, stream: grpclib.server.Stream[WorkerInfo, WorkerCommand]) -> None:
         info = await stream.recv_message()
         if info is None:
             raise _grpc_error(InvalidArgument("Register needs a WorkerInfo message"))
         try:
-            reg = self._registry.register(info)
+            identity = await self._authorize(stream, info)
+            reg = self._registry.register(info, identity)
         except TimeSliceError as exc:
             log.warning("worker registration refused: %s", exc.message)
             raise _grpc_error(exc) from None

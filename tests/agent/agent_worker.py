@@ -3,15 +3,19 @@
 Run as ``python agent_worker.py --socket PATH --job J --group G [...]``. Every WorkerCommand it
 receives is printed to stdout as one JSON line, flushed, so the test can follow along. With
 ``--hook-mode ok`` hooks are answered ok with ``--hook-bytes``; ``fail`` answers not-ok with a
-reason; ``silent`` never answers (to exercise the hook timeout).
+reason; ``silent`` never answers (to exercise the hook timeout). With ``--child`` it starts a child
+``sleep`` and registers that descendant's pid instead of its own (printed first as ``CHILD``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import signal
+import subprocess
 import sys
 
 from grpclib.client import Channel
@@ -31,12 +35,20 @@ def _emit(record: dict[str, object]) -> None:
 
 
 async def main(args: argparse.Namespace) -> int:
+    pid = args.pid or os.getpid()
+    child = None
+    if args.child:
+        # Reap the child at once when it dies, so a test can see its pid reused.
+        signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+        child = subprocess.Popen(["sleep", "60"])
+        pid = child.pid
+        _emit({"kind": "CHILD", "pid": pid})
     channel = Channel(path=args.socket)
     stub = WorkerLinkStub(channel)
     info = WorkerInfo(
         job_id=args.job,
         group_id=args.group,
-        pid=args.pid or os.getpid(),
+        pid=pid,
         state_bytes=args.state_bytes,
         app_callbacks=args.app_callbacks,
         acquirer=args.acquirer,
@@ -69,6 +81,10 @@ async def main(args: argparse.Namespace) -> int:
         return 3
     finally:
         channel.close()
+        if child is not None:
+            child.kill()
+            with contextlib.suppress(ChildProcessError):
+                child.wait()
     _emit({"kind": "END"})
     return 0
 
@@ -79,6 +95,7 @@ if __name__ == "__main__":
     parser.add_argument("--job", required=True)
     parser.add_argument("--group", required=True)
     parser.add_argument("--pid", type=int, default=0)
+    parser.add_argument("--child", action="store_true")
     parser.add_argument("--state-bytes", type=int, default=0)
     parser.add_argument("--app-callbacks", action="store_true")
     parser.add_argument("--acquirer", action="store_true")

@@ -17,7 +17,7 @@ from timeslice_agent.backends import (
     JobContext,
     SavedJob,
 )
-from timeslice_agent.procs import pid_exists, process_state
+from timeslice_agent.procs import identity_of, pid_exists, process_state
 from timeslice_proto.timeslice.v1 import WorkerInfo
 
 
@@ -34,7 +34,11 @@ def sleeper() -> Iterator[subprocess.Popen[bytes]]:
 
 
 def _ctx(*workers: WorkerInfo, saved_pids: tuple[int, ...] = ()) -> JobContext:
-    return JobContext("j1", "g1", workers=workers, saved_pids=saved_pids)
+    """The job's context, each pid pinned to the process running it now (as a registration)."""
+    pids = {w.pid for w in workers} | set(saved_pids)
+    found = (identity_of(p) for p in sorted(pids))
+    identities = tuple(i for i in found if i is not None)
+    return JobContext("j1", "g1", workers=workers, saved_pids=saved_pids, identities=identities)
 
 
 def _worker(pid: int, *, acquirer: bool = False) -> WorkerInfo:

@@ -94,6 +94,11 @@ class FakeDriver:
 PIDS = (1001, 1002, 1003)
 
 
+async def unchecked(job: JobContext, pids: tuple[int, ...]) -> None:
+    """These tests drive the step logic with invented pids, so the check that a pid is still
+    the registered process is left out here; test_agent_trust.py tests it on real processes."""
+
+
 def job(
     pids: Sequence[int] = PIDS, state_bytes: int = 3 << 30, saved: Sequence[int] | None = None
 ) -> JobContext:
@@ -119,7 +124,7 @@ def steps_of(calls: list[tuple[str, int]]) -> list[str]:
 
 async def test_checkpoint_locks_every_pid_before_checkpointing_any() -> None:
     driver = FakeDriver()
-    backend = CudaBackend(driver)
+    backend = CudaBackend(driver, targets=unchecked)
     transfer = await backend.checkpoint(job())
     assert steps_of(driver.calls) == ["lock", "checkpoint"]
     assert sorted(driver.calls[:3]) == [("lock", p) for p in PIDS]
@@ -131,7 +136,7 @@ async def test_checkpoint_locks_every_pid_before_checkpointing_any() -> None:
 
 async def test_restore_restores_every_pid_before_unlocking_any() -> None:
     driver = FakeDriver()
-    backend = CudaBackend(driver)
+    backend = CudaBackend(driver, targets=unchecked)
     await backend.checkpoint(job())
     driver.calls.clear()
     await backend.restore(job())
@@ -143,7 +148,7 @@ async def test_checkpoint_leaves_processes_without_cuda_state_alone() -> None:
     # The acquirer (or any helper process) of a job has no CUDA context: locking it would
     # fail the whole job, so it is not moved, and the restore brings back only what moved.
     driver = FakeDriver(no_cuda={1002})
-    backend = CudaBackend(driver)
+    backend = CudaBackend(driver, targets=unchecked)
     transfer = await backend.checkpoint(job())
     assert transfer.moved_pids == (1001, 1003)
     assert {pid for _, pid in driver.calls} == {1001, 1003}
@@ -156,7 +161,7 @@ async def test_checkpoint_leaves_processes_without_cuda_state_alone() -> None:
 async def test_steps_run_concurrently_across_pids() -> None:
     driver = FakeDriver(hang={("lock", p) for p in PIDS}, hang_seconds=0.3)
     started = asyncio.get_running_loop().time()
-    await CudaBackend(driver).checkpoint(job())
+    await CudaBackend(driver, targets=unchecked).checkpoint(job())
     # Three 0.3 s locks one after another would take 0.9 s.
     assert asyncio.get_running_loop().time() - started < 0.75
 
@@ -164,7 +169,7 @@ async def test_steps_run_concurrently_across_pids() -> None:
 async def test_failed_checkpoint_rolls_back_every_pid_and_names_pid_error_and_step() -> None:
     driver = FakeDriver(fail={("checkpoint", 1002): "CUDA_ERROR_ILLEGAL_STATE"})
     with pytest.raises(BackendError) as info:
-        await CudaBackend(driver).checkpoint(job())
+        await CudaBackend(driver, targets=unchecked).checkpoint(job())
     reason = info.value.reason
     assert "step checkpoint" in reason and "pid 1002" in reason
     assert "CUDA_ERROR_ILLEGAL_STATE" in reason and "[driver-api]" in reason
@@ -179,7 +184,7 @@ async def test_failed_checkpoint_rolls_back_every_pid_and_names_pid_error_and_st
 async def test_failed_lock_unlocks_only_what_was_locked() -> None:
     driver = FakeDriver(fail={("lock", 1003): "CUDA_ERROR_NOT_READY"})
     with pytest.raises(BackendError, match=r"step lock for pid 1003: CUDA_ERROR_NOT_READY"):
-        await CudaBackend(driver).checkpoint(job())
+        await CudaBackend(driver, targets=unchecked).checkpoint(job())
     assert ("checkpoint", 1001) not in driver.calls
     unlocked = sorted(c for c in driver.calls if c[0] == "unlock")
     assert unlocked == [("unlock", 1001), ("unlock", 1002)]
@@ -187,7 +192,7 @@ async def test_failed_lock_unlocks_only_what_was_locked() -> None:
 
 async def test_failed_unlock_on_restore_puts_every_pid_back_to_checkpointed() -> None:
     driver = FakeDriver()
-    backend = CudaBackend(driver)
+    backend = CudaBackend(driver, targets=unchecked)
     await backend.checkpoint(job())
     driver.fail[("unlock", 1001)] = "CUDA_ERROR_UNKNOWN"
     driver.calls.clear()
@@ -204,7 +209,7 @@ async def test_deadline_waits_for_calls_in_flight_then_rolls_back() -> None:
     driver = FakeDriver(hang={("checkpoint", 1002)}, hang_seconds=0.4)
     with pytest.raises(TimeoutError):
         async with asyncio.timeout(0.15):
-            await CudaBackend(driver).checkpoint(job())
+            await CudaBackend(driver, targets=unchecked).checkpoint(job())
     # The hung call was allowed to finish (a driver call cannot be interrupted), then all
     # three were restored and unlocked: nothing is left checkpointed or locked.
     assert all(driver.states[p] is ProcessState.RUNNING for p in PIDS)
@@ -215,7 +220,7 @@ async def test_rollback_finishes_even_when_cancelled_again_and_again() -> None:
     # Shutdown cancels running directives, then the event loop's teardown cancels again:
     # neither may cut the rollback short and leave a rank locked or checkpointed.
     driver = FakeDriver(hang={("checkpoint", 1002), ("restore", 1001)}, hang_seconds=0.3)
-    task = asyncio.ensure_future(CudaBackend(driver).checkpoint(job()))
+    task = asyncio.ensure_future(CudaBackend(driver, targets=unchecked).checkpoint(job()))
     await asyncio.sleep(0.1)
     for _ in range(3):
         task.cancel()
@@ -226,7 +231,7 @@ async def test_rollback_finishes_even_when_cancelled_again_and_again() -> None:
 
 
 async def test_refuses_the_agent_itself_and_pid_1() -> None:
-    backend = CudaBackend(FakeDriver())
+    backend = CudaBackend(FakeDriver(), targets=unchecked)
     with pytest.raises(BackendRefused, match="pid 1"):
         backend.admit_checkpoint(job(pids=(1, 1001)))
     with pytest.raises(BackendRefused, match=f"pid {os.getpid()}"):
@@ -235,7 +240,7 @@ async def test_refuses_the_agent_itself_and_pid_1() -> None:
 
 async def test_reconcile_checks_every_saved_pid_is_still_checkpointed() -> None:
     driver = FakeDriver(states={1001: ProcessState.CHECKPOINTED, 1002: ProcessState.RUNNING})
-    backend = CudaBackend(driver)
+    backend = CudaBackend(driver, targets=unchecked)
     assert await backend.reconcile(SavedJob("j1", "g1", 1, (1001,))) is None
     reason = await backend.reconcile(SavedJob("j1", "g1", 1, (1001, 1002)))
     assert reason == "pid 1002 is running, not checkpointed"
@@ -280,7 +285,7 @@ def fake_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 async def test_cli_path_toggles_each_pid_and_is_idempotent(fake_cli: Path) -> None:
     driver = open_driver(CudaSettings(path=CudaPath.CLI))
     assert isinstance(driver, CheckpointCli) and driver.mechanism == "cli"
-    backend = CudaBackend(driver)
+    backend = CudaBackend(driver, targets=unchecked)
     await backend.checkpoint(job(pids=(11, 12)))
     assert {(fake_cli / p).read_text().strip() for p in ("11", "12")} == {"checkpointed"}
     # A checkpoint retried on checkpointed processes must not toggle them back.
@@ -296,9 +301,9 @@ async def test_cli_failure_rolls_back_the_others_and_reports_the_tool_message(
 ) -> None:
     (fake_cli / "fail-13").touch()
     with pytest.raises(BackendError) as info:
-        await CudaBackend(open_driver(CudaSettings(path=CudaPath.CLI))).checkpoint(
-            job(pids=(11, 13))
-        )
+        await CudaBackend(
+            open_driver(CudaSettings(path=CudaPath.CLI)), targets=unchecked
+        ).checkpoint(job(pids=(11, 13)))
     assert "pid 13" in info.value.reason and "CUDA_ERROR_NOT_SUPPORTED" in info.value.reason
     assert "[cli]" in info.value.reason
     assert (fake_cli / "11").read_text().strip() == "running"

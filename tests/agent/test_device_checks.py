@@ -9,6 +9,7 @@ process that finds and freezes a process nobody registered.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import subprocess
 import uuid
@@ -25,7 +26,7 @@ from timeslice_agent.backends import AppBackend
 from timeslice_agent.devmem import MemoryCheck
 from timeslice_agent.discovery import ProcessFinder, foreign_pids, labels_of
 from timeslice_agent.jobs import JobState
-from timeslice_agent.procs import process_state
+from timeslice_agent.procs import identity_of, process_state
 from timeslice_proto.timeslice.v1 import AckStatus, HookKind, WorkerInfo
 from timeslice_proto.timeslice.v1 import JobState as ProtoJobState
 
@@ -184,9 +185,12 @@ async def test_procfs_discovery_finds_labelled_processes_of_this_node(
     )
     assert labels_of(bad.pid) is None  # malformed ids are ignored, not trusted
     found = await ProcessFinder(node=node, memory=None).scan()
-    assert [(w.job_id, w.group_id, w.pid) for w in found if w.pid in {p.pid for p in procs}] == [
+    ours = [d for d in found if d.info.pid in {p.pid for p in procs}]
+    assert [(d.info.job_id, d.info.group_id, d.info.pid) for d in ours] == [
         ("job-a", "g1", mine.pid)
     ]
+    # Pinned to the process found: the backends act on the pid only while it is that process.
+    assert [d.identity for d in ours] == [identity_of(mine.pid)]
     # With NVML, only processes that hold a device context are candidates.
     memory = FakeDeviceMemory(held={other_node.pid: GIB})
     assert await ProcessFinder(node=node, memory=memory).scan() == []
@@ -315,11 +319,25 @@ async def test_agent_keeps_parked_processes_that_nvml_no_longer_lists(
     argv = ["--orchestrator", "127.0.0.1:1", "--node", "n1", "--backend", "app"]
     config = parse_config([*argv, "--worker-socket", str(tmp_path / "a.sock")], {})
     agent = Agent(config, tracing=None)
+    pinned = identity_of(sleeper)
+    assert pinned is not None
     agent.executor.jobs["j1"] = Job(
-        "j1", "g1", JobState.SAVED, Residency.HOST, saved_bytes=GIB, saved_pids=(sleeper, 999999)
+        "j1",
+        "g1",
+        JobState.SAVED,
+        Residency.HOST,
+        saved_bytes=GIB,
+        saved_pids=(sleeper, 999999),
+        saved_identities=(pinned, dataclasses.replace(pinned, pid=999999)),
     )
     parked = await agent._parked([])
-    assert [(w.job_id, w.group_id, w.pid) for w in parked] == [("j1", "g1", sleeper)]
+    assert [(d.info.job_id, d.info.group_id, d.info.pid) for d in parked] == [("j1", "g1", sleeper)]
+    # A parked pid now held by another process (another start time) is not the job's.
+    agent.executor.jobs["j1"].saved_identities = (
+        dataclasses.replace(pinned, start_time=pinned.start_time - 1),
+    )
+    assert await agent._parked([]) == []
+    agent.executor.jobs["j1"].saved_identities = (pinned,)
     assert await agent._parked(parked) == []  # already listed by the scan
 
 

@@ -8,8 +8,13 @@ It must leave nothing half-done when it raises: either the whole job moved or no
 from __future__ import annotations
 
 import abc
+import asyncio
+import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from timeslice_agent.peers import target_refusal
+from timeslice_agent.procs import ProcessIdentity
 from timeslice_proto.timeslice.v1 import Device, WorkerInfo
 
 
@@ -46,7 +51,9 @@ class JobContext:
 
     ``state_bytes`` is the sum of the workers' announced device bytes (0 when unknown);
     ``saved_bytes`` and ``saved_pids`` describe the last checkpoint when the job is on the host;
-    ``resident`` lists the other jobs on the device, for admission decisions.
+    ``resident`` lists the other jobs on the device, for admission decisions;
+    ``identities`` pins each pid to the process that was registered (or discovered, or
+    checkpointed): a backend that acts on processes checks them with :func:`check_targets`.
     """
 
     job_id: str
@@ -56,11 +63,40 @@ class JobContext:
     saved_bytes: int = 0
     saved_pids: tuple[int, ...] = ()
     resident: tuple[ResidentJob, ...] = field(default_factory=tuple)
+    identities: tuple[ProcessIdentity, ...] = ()
+
+    def identity(self, pid: int) -> ProcessIdentity | None:
+        """The pinned identity of ``pid`` (None: the job never registered that process)."""
+        for identity in self.identities:
+            if identity.pid == pid:
+                return identity
+        return None
 
     @property
     def pids(self) -> tuple[int, ...]:
         """Distinct pids of the job: registered workers plus those of its last checkpoint."""
         return tuple(sorted({w.pid for w in self.workers} | set(self.saved_pids)))
+
+
+async def check_targets(
+    job: JobContext, pids: Iterable[int], *, own_pid: int | None = None
+) -> None:
+    """Raise :class:`BackendRefused` unless every pid is still the job's pinned process.
+
+    Called right before a backend signals or checkpoints (see :mod:`timeslice_agent.peers`):
+    never pid 0 or 1, never the agent, never a pid reused by another process, never one whose
+    uid changed or whose environment names another job. The /proc reads run off the loop.
+    """
+    me = os.getpid() if own_pid is None else own_pid
+    chosen = tuple(pids)
+
+    def refusals() -> list[str]:
+        found = (target_refusal(p, job.identity(p), job.job_id, own_pid=me) for p in chosen)
+        return [r for r in found if r is not None]
+
+    refused = await asyncio.to_thread(refusals)
+    if refused:
+        raise BackendRefused(f"job {job.job_id}: {'; '.join(refused)}")
 
 
 @dataclass(frozen=True)
@@ -84,6 +120,7 @@ class SavedJob:
     group_id: str
     saved_bytes: int
     saved_pids: tuple[int, ...]
+    identities: tuple[ProcessIdentity, ...] = ()
 
 
 class Backend(abc.ABC):

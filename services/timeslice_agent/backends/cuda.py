@@ -18,6 +18,12 @@ pid; restore every pid, then unlock every pid. Each step runs for all pids concu
 every pid for the steps before it, are put back in reverse order, and the directive fails
 naming the pid, the CUDA error and the step. A directive deadline that cancels the move waits
 for the calls in flight (driver calls cannot be interrupted), then rolls back the same way.
+
+**Only the registered processes**: before the first driver call of a move, every pid is
+checked against the identity pinned when it was registered (start time, uid, job label;
+:func:`~.base.check_targets`), so a pid reused by another process is refused, not
+checkpointed. The driver takes pids, not pidfds: the window left is between that check and
+the call, microseconds for a pid the job's own process holds.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from timeslice_agent.backends.base import (
     JobContext,
     SavedJob,
     Transfer,
+    check_targets,
 )
 from timeslice_agent.config import AgentConfig, CudaPath, CudaSettings
 from timeslice_agent.tasks import run_to_completion
@@ -274,6 +281,10 @@ def open_driver(settings: CudaSettings) -> CheckpointDriver:
 # ----- the backend ------------------------------------------------------------------------------
 
 
+TargetCheck = Callable[[JobContext, tuple[int, ...]], Awaitable[None]]
+"""Raises :class:`BackendRefused` unless the pids are still the job's pinned processes."""
+
+
 @dataclass
 class _Outcome:
     step: Step
@@ -288,10 +299,18 @@ class CudaBackend(Backend):
     emulated = False
     frees_device_memory = True
 
-    def __init__(self, driver: CheckpointDriver, *, lock_timeout_ms: int = 10_000) -> None:
+    def __init__(
+        self,
+        driver: CheckpointDriver,
+        *,
+        lock_timeout_ms: int = 10_000,
+        targets: TargetCheck | None = None,
+    ) -> None:
         self._driver = driver
         self._lock_timeout_ms = lock_timeout_ms
         self._own_pid = os.getpid()
+        # Tests of the step logic with a fake driver and invented pids replace the check.
+        self._targets: TargetCheck = check_targets if targets is None else targets
 
     @property
     def mechanism(self) -> str:
@@ -320,6 +339,7 @@ class CudaBackend(Backend):
         still fails the directive.
         """
         pids = self._pids(job)
+        await self._targets(job, pids)
         states = await asyncio.gather(
             *(self._driver.state(p) for p in pids), return_exceptions=True
         )
@@ -347,6 +367,7 @@ class CudaBackend(Backend):
     async def restore(self, job: JobContext) -> Transfer:
         # Only what the checkpoint moved: a process that joined the job since is running.
         pids = self._pids(job, job.saved_pids)
+        await self._targets(job, pids)
         steps = self._driver.restore_steps(self._lock_timeout_ms)
         return await self._move(job, "restore", pids, steps)
 
@@ -384,6 +405,13 @@ class CudaBackend(Backend):
         return Transfer(bytes_moved=job.state_bytes, elapsed_seconds=elapsed)
 
     async def reconcile(self, job: SavedJob) -> str | None:
+        ctx = JobContext(
+            job.job_id, job.group_id, saved_pids=job.saved_pids, identities=job.identities
+        )
+        try:
+            await self._targets(ctx, job.saved_pids)
+        except BackendRefused as exc:
+            return exc.reason
         for pid in job.saved_pids:
             try:
                 state = await self._driver.state(pid)

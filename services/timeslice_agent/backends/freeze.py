@@ -7,7 +7,11 @@ is sent (a violation refuses the directive and signals nothing):
 - never a pid registered with ``acquirer=True`` (the process that calls acquire must keep
   running, or the job could never yield again);
 - never the agent itself, never pid 0 or 1;
-- never a pid that does not exist (or is a zombie).
+- never a pid that does not exist (or is a zombie);
+- never a process other than the one registered: each pid is re-checked against the identity
+  pinned at registration (start time, uid, job label; :func:`~.base.check_targets`) after a
+  pidfd to it is opened, and signals go through that pidfd, so a pid that is reused after the
+  check cannot receive them.
 
 A checkpoint waits until every process really is stopped (``T`` in /proc/<pid>/stat); if any
 step fails, the processes it already stopped are resumed, so a failure leaves nothing frozen.
@@ -28,15 +32,53 @@ from timeslice_agent.backends.base import (
     JobContext,
     SavedJob,
     Transfer,
+    check_targets,
 )
 from timeslice_agent.config import AgentConfig
-from timeslice_agent.procs import HAVE_PROC, pid_exists, process_state
+from timeslice_agent.procs import HAVE_PROC, identity_of, pid_exists, process_state
 from timeslice_proto.timeslice.v1 import Device
 
 log = logging.getLogger(__name__)
 
 STOP_WAIT_SECONDS = 10.0
 _POLL_SECONDS = 0.002
+_HAVE_PIDFD = hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal")
+
+
+class _Handles:
+    """pidfds of the processes about to be signalled, opened before their identity is checked.
+
+    A pidfd names one process, not a pid: if the checked process exits and its pid is reused,
+    a signal through the pidfd fails (ProcessLookupError) instead of reaching the newcomer.
+    Without pidfds (not Linux) signals go by pid.
+    """
+
+    def __init__(self) -> None:
+        self._fds: dict[int, int] = {}
+        self.gone: list[int] = []
+
+    def open(self, pids: tuple[int, ...]) -> None:
+        if not _HAVE_PIDFD:
+            return
+        for pid in pids:
+            try:
+                self._fds[pid] = os.pidfd_open(pid)
+            except ProcessLookupError:
+                self.gone.append(pid)
+
+    def signal(self, pid: int, sig: signal.Signals) -> None:
+        fd = self._fds.get(pid)
+        if fd is None:
+            if _HAVE_PIDFD:
+                raise ProcessLookupError(pid)
+            os.kill(pid, sig)
+        else:
+            signal.pidfd_send_signal(fd, sig)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 class FreezeBackend(Backend):
@@ -96,10 +138,10 @@ class FreezeBackend(Backend):
             await asyncio.sleep(_POLL_SECONDS)
 
     @staticmethod
-    def _resume(pids: list[int]) -> None:
+    def _resume(handles: _Handles, pids: list[int]) -> None:
         for pid in pids:
             try:
-                os.kill(pid, signal.SIGCONT)
+                handles.signal(pid, signal.SIGCONT)
             except OSError as exc:
                 log.warning("could not resume pid %d after a failed freeze: %s", pid, exc)
 
@@ -109,23 +151,34 @@ class FreezeBackend(Backend):
     async def checkpoint(self, job: JobContext) -> Transfer:
         pids = self._check_freezable(job)
         started = time.monotonic()
-        stopped: list[int] = []
+        handles = _Handles()
         try:
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGSTOP)
-                except ProcessLookupError:
-                    raise BackendError(f"process {pid} vanished between check and signal") from None
-                except PermissionError:
-                    raise BackendError(f"no permission to signal process {pid}") from None
-                stopped.append(pid)
-            deadline = time.monotonic() + self._stop_wait
-            for pid in pids:
-                await self._wait_stopped(pid, deadline)
-        except BaseException:
-            # Covers cancellation by the directive deadline too: never leave a job half frozen.
-            self._resume(stopped)
-            raise
+            handles.open(pids)
+            if handles.gone:
+                raise BackendRefused(f"job {job.job_id}: refusing to freeze {handles.gone}: gone")
+            await check_targets(job, pids, own_pid=self._own_pid)
+            stopped: list[int] = []
+            try:
+                for pid in pids:
+                    try:
+                        handles.signal(pid, signal.SIGSTOP)
+                    except ProcessLookupError:
+                        raise BackendError(
+                            f"process {pid} vanished between check and signal"
+                        ) from None
+                    except PermissionError:
+                        raise BackendError(f"no permission to signal process {pid}") from None
+                    stopped.append(pid)
+                deadline = time.monotonic() + self._stop_wait
+                for pid in pids:
+                    await self._wait_stopped(pid, deadline)
+            except BaseException:
+                # Covers cancellation by the directive deadline too: never leave a job half
+                # frozen.
+                self._resume(handles, stopped)
+                raise
+        finally:
+            handles.close()
         elapsed = time.monotonic() - started
         log.info("froze job %s: pids %s in %.3f s", job.job_id, list(pids), elapsed)
         return Transfer(bytes_moved=0, elapsed_seconds=elapsed)
@@ -136,22 +189,53 @@ class FreezeBackend(Backend):
         # The acquirer was never frozen; leave it alone.
         pids = [p for p in job.pids if p not in acquirers]
         started = time.monotonic()
-        vanished: list[int] = []
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                vanished.append(pid)
-            except PermissionError:
-                raise BackendError(f"no permission to signal process {pid}") from None
+        handles = _Handles()
+        try:
+            handles.open(tuple(pids))
+            # A frozen process that exited (its pid possibly reused since) is not resumed; it
+            # is reported below. Every other pid must still be the job's pinned process.
+            replaced = await asyncio.to_thread(self._replaced, job, pids)
+            vanished = sorted(set(handles.gone) | set(replaced))
+            live = [p for p in pids if p not in vanished]
+            await check_targets(job, live, own_pid=self._own_pid)
+            for pid in live:
+                try:
+                    handles.signal(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    vanished.append(pid)
+                except PermissionError:
+                    raise BackendError(f"no permission to signal process {pid}") from None
+        finally:
+            handles.close()
         elapsed = time.monotonic() - started
         if vanished:
             raise BackendError(f"processes {vanished} of job {job.job_id} vanished while frozen")
         log.info("resumed job %s: pids %s in %.3f s", job.job_id, pids, elapsed)
         return Transfer(bytes_moved=0, elapsed_seconds=elapsed)
 
+    @staticmethod
+    def _replaced(job: JobContext, pids: list[int]) -> list[int]:
+        """The pids whose pinned process is gone (no process, or another one at that pid)."""
+        replaced = []
+        for pid in pids:
+            pinned, now = job.identity(pid), identity_of(pid)
+            if now is None or (pinned is not None and now.start_time != pinned.start_time):
+                replaced.append(pid)
+        return replaced
+
     async def reconcile(self, job: SavedJob) -> str | None:
-        gone = [p for p in job.saved_pids if not pid_exists(p)]
+        def gone_pids() -> list[int]:
+            pinned = {i.pid: i for i in job.identities}
+            gone = []
+            for pid in job.saved_pids:
+                now = identity_of(pid)
+                if now is None or not pid_exists(pid):
+                    gone.append(pid)
+                elif pid in pinned and pinned[pid].start_time != now.start_time:
+                    gone.append(pid)
+            return gone
+
+        gone = await asyncio.to_thread(gone_pids)
         if gone:
             return f"frozen processes {gone} vanished while the agent was down"
         return None
