@@ -16,6 +16,7 @@ from grpclib.const import Status
 class ErrorKind(enum.Enum):
     INVALID_ARGUMENT = "invalid_argument"
     NOT_FOUND = "not_found"
+    RESOURCE_EXHAUSTED = "resource_exhausted"
     PERMISSION_DENIED = "permission_denied"
     ALREADY_EXISTS = "already_exists"
     NOT_HOLDER = "not_holder"
@@ -30,6 +31,7 @@ class ErrorKind(enum.Enum):
 _STATUS: dict[ErrorKind, Status] = {
     ErrorKind.INVALID_ARGUMENT: Status.INVALID_ARGUMENT,
     ErrorKind.NOT_FOUND: Status.NOT_FOUND,
+    ErrorKind.RESOURCE_EXHAUSTED: Status.RESOURCE_EXHAUSTED,
     ErrorKind.PERMISSION_DENIED: Status.PERMISSION_DENIED,
     ErrorKind.ALREADY_EXISTS: Status.ALREADY_EXISTS,
     ErrorKind.NOT_HOLDER: Status.FAILED_PRECONDITION,
@@ -69,6 +71,13 @@ class NotFound(TimeSliceError, LookupError):
     """The group or session does not exist."""
 
     kind = ErrorKind.NOT_FOUND
+
+
+class ResourceExhausted(TimeSliceError):
+    """A quota or limit was reached (groups, sessions, queue entries, message size); the
+    message names the limit. Nothing was changed."""
+
+    kind = ErrorKind.RESOURCE_EXHAUSTED
 
 
 class PermissionDenied(TimeSliceError):
@@ -126,6 +135,7 @@ _BY_KIND: dict[ErrorKind, type[TimeSliceError]] = {
     for cls in (
         InvalidArgument,
         NotFound,
+        ResourceExhausted,
         PermissionDenied,
         AlreadyExists,
         NotHolder,
@@ -141,6 +151,7 @@ _BY_KIND: dict[ErrorKind, type[TimeSliceError]] = {
 _BY_STATUS: dict[Status, ErrorKind] = {
     Status.INVALID_ARGUMENT: ErrorKind.INVALID_ARGUMENT,
     Status.NOT_FOUND: ErrorKind.NOT_FOUND,
+    Status.RESOURCE_EXHAUSTED: ErrorKind.RESOURCE_EXHAUSTED,
     Status.PERMISSION_DENIED: ErrorKind.PERMISSION_DENIED,
     Status.ALREADY_EXISTS: ErrorKind.ALREADY_EXISTS,
     Status.FAILED_PRECONDITION: ErrorKind.NOT_HOLDER,

@@ -20,6 +20,7 @@ from pathlib import Path
 from timeslice.errors import InvalidArgument
 from timeslice.ids import validate_node
 from timeslice.targets import parse_address
+from timeslice.wire import DEFAULT_MAX_MESSAGE_BYTES
 
 ENV_PREFIX = "TIMESLICE_AGENT_"
 DEFAULT_WORKER_SOCKET = Path("/run/timeslice/agent.sock")
@@ -141,6 +142,7 @@ class AgentConfig:
     cuda: CudaSettings = CudaSettings()
     discovery: Discovery = Discovery.AUTO
     device_check: DeviceCheckSettings = DeviceCheckSettings()
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
 
 def parse_endpoint(text: str, *, allow_port_zero: bool = False) -> Endpoint:
@@ -355,6 +357,12 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "append one JSON line per executed directive to this file (histories, audits)",
         metavar="PATH",
     )
+    add(
+        "--max-message-bytes",
+        str(DEFAULT_MAX_MESSAGE_BYTES),
+        "largest gRPC message the worker socket accepts, in bytes (larger: RESOURCE_EXHAUSTED)",
+        type=_argtype(_number(1, inclusive=True)),
+    )
     return parser
 
 
@@ -416,4 +424,5 @@ def parse_config(
             release_wait=ns.release_wait,
             app_residual_bytes=int(ns.app_residual_mib * 1024 * 1024),
         ),
+        max_message_bytes=int(ns.max_message_bytes),
     )

@@ -15,6 +15,7 @@ from opentelemetry.trace import Span, SpanKind, StatusCode, Tracer
 
 from timeslice import AcquireStage
 from timeslice.errors import TimeSliceError
+from timeslice_orchestrator.limits import Limits, Quotas
 from timeslice_orchestrator.locks import LockService, Progress
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.store.cache import GroupView, Mirror, group_topic
@@ -52,9 +53,15 @@ log = logging.getLogger(__name__)
 
 class TimeSliceService(TimeSliceBase):
     def __init__(
-        self, locks: LockService, mirror: Mirror, metrics: Metrics, tracer: Tracer
+        self,
+        locks: LockService,
+        mirror: Mirror,
+        metrics: Metrics,
+        tracer: Tracer,
+        quotas: Quotas | None = None,
     ) -> None:
         self._locks = locks
+        self._quotas = quotas if quotas is not None else Quotas(Limits(), mirror)
         self._mirror = mirror
         self._metrics = metrics
         self._tracer = tracer
@@ -92,6 +99,7 @@ class TimeSliceService(TimeSliceBase):
 
     async def open_session(self, message: OpenSessionRequest) -> OpenSessionResponse:
         with self._call("OpenSession", job=message.job_id):
+            self._quotas.open_session(message.job_id)
             sid, ttl = await self._locks.open_session(
                 message.job_id, message.ttl_seconds, message.client_host, message.client_pid
             )
@@ -112,6 +120,7 @@ class TimeSliceService(TimeSliceBase):
         delivered = False
         try:
             with self._call("Acquire", message.group_id, message.job_id) as span:
+                self._quotas.acquire(message.session_id, message.job_id, message.group_id)
                 progress = self._locks.acquire(
                     message.session_id,
                     message.job_id,
@@ -175,6 +184,7 @@ class TimeSliceService(TimeSliceBase):
 
     async def set_group_members(self, message: SetGroupMembersRequest) -> GroupStatus:
         with self._call("SetGroupMembers", message.group_id):
+            self._quotas.set_members(message.group_id, list(message.nodes))
             await self._locks.set_members(message.group_id, list(message.nodes))
             return self._status(message.group_id)
 

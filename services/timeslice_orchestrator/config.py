@@ -12,9 +12,10 @@ import os
 import socket
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from timeslice.targets import HostPort, parse_address
+from timeslice_orchestrator.limits import Limits
 from timeslice_orchestrator.policy import Policy
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class OrchestratorConfig:
     prefetch: bool
     policy: Policy
     max_hold: float
+    limits: Limits = field(default_factory=Limits)
 
 
 ENV_PREFIX = "TIMESLICE_ORCHESTRATOR_"
@@ -151,6 +153,7 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         help="seconds after which a holder is asked (co-operatively) to yield when others "
         "wait; 0 = never",
     )
+    _add_limits(p)
     a = p.parse_args(argv)
     try:
         listen, http = Address.parse(a.listen), Address.parse(a.http)
@@ -176,4 +179,37 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         prefetch=a.prefetch,
         policy=Policy(a.policy),
         max_hold=a.max_hold,
+        limits=_limits(p, a),
     )
+
+
+# Quotas (limits.py): what one flag means, its default, and its Limits field.
+_LIMIT_OPTIONS: tuple[tuple[str, type, str], ...] = (
+    ("max_groups", int, "groups the deployment keeps at most"),
+    ("max_sessions", int, "sessions open at once, over every job"),
+    ("max_sessions_per_job", int, "sessions one job may have open at once"),
+    ("max_entries_per_session", int, "queue entries and holds of one session, over all groups"),
+    ("max_id_length", int, "longest job, group or node id accepted (at most 253)"),
+    ("max_members", int, "nodes an operator may pin to one group"),
+    ("max_message_bytes", int, "largest gRPC message accepted, in bytes"),
+    ("idle_group_ttl", float, "seconds a group stays idle before it is removed; 0 = never"),
+    ("cleanup_batch", int, "groups one clean-up pass removes at most"),
+)
+
+
+def _add_limits(p: argparse.ArgumentParser) -> None:
+    defaults = Limits()
+    for name, kind, text in _LIMIT_OPTIONS:
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            type=kind,
+            default=_env(name.upper(), str(getattr(defaults, name))),
+            help=text,
+        )
+
+
+def _limits(p: argparse.ArgumentParser, a: argparse.Namespace) -> Limits:
+    try:
+        return Limits(**{name: getattr(a, name) for name, _, _ in _LIMIT_OPTIONS})
+    except ValueError as exc:
+        p.error(str(exc))

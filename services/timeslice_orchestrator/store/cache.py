@@ -25,6 +25,7 @@ from timeslice_orchestrator.store.etcd import (
     WatchCompacted,
 )
 from timeslice_orchestrator.store.keys import KeyRef, Keyspace, Kind, group_topic
+from timeslice_orchestrator.store.owners import OwnerIndex
 from timeslice_orchestrator.store.records import (
     AgentRecord,
     CorruptRecord,
@@ -134,6 +135,8 @@ class Mirror:
         # by key, the mod revision decoded and the record. Callers must not change them.
         self._decoded: dict[KeyRef, tuple[int, Any]] = {}
         self._groups: set[str] = set()
+        # Who owns which session, queue entry and hold, counted for the quotas.
+        self._owners = OwnerIndex()
         self.revision = 0
         self.synced = asyncio.Event()
         self._conditions: dict[str, asyncio.Condition] = {}
@@ -150,6 +153,30 @@ class Mirror:
 
     def group_names(self) -> list[str]:
         return sorted(self._groups)
+
+    # -- counts for the quotas (each O(1): a flood must not slow other calls) -------------
+
+    def group_count(self) -> int:
+        return len(self._groups)
+
+    def has_group(self, group: str) -> bool:
+        return group in self._groups
+
+    def session_count(self) -> int:
+        return len(self._topics.get(Kind.SESSION.value, {}))
+
+    def sessions_of(self, job: str) -> int:
+        """Live sessions of ``job``."""
+        return self._owners.sessions_per_job.get(job, 0)
+
+    def entries_of(self, session_id: str) -> int:
+        """Queue entries and holds of the session, over every group."""
+        return self._owners.entries_per_session.get(session_id, 0)
+
+    def group_revision(self, group: str) -> int:
+        """The newest mod revision among the group's keys (0: no keys)."""
+        keys = self._topics.get(group_topic(group), {})
+        return max((kv.mod_revision for kv in keys.values()), default=0)
 
     def session(self, session_id: str) -> Stored[SessionRecord] | None:
         ref = KeyRef(Kind.SESSION, name=session_id)
@@ -280,6 +307,7 @@ class Mirror:
 
     def _store(self, ref: KeyRef, kv: KeyValue) -> None:
         self._topics.setdefault(ref.topic, {})[ref] = kv
+        self._owners.stored(ref, kv)
         if ref.group:
             self._groups.add(ref.group)
 
@@ -289,6 +317,7 @@ class Mirror:
             return
         keys.pop(ref, None)
         self._decoded.pop(ref, None)
+        self._owners.dropped(ref)
         if not keys:
             del self._topics[ref.topic]
             self._groups.discard(ref.group)
@@ -370,6 +399,7 @@ class Mirror:
         self._topics = {}
         self._groups = set()
         self._decoded = {}
+        self._owners = OwnerIndex()
         for kv in kvs:
             ref = self._keys.parse(kv.key)
             if ref is not None:
