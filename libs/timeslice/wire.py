@@ -229,6 +229,8 @@ def _bounded_recv(
             data = await recv_data(size)
         except AssertionError:  # grpclib: the stream ended inside a frame
             raise _invalid("truncated gRPC frame: the stream ended inside a message") from None
+        if not reading_header and len(data) < size:  # grpclib would assert on it
+            raise _invalid("truncated gRPC frame: the stream ended inside a message")
         if reading_header and len(data) == _HEADER.size:
             compressed, length = _HEADER.unpack(data)
             if compressed:
