@@ -113,7 +113,7 @@ _NUMBER = st.one_of(
 @st.composite
 def _message(draw: st.DrawFn, cls: type[betterproto2.Message], depth: int = 0) -> bytes:
     """Fields of ``cls`` in random order, each with a random (maybe wrong) encoding."""
-    meta = cls._betterproto  # type: ignore[attr-defined]
+    meta: Any = getattr(cls, "_betterproto")  # noqa: B009 - a classproperty mypy cannot type
     out = bytearray()
     names = list(meta.meta_by_field_name)
     for name in draw(st.lists(st.sampled_from(names), max_size=6)) if names else []:

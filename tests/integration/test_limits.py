@@ -216,7 +216,8 @@ async def test_malformed_requests_are_invalid_argument_and_write_nothing(
             channel, OPEN, frame(b"\x0a" + b"x" * 1000, declared=64 << 20), end=False
         )
         print(
-            f"64 MiB field: {outcome.status.name} {outcome.message} in {time.monotonic() - started:.3f} s"
+            f"64 MiB field: {outcome.status.name} {outcome.message} "
+            f"in {time.monotonic() - started:.3f} s"
         )
         assert outcome.status is Status.RESOURCE_EXHAUSTED and "limit is 65536" in outcome.message
         # The channel still works after all of that.
