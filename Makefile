@@ -8,7 +8,7 @@ PY     := $(BIN)/python
 STAMP  := $(VENV)/.installed
 PKGS   := -p timeslice -p timeslice_tools -p timeslice_orchestrator -p timeslice_agent
 
-.PHONY: venv test test-fast lint typecheck protos demo cluster bench bench-quick soak clean
+.PHONY: venv test test-fast fuzz lint typecheck protos demo cluster bench bench-quick soak clean
 
 venv: $(STAMP)
 
@@ -23,6 +23,12 @@ test: $(STAMP) lint
 
 test-fast: $(STAMP)
 	$(BIN)/pytest -n auto -q -m "not slow"
+
+# Property-based fuzzing of every RPC of both services with many random cases (make test runs
+# a small derandomized corpus of the same tests).
+fuzz: $(STAMP)
+	TIMESLICE_FUZZ_PROFILE=fuzz TIMESLICE_FUZZ_EXAMPLES=$${TIMESLICE_FUZZ_EXAMPLES:-5000} \
+		$(BIN)/pytest -q -s -p no:cacheprovider --timeout 3600 tests/fuzz
 
 lint: $(STAMP)
 	$(BIN)/ruff check libs/timeslice libs/timeslice_tools services tests scripts bench

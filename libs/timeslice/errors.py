@@ -16,12 +16,12 @@ from grpclib.const import Status
 class ErrorKind(enum.Enum):
     INVALID_ARGUMENT = "invalid_argument"
     NOT_FOUND = "not_found"
+    RESOURCE_EXHAUSTED = "resource_exhausted"
     PERMISSION_DENIED = "permission_denied"
     UNAUTHENTICATED = "unauthenticated"
     ALREADY_EXISTS = "already_exists"
     NOT_HOLDER = "not_holder"
     FAILED_PRECONDITION = "failed_precondition"
-    RESOURCE_EXHAUSTED = "resource_exhausted"
     SESSION_EXPIRED = "session_expired"
     GROUP_FAULTED = "group_faulted"
     TIMEOUT = "timeout"
@@ -33,12 +33,12 @@ class ErrorKind(enum.Enum):
 _STATUS: dict[ErrorKind, Status] = {
     ErrorKind.INVALID_ARGUMENT: Status.INVALID_ARGUMENT,
     ErrorKind.NOT_FOUND: Status.NOT_FOUND,
+    ErrorKind.RESOURCE_EXHAUSTED: Status.RESOURCE_EXHAUSTED,
     ErrorKind.PERMISSION_DENIED: Status.PERMISSION_DENIED,
     ErrorKind.UNAUTHENTICATED: Status.UNAUTHENTICATED,
     ErrorKind.ALREADY_EXISTS: Status.ALREADY_EXISTS,
     ErrorKind.NOT_HOLDER: Status.FAILED_PRECONDITION,
     ErrorKind.FAILED_PRECONDITION: Status.FAILED_PRECONDITION,
-    ErrorKind.RESOURCE_EXHAUSTED: Status.RESOURCE_EXHAUSTED,
     ErrorKind.SESSION_EXPIRED: Status.FAILED_PRECONDITION,
     ErrorKind.GROUP_FAULTED: Status.ABORTED,
     ErrorKind.TIMEOUT: Status.DEADLINE_EXCEEDED,
@@ -77,6 +77,13 @@ class NotFound(TimeSliceError, LookupError):
     kind = ErrorKind.NOT_FOUND
 
 
+class ResourceExhausted(TimeSliceError):
+    """A quota or limit was reached (groups, sessions, queue entries, message size); the
+    message names the limit. Nothing was changed."""
+
+    kind = ErrorKind.RESOURCE_EXHAUSTED
+
+
 class PermissionDenied(TimeSliceError):
     """The caller may not do this (for example yield a group another job holds)."""
 
@@ -106,12 +113,6 @@ class FailedPrecondition(TimeSliceError):
     example pinning a node whose agent never connected); it may succeed once that changes."""
 
     kind = ErrorKind.FAILED_PRECONDITION
-
-
-class ResourceExhausted(TimeSliceError):
-    """A limit was reached; the message names it."""
-
-    kind = ErrorKind.RESOURCE_EXHAUSTED
 
 
 class SessionExpired(TimeSliceError):
@@ -151,12 +152,12 @@ _BY_KIND: dict[ErrorKind, type[TimeSliceError]] = {
     for cls in (
         InvalidArgument,
         NotFound,
+        ResourceExhausted,
         PermissionDenied,
         Unauthenticated,
         AlreadyExists,
         NotHolder,
         FailedPrecondition,
-        ResourceExhausted,
         SessionExpired,
         GroupFaulted,
         Timeout,
@@ -169,11 +170,11 @@ _BY_KIND: dict[ErrorKind, type[TimeSliceError]] = {
 _BY_STATUS: dict[Status, ErrorKind] = {
     Status.INVALID_ARGUMENT: ErrorKind.INVALID_ARGUMENT,
     Status.NOT_FOUND: ErrorKind.NOT_FOUND,
+    Status.RESOURCE_EXHAUSTED: ErrorKind.RESOURCE_EXHAUSTED,
     Status.PERMISSION_DENIED: ErrorKind.PERMISSION_DENIED,
     Status.UNAUTHENTICATED: ErrorKind.UNAUTHENTICATED,
     Status.ALREADY_EXISTS: ErrorKind.ALREADY_EXISTS,
     Status.FAILED_PRECONDITION: ErrorKind.NOT_HOLDER,
-    Status.RESOURCE_EXHAUSTED: ErrorKind.RESOURCE_EXHAUSTED,
     Status.ABORTED: ErrorKind.GROUP_FAULTED,
     Status.DEADLINE_EXCEEDED: ErrorKind.TIMEOUT,
     Status.UNAVAILABLE: ErrorKind.UNAVAILABLE,

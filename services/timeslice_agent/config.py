@@ -22,6 +22,7 @@ from timeslice.errors import InvalidArgument
 from timeslice.ids import validate_node
 from timeslice.targets import parse_address
 from timeslice.tls import TlsFiles
+from timeslice.wire import DEFAULT_MAX_MESSAGE_BYTES
 
 ENV_PREFIX = "TIMESLICE_AGENT_"
 DEFAULT_WORKER_SOCKET = Path("/run/timeslice/agent.sock")
@@ -149,6 +150,7 @@ class AgentConfig:
     insecure: bool = False
     # The group that may connect to the worker socket (mode 0660); None: the agent's own group.
     worker_socket_group: int | None = None
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
 
 def parse_endpoint(text: str, *, allow_port_zero: bool = False) -> Endpoint:
@@ -398,6 +400,12 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="talk to the orchestrators in plaintext, unauthenticated (development only) "
         f"[env {_env_name('--insecure')}]",
     )
+    add(
+        "--max-message-bytes",
+        str(DEFAULT_MAX_MESSAGE_BYTES),
+        "largest gRPC message the worker socket accepts, in bytes (larger: RESOURCE_EXHAUSTED)",
+        type=_argtype(_number(1, inclusive=True)),
+    )
     return parser
 
 
@@ -472,4 +480,5 @@ def parse_config(
         tls=tls,
         insecure=tls is None,
         worker_socket_group=ns.worker_socket_group,
+        max_message_bytes=int(ns.max_message_bytes),
     )

@@ -20,6 +20,7 @@ from grpclib.server import Server
 from opentelemetry.sdk.trace import TracerProvider
 
 from timeslice.tracing import provider_from_env, tracer_for
+from timeslice.wire import strict_server
 from timeslice_agent import __version__
 from timeslice_agent.backends import Backend, create_backend
 from timeslice_agent.config import AgentConfig, BackendKind, Discovery, Endpoint
@@ -329,7 +330,9 @@ class Agent:
             len(self.devices),
             cfg.state_file,
         )
-        self._grpc = Server([WorkerLinkService(self.registry)])
+        # Strict decoding and a size limit: a worker's malformed or oversized message is
+        # refused, typed, before a handler runs (timeslice.wire).
+        self._grpc = strict_server([WorkerLinkService(self.registry)], cfg.max_message_bytes)
         sock = await asyncio.to_thread(
             bind_worker_socket, cfg.worker_socket, cfg.worker_socket_group
         )

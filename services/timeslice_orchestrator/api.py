@@ -23,6 +23,7 @@ from timeslice import AcquireStage
 from timeslice.errors import ErrorKind, TimeSliceError
 from timeslice_orchestrator import identity
 from timeslice_orchestrator.authz import Authorizer, peer_of
+from timeslice_orchestrator.limits import Limits, Quotas
 from timeslice_orchestrator.locks import LockService, Progress
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.store.cache import GroupView, Mirror, group_topic
@@ -66,8 +67,10 @@ class TimeSliceService(TimeSliceBase):
         metrics: Metrics,
         tracer: Tracer,
         authz: Authorizer | None = None,
+        quotas: Quotas | None = None,
     ) -> None:
         self._locks = locks
+        self._quotas = quotas if quotas is not None else Quotas(Limits(), mirror)
         self._mirror = mirror
         self._metrics = metrics
         self._tracer = tracer
@@ -125,6 +128,7 @@ class TimeSliceService(TimeSliceBase):
     async def open_session(self, message: OpenSessionRequest) -> OpenSessionResponse:
         with self._call("OpenSession", job=message.job_id):
             identity.check_job(message.job_id, "OpenSession")
+            self._quotas.open_session(message.job_id)
             sid, secret, ttl = await self._locks.open_session(
                 message.job_id, message.ttl_seconds, message.client_host, message.client_pid
             )
@@ -146,6 +150,7 @@ class TimeSliceService(TimeSliceBase):
         try:
             with self._call("Acquire", message.group_id, message.job_id) as span:
                 identity.check_job(message.job_id, "Acquire")
+                self._quotas.acquire(message.session_id, message.job_id, message.group_id)
                 progress = self._locks.acquire(
                     message.session_id,
                     message.job_id,
@@ -253,6 +258,7 @@ class TimeSliceService(TimeSliceBase):
     async def set_group_members(self, message: SetGroupMembersRequest) -> GroupStatus:
         """Pin nodes; grpclib reaches it only through :meth:`_rpc_set_group_members`."""
         with self._call("SetGroupMembers", message.group_id):
+            self._quotas.set_members(message.group_id, list(message.nodes))
             await self._locks.set_members(message.group_id, list(message.nodes))
             return self._status(message.group_id)
 

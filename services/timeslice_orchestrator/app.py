@@ -32,19 +32,23 @@ from opentelemetry.sdk.trace import TracerProvider
 from timeslice.backoff import Backoff
 from timeslice.tasks import Supervisor
 from timeslice.tracing import provider_from_env, tracer_for
+from timeslice.wire import strict_server
 from timeslice_orchestrator import identity
 from timeslice_orchestrator.api import TimeSliceService
 from timeslice_orchestrator.authz import Authorizer, load_operator_token
+from timeslice_orchestrator.cleanup import IdleGroupCleaner
 from timeslice_orchestrator.config import OrchestratorConfig
 from timeslice_orchestrator.driver import DriverConfig, SwitchDriver
 from timeslice_orchestrator.http import make_app
 from timeslice_orchestrator.hub import AgentHub
+from timeslice_orchestrator.limits import Quotas
 from timeslice_orchestrator.locks import LockService
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.relay import DirectiveRouter
 from timeslice_orchestrator.store.cache import Mirror
 from timeslice_orchestrator.store.etcd import EtcdClient, LeaseKeeper, StoreUnavailable, Txn
 from timeslice_orchestrator.store.groups import GroupStore
+from timeslice_orchestrator.store.idle import IdleStore
 from timeslice_orchestrator.store.keys import Keyspace
 from timeslice_orchestrator.store.relay import RelayStore
 from timeslice_orchestrator.tls import TlsListener
@@ -138,8 +142,16 @@ class Orchestrator:
         self._membership = self._spawn(self._keep_membership(), "membership")
         tracer = tracer_for(self._tracing)
         authz = await self._authorizer()
-        service = TimeSliceService(locks, self.mirror, self.metrics, tracer, authz)
-        self._server = Server([service, hub])
+        quotas = Quotas(cfg.limits, self.mirror)
+        api = TimeSliceService(locks, self.mirror, self.metrics, tracer, authz, quotas)
+        # Strict decoding and a message size limit: malformed or oversized requests are
+        # refused, typed, before a handler runs (timeslice.wire).
+        self._server = strict_server([api, hub], cfg.limits.max_message_bytes)
+        if cfg.limits.idle_group_ttl > 0:
+            cleaner = IdleGroupCleaner(
+                IdleStore(self.etcd, self.keys), self.mirror, cfg.limits, self.metrics
+            )
+            self._spawn(cleaner.run(), "idle-group-cleanup")
         await self._listen(self._server)
         self._runner = web.AppRunner(make_app(self.metrics, self.ready), access_log=None)
         await self._runner.setup()

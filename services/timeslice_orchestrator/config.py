@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from timeslice.targets import HostPort, parse_address
 from timeslice.tls import TlsFiles
 from timeslice_orchestrator.identity import IdentityRules, JobSource
+from timeslice_orchestrator.limits import Limits
 from timeslice_orchestrator.policy import Policy
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class OrchestratorConfig:
     """The CA of etcd's server certificate and our client certificate; None: plaintext."""
     identity: IdentityRules = field(default_factory=IdentityRules)
     insecure: bool = False
+    limits: Limits = field(default_factory=Limits)
 
 
 ENV_PREFIX = "TIMESLICE_ORCHESTRATOR_"
@@ -202,6 +204,7 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         default=_env_flag("INSECURE", legacy_name=False),
         help="allow plaintext where no certificate is given (gRPC port, etcd): development only",
     )
+    _add_limits(p)
     a = p.parse_args(argv)
     try:
         listen, http = Address.parse(a.listen), Address.parse(a.http)
@@ -253,4 +256,37 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         etcd_tls=etcd_tls,
         identity=IdentityRules(JobSource(a.tls_job_identity), a.tls_operator_ou),
         insecure=a.insecure,
+        limits=_limits(p, a),
     )
+
+
+# Quotas (limits.py): what one flag means, its default, and its Limits field.
+_LIMIT_OPTIONS: tuple[tuple[str, type, str], ...] = (
+    ("max_groups", int, "groups the deployment keeps at most"),
+    ("max_sessions", int, "sessions open at once, over every job"),
+    ("max_sessions_per_job", int, "sessions one job may have open at once"),
+    ("max_entries_per_session", int, "queue entries and holds of one session, over all groups"),
+    ("max_id_length", int, "longest job, group or node id accepted (at most 253)"),
+    ("max_members", int, "nodes an operator may pin to one group"),
+    ("max_message_bytes", int, "largest gRPC message accepted, in bytes"),
+    ("idle_group_ttl", float, "seconds a group stays idle before it is removed; 0 = never"),
+    ("cleanup_batch", int, "groups one clean-up pass removes at most"),
+)
+
+
+def _add_limits(p: argparse.ArgumentParser) -> None:
+    defaults = Limits()
+    for name, kind, text in _LIMIT_OPTIONS:
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            type=kind,
+            default=_env(name.upper(), str(getattr(defaults, name))),
+            help=text,
+        )
+
+
+def _limits(p: argparse.ArgumentParser, a: argparse.Namespace) -> Limits:
+    try:
+        return Limits(**{name: getattr(a, name) for name, _, _ in _LIMIT_OPTIONS})
+    except ValueError as exc:
+        p.error(str(exc))

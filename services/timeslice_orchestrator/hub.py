@@ -18,7 +18,6 @@ reports, and the Welcome tells it the fence revision, below which it refuses eve
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -48,6 +47,9 @@ from timeslice_proto.timeslice.v1 import (
 )
 
 log = logging.getLogger(__name__)
+
+# How long a closing agent stream waits for its reader and lease tasks to stop.
+_TASK_STOP_SECONDS = 5.0
 
 HELLO_TIMEOUT = 10.0
 _ON_DEVICE = (JobState.IDLE, JobState.RUNNING)
@@ -246,11 +248,13 @@ class AgentHub(AgentHubBase):
             reader.cancel()
             for task in background:
                 task.cancel()
-            with contextlib.suppress(BaseException):
-                await reader
-            for task in background:
-                with contextlib.suppress(BaseException):
-                    await task
+            # asyncio.wait, not ``await task`` under suppress(BaseException): that would also
+            # swallow this handler's own cancellation (a client resetting its stream), and
+            # grpclib logs a handler that ignores its cancellation with a traceback.
+            stopped, _ = await asyncio.wait({reader, *background}, timeout=_TASK_STOP_SECONDS)
+            for task in stopped:
+                if not task.cancelled():
+                    task.exception()  # retrieved: how they ended was handled above
             conn.fail_pending("agent stream closed")
             if self._connections.get(node) is conn:
                 del self._connections[node]

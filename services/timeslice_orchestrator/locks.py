@@ -25,7 +25,6 @@ from timeslice.errors import (
     InvalidArgument,
     NotFound,
     PermissionDenied,
-    ResourceExhausted,
     SessionExpired,
     Unauthenticated,
 )
@@ -53,8 +52,6 @@ MIRROR_LAG_TIMEOUT = 10.0
 # Groups whose last yield here the mirror may not show yet, kept at most (then pruned).
 _RELEASED_KEPT = 1024
 MAX_TTL = 3600
-# Nodes one group may have pinned: a bound on the members record and on every status.
-MAX_PINNED_NODES = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,17 +353,13 @@ class LockService:
     async def set_members(self, group: str, nodes: list[str]) -> None:
         """Pin ``nodes`` to ``group`` (an empty list unpins).
 
-        Refused: more than :data:`MAX_PINNED_NODES` nodes (ResourceExhausted), and a node whose
-        agent never connected (FailedPrecondition: a typo or a made-up name would block every
-        switch of the group until unpinned). Nodes pinned already stay allowed, so that an
+        Refused: a node whose agent never connected (FailedPrecondition: a typo or a
+        made-up name would block every switch of the group until unpinned); too many nodes is
+        the quota's (``--max-members``). Nodes pinned already stay allowed, so that an
         operator can always shrink a list whose node was decommissioned.
         """
         validate_group_id(group)
         nodes = sorted(set(nodes))
-        if len(nodes) > MAX_PINNED_NODES:
-            raise ResourceExhausted(
-                f"{len(nodes)} nodes given: at most {MAX_PINNED_NODES} can be pinned to a group"
-            )
         for node in nodes:
             validate_node(node)
         seen = set(self._mirror.agents()) | set(self._mirror.group(group).static_members)

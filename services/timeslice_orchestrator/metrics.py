@@ -71,3 +71,9 @@ class Metrics:
         self.driver_errors = Counter(
             "timeslice_driver_errors", "Unexpected errors in the switch driver", registry=r
         )
+        self.idle_groups_removed = Counter(
+            "timeslice_idle_groups_removed",
+            "Groups this replica removed after they stayed idle for the idle-group TTL",
+            registry=r,
+        )
+        self.groups = Gauge("timeslice_groups", "Groups in this replica's mirror", registry=r)

@@ -16,7 +16,9 @@ from timeslice.errors import ErrorKind, error_from_status
 from timeslice_proto.timeslice.v1 import (
     AcquireRequest,
     AcquireState,
+    CloseSessionRequest,
     GetGroupStatusRequest,
+    KeepAliveRequest,
     OpenSessionRequest,
     YieldRequest,
 )
@@ -120,10 +122,20 @@ async def test_bad_input_is_refused_and_changes_nothing(cluster_factory: Cluster
                 )
             ),
         )
-        await expect(
-            ErrorKind.NOT_FOUND,
-            drain(stub.acquire(AcquireRequest(session_id="not-hex", job_id="good", group_id="g"))),
-        )
+        for malformed in ("not-hex", "+00000000000000f", "0x0000000000000f", "ffffffffffffffff"):
+            await expect(
+                ErrorKind.INVALID_ARGUMENT,
+                drain(
+                    stub.acquire(AcquireRequest(session_id=malformed, job_id="good", group_id="g"))
+                ),
+            )
+            await expect(
+                ErrorKind.INVALID_ARGUMENT, stub.keep_alive(KeepAliveRequest(session_id=malformed))
+            )
+            await expect(
+                ErrorKind.INVALID_ARGUMENT,
+                stub.close_session(CloseSessionRequest(session_id=malformed)),
+            )
         await expect(
             ErrorKind.SESSION_EXPIRED,
             drain(

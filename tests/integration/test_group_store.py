@@ -21,6 +21,7 @@ from tests.integration.groupstore import (
 )
 from timeslice.errors import (
     AlreadyExists,
+    InvalidArgument,
     NotFound,
     NotHolder,
     PermissionDenied,
@@ -74,8 +75,9 @@ async def test_a_closed_session_is_gone_with_everything_it_owned(store: GroupSto
 
 
 async def test_a_malformed_session_id_names_no_session(store: GroupStore) -> None:
-    for bad in ("", "xyz", "0" * 16, "1" * 15):
-        with pytest.raises(NotFound):
+    # Not one spelling of a lease: malformed, typed, before etcd is asked.
+    for bad in ("", "xyz", "0" * 16, "1" * 15, "+00000000000000f", "0x0000000000000f", "F" * 16):
+        with pytest.raises(InvalidArgument):
             await store.session(bad)
 
 

@@ -26,6 +26,7 @@ from timeslice_orchestrator.store.etcd import (
     WatchBatch,
 )
 from timeslice_orchestrator.store.keys import KeyRef, Keyspace, Kind, group_topic
+from timeslice_orchestrator.store.owners import OwnerIndex
 from timeslice_orchestrator.store.records import (
     AgentRecord,
     CorruptRecord,
@@ -126,6 +127,10 @@ def _by_key(item: tuple[KeyRef, KeyValue]) -> bytes:
     return item[1].key
 
 
+# Keys whose owner (a job, a session) counts against a quota.
+_OWNED = frozenset({Kind.SESSION, Kind.QUEUE, Kind.HOLDER})
+
+
 def _index(
     topics: dict[str, dict[KeyRef, KeyValue]], groups: set[str], ref: KeyRef, kv: KeyValue
 ) -> None:
@@ -151,6 +156,8 @@ class Mirror:
         # it holds without looking at every group of the deployment.
         self._held: dict[str, set[str]] = {}
         self._holder_of: dict[str, str] = {}
+        # Who owns which session, queue entry and hold, counted for the quotas.
+        self._owners = OwnerIndex()
         self.revision = 0
         self.synced = asyncio.Event()
         self._conditions: dict[str, asyncio.Condition] = {}
@@ -167,6 +174,30 @@ class Mirror:
 
     def group_names(self) -> list[str]:
         return sorted(self._groups)
+
+    # -- counts for the quotas (each O(1): a flood must not slow other calls) -------------
+
+    def group_count(self) -> int:
+        return len(self._groups)
+
+    def has_group(self, group: str) -> bool:
+        return group in self._groups
+
+    def session_count(self) -> int:
+        return len(self._topics.get(Kind.SESSION.value, {}))
+
+    def sessions_of(self, job: str) -> int:
+        """Live sessions of ``job``."""
+        return self._owners.sessions_per_job.get(job, 0)
+
+    def entries_of(self, session_id: str) -> int:
+        """Queue entries and holds of the session, over every group."""
+        return self._owners.entries_per_session.get(session_id, 0)
+
+    def group_revision(self, group: str) -> int:
+        """The newest mod revision among the group's keys (0: no keys)."""
+        keys = self._topics.get(group_topic(group), {})
+        return max((kv.mod_revision for kv in keys.values()), default=0)
 
     def session(self, session_id: str) -> Stored[SessionRecord] | None:
         ref = KeyRef(Kind.SESSION, name=session_id)
@@ -324,6 +355,7 @@ class Mirror:
 
     def _store(self, ref: KeyRef, kv: KeyValue) -> None:
         _index(self._topics, self._groups, ref, kv)
+        self._owners.stored(ref, kv)
         if ref.kind is Kind.HOLDER:
             self._hold(ref.group, kv)
 
@@ -335,6 +367,7 @@ class Mirror:
             return
         keys.pop(ref, None)
         self._decoded.pop(ref, None)
+        self._owners.dropped(ref)
         if not keys:
             del self._topics[ref.topic]
             self._groups.discard(ref.group)
@@ -445,6 +478,7 @@ class Mirror:
         # Keys come in key order, so a group's keys come together: look its topic up once.
         group, keys = "", {}
         holders: list[tuple[str, KeyValue]] = []
+        owned: list[tuple[KeyRef, KeyValue]] = []  # sessions, entries and holds: the quotas
         async with contextlib.aclosing(self._etcd.pages(self._keys.root)) as pages:
             async for at, page in pages:
                 revision = at
@@ -458,6 +492,8 @@ class Mirror:
                         continue
                     if ref.kind is Kind.HOLDER:
                         holders.append((ref.group, kv))
+                    if ref.kind in _OWNED:
+                        owned.append((ref, kv))
                     if not ref.group or ref.group != group:
                         keys = topics.setdefault(ref.topic, {})
                         group = ref.group
@@ -470,6 +506,9 @@ class Mirror:
         self._held, self._holder_of = {}, {}
         for held, kv in holders:
             self._hold(held, kv)
+        self._owners = OwnerIndex()
+        for ref, kv in owned:
+            self._owners.stored(ref, kv)
         self.revision = revision
         self.synced.set()
         await self._notify(old | set(topics))

@@ -148,6 +148,10 @@ class Keyspace:
 
     # -- one group --------------------------------------------------------------------------
 
+    def group_root(self, group: str) -> bytes:
+        """The prefix of every key of ``group`` (what removing an idle group deletes)."""
+        return self._k("groups", group, "")
+
     def meta(self, group: str) -> bytes:
         return self._k("groups", group, "meta")
 

@@ -7,9 +7,10 @@ place in line and grant are freed without anyone watching for it.
 
 from __future__ import annotations
 
+import re
 import time
 
-from timeslice.errors import NotFound, SessionExpired
+from timeslice.errors import InvalidArgument, SessionExpired
 from timeslice_orchestrator.store.base import StoreBase
 from timeslice_orchestrator.store.etcd import LeaseExpired
 from timeslice_orchestrator.store.records import SessionRecord, Stored
@@ -20,14 +21,24 @@ def session_id_of(lease_id: int) -> str:
     return f"{lease_id:016x}"
 
 
+# The one spelling of a session ID: exactly what session_id_of writes. int(x, 16) alone
+# would also take "+00000000000000f", "0x0000000000000f", "000000000000_00f" or upper case,
+# several names for one lease.
+_SESSION_ID = re.compile(r"[0-9a-f]{16}")
+# etcd lease IDs are positive int64s.
+_MAX_LEASE = 2**63 - 1
+
+
 def lease_of(session_id: str) -> int:
-    """The lease of a session ID; NotFound when it cannot name one."""
-    try:
-        value = int(session_id, 16)
-    except ValueError:
-        value = 0
-    if len(session_id) != 16 or value <= 0:
-        raise NotFound(f"session {session_id!r} does not exist")
+    """The lease of a session ID; InvalidArgument when it is not one (not canonical, 0, or
+    beyond etcd's int64 lease IDs)."""
+    if not _SESSION_ID.fullmatch(session_id):
+        raise InvalidArgument(
+            f"session_id {session_id[:40]!r} is not a session ID (16 lower-case hex digits)"
+        )
+    value = int(session_id, 16)
+    if not 0 < value <= _MAX_LEASE:
+        raise InvalidArgument(f"session_id {session_id!r} is out of range")
     return value
 
 
