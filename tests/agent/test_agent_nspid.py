@@ -25,7 +25,7 @@ from test_agent_trust import StateSampler, asleep, sleeper
 
 from timeslice.errors import PermissionDenied
 from timeslice_agent.peers import PeerCredentials, RegistrationRefused, authorize_registration
-from timeslice_agent.procs import process_state
+from timeslice_agent.procs import ProcWalkTimeout, descendants_of, process_state
 from timeslice_proto.timeslice.v1 import AckStatus
 
 UNSHARE = shutil.which("unshare")
@@ -240,3 +240,56 @@ def test_without_nspid_another_namespace_is_refused_with_the_reason(
     _fake_proc(same, os.getpid(), str(os.getpid()), nspid=False)
     _fake_proc(same, outside.pid, str(outside.pid), nspid=False)
     assert authorize_registration(me, outside.pid, "j1", own_pid=-1, proc=same).pid == outside.pid
+
+
+_SDK_WORKER = """
+import json, os, sys, time
+from timeslice.worker import register
+registration = register("grp", job_id="job-sdk", socket=sys.argv[1], timeout=10)
+print(json.dumps({"kind": "REGISTERED", "pid": os.getpid()}), flush=True)
+time.sleep(60)
+"""
+
+
+async def test_the_sdk_registers_from_a_pid_namespace(
+    hub: tuple[FakeHub, int], agents: AgentFactory
+) -> None:
+    h, port = hub
+    agent = await agents(f"127.0.0.1:{port}", backend="freeze").start()
+    await h.next_hello()
+    line = shlex.join([sys.executable, "-c", _SDK_WORKER, str(agent.socket)])
+    worker = in_namespace([line])
+    await worker.start(expect_registered=False)
+    try:
+        assert (await worker.next_event())["kind"] == "SIBLING"
+        event = await worker.next_event()
+        assert event["kind"] == "REGISTERED", event
+        mine = host_pid(worker.pid, event["pid"])
+        assert mine != event["pid"]
+        changed = await h.next_workers()
+        assert [w.pid for w in changed.workers] == [mine]
+        await agent.wait_line(rf"worker registered: job job-sdk group grp pid {mine} ")
+    finally:
+        await worker.kill()
+
+
+def test_a_walk_past_its_deadline_refuses_with_the_reason(
+    procs: list[subprocess.Popen[bytes]],
+) -> None:
+    with pytest.raises(ProcWalkTimeout):
+        descendants_of(os.getpid(), deadline=time.monotonic() - 1)
+    assert UNSHARE is not None
+    outside = subprocess.Popen([UNSHARE, "--pid", "--kill-child", "sh", "-c", "sleep 60"])
+    procs.append(outside)
+    pid = 0
+    for _ in range(500):
+        try:
+            pid = host_pid(outside.pid, 1)
+            break
+        except AssertionError:
+            time.sleep(0.01)
+    peer = PeerCredentials(pid=pid, uid=os.geteuid(), gid=os.getegid())
+    # Pid 2 there is not the peer: finding it needs the walk, which is out of time.
+    with pytest.raises(RegistrationRefused) as refused:
+        authorize_registration(peer, 2, "j1", own_pid=-1, deadline=time.monotonic() - 1)
+    assert refused.value.reason == "timeout"
