@@ -281,9 +281,15 @@ def resolve_pid(
         raise RegistrationRefused(
             "timeout", f"translating pid {pid} from the worker's pid namespace: {exc}"
         ) from None
-    if len(found) != 1:
+    if len(found) > 1:
         raise RegistrationRefused(
-            "not_descendant" if not found else "changed",
+            "changed",
+            f"pid {pid} of the registering process's pid namespace named several processes "
+            f"({found}) while it was being checked",
+        )
+    if not found:
+        raise RegistrationRefused(
+            "not_descendant",
             f"pid {pid} of the registering process's pid namespace is neither the registering "
             f"process (pid {innermost} there, {peer.pid} on the node) nor one of its "
             "descendants in that namespace",
