@@ -320,7 +320,9 @@ def register(
         job_id: the job; default ``TIMESLICE_JOB_ID``.
         pid: the process holding the device state; default this process. It must be this
             process or one of its descendants: the agent checks the caller's credentials and
-            refuses any other pid.
+            refuses any other pid. It is the pid as this process sees it (``os.getpid()``, in
+            its own pid namespace, for instance a pod's without ``hostPID``): the agent
+            translates it to the node's.
         state_bytes: device bytes the job's state takes on this node (sim backend, admission).
         socket: the agent's unix socket; default ``TIMESLICE_AGENT_SOCKET``, else
             ``/run/timeslice/agent.sock``.
@@ -369,6 +371,8 @@ def register(
         state_bytes=state_bytes,
         app_callbacks=on_checkpoint is not None or on_restore is not None,
         acquirer=bool(acquirer),
+        # Lets the agent check that this message comes from the process that connected.
+        registrant_pid=os.getpid(),
     )
     registration = WorkerRegistration(info, path, on_checkpoint, on_restore)
     registration._start(wait)

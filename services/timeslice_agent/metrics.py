@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from timeslice_agent import __version__
 from timeslice_agent.jobs import JobState
+from timeslice_agent.peers import REFUSAL_REASONS
 
 _BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -59,6 +60,15 @@ class AgentMetrics:
             ["reason"],
             registry=r,
         )
+        self.registrations_refused = Counter(
+            "timeslice_agent_registrations_refused",
+            "Worker registrations refused, by reason (not_descendant, foreign_uid, namespace, "
+            "...; timeslice_agent.peers.REFUSAL_REASONS).",
+            ["reason"],
+            registry=r,
+        )
+        for reason in REFUSAL_REASONS:
+            self.registrations_refused.labels(reason)
         self.registered_workers = Gauge(
             "timeslice_agent_registered_workers",
             "Worker registrations currently live on this node.",

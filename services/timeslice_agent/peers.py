@@ -15,6 +15,23 @@ a pid it can stop or checkpoint. Two rules keep that power to what the registran
   effective uid. Before any signal or checkpoint the backends read them again
   (:func:`target_refusal`); a pid that was reused by another process, changed uid, or whose
   environment names another job is refused. Never pid 0 or 1, never the agent itself.
+
+**Pids are translated from the registrant's pid namespace.** A job's pod usually has a pid
+namespace of its own while the agent runs with ``hostPID``: the worker sends the pid it sees
+(``os.getpid()`` in the pod), the kernel reports its pid in the agent's namespace. When the peer
+lives in another pid namespace than the agent (``/proc/<pid>/ns/pid``), the registered pid is
+read in the *peer's* namespace and mapped to the agent's through ``NSpid:`` in
+``/proc/<pid>/status`` (its last entry is the pid in the process's own namespace): it names the
+peer itself, or a descendant of the peer in the same namespace whose innermost pid it is. From
+then on only that process (its pid in the agent's namespace) is recorded and acted on; a pid of
+the agent's namespace that happens to equal the registered number is never considered. A kernel
+without ``NSpid`` (before Linux 4.1) cannot translate: such registrations are refused, with the
+reason. The SDK also sends ``registrant_pid`` (its own pid as it sees it): if it is not the
+connecting process's innermost pid, the message did not come from the process that connected,
+or came from a namespace the agent cannot see, and the registration is refused.
+
+Every refusal carries a ``reason`` (:data:`REFUSAL_REASONS`), counted in
+``timeslice_agent_registrations_refused_total``.
 """
 
 from __future__ import annotations
@@ -22,6 +39,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,12 +48,47 @@ import grpclib.server
 
 from timeslice.errors import PermissionDenied
 from timeslice_agent.discovery import labels_of
-from timeslice_agent.procs import PROC, ProcessIdentity, descends_from, identity_of
+from timeslice_agent.procs import (
+    PROC,
+    ProcessIdentity,
+    ProcWalkTimeout,
+    descendants_of,
+    descends_from,
+    identity_of,
+    nspid_of,
+    pid_namespace,
+)
 
 # struct ucred { pid_t pid; uid_t uid; gid_t gid; }
 _UCRED = struct.Struct("iII")
 # Not in Python 3.11's socket module; the value is the same on every Linux architecture.
 SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
+
+
+# Why a registration was refused: the ``reason`` label of the refusal counter.
+REFUSAL_REASONS = (
+    "invalid",  # malformed ids or pid, or the job is registered in another group
+    "credentials",  # not over the unix socket, or the kernel named no peer
+    "connector_gone",  # the process that connected exited or changed identity
+    "forbidden_pid",  # pid 0, 1 or the agent itself
+    "no_such_process",
+    "foreign_uid",  # a non-root peer named another user's process
+    "not_descendant",  # neither the peer nor one of its descendants
+    "other_job",  # labelled for another job by its environment
+    "changed",  # the process changed while it was being checked
+    "namespace",  # from another pid namespace, and the pid cannot be translated
+    "registrant_mismatch",  # registrant_pid is not the connecting process
+    "timeout",  # the /proc reads took too long
+    "other",
+)
+
+
+class RegistrationRefused(PermissionDenied):
+    """A registration the agent refuses; ``reason`` is one of :data:`REFUSAL_REASONS`."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -52,10 +105,16 @@ def credentials_of_socket(sock: socket.socket) -> PeerCredentials:
     try:
         raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     except OSError as exc:
-        raise PermissionDenied(f"cannot read the peer's credentials: {exc}") from None
+        raise RegistrationRefused(
+            "credentials", f"cannot read the peer's credentials: {exc}"
+        ) from None
     pid, uid, gid = _UCRED.unpack(raw)
     if pid <= 0:
-        raise PermissionDenied("the kernel reported no peer process for this connection")
+        raise RegistrationRefused(
+            "credentials",
+            "the kernel reported no peer process for this connection (a process in a pid "
+            "namespace the agent cannot see?)",
+        )
     _check_connector_alive(sock, pid)
     return PeerCredentials(pid=pid, uid=uid, gid=gid)
 
@@ -72,9 +131,10 @@ def _check_connector_alive(sock: socket.socket, pid: int) -> None:
             for line in f:
                 if line.startswith("Pid:"):
                     if int(line.split()[1]) != pid:
-                        raise PermissionDenied(
+                        raise RegistrationRefused(
+                            "connector_gone",
                             f"the process that connected (pid {pid}) has exited; its "
-                            "connection cannot register workers"
+                            "connection cannot register workers",
                         )
                     return
     except OSError:
@@ -93,47 +153,148 @@ def credentials_of_stream(stream: grpclib.server.Stream[Any, Any]) -> PeerCreden
     transport = getattr(stream.peer, "_transport", None)
     sock = transport.get_extra_info("socket") if transport is not None else None
     if sock is None or sock.family != socket.AF_UNIX:
-        raise PermissionDenied("registrations are accepted only over the agent's unix socket")
+        raise RegistrationRefused(
+            "credentials", "registrations are accepted only over the agent's unix socket"
+        )
     return credentials_of_socket(sock)
 
 
 def authorize_registration(
-    peer: PeerCredentials, pid: int, job_id: str, *, own_pid: int, proc: Path = PROC
+    peer: PeerCredentials,
+    pid: int,
+    job_id: str,
+    *,
+    own_pid: int,
+    registrant_pid: int = 0,
+    proc: Path = PROC,
+    deadline: float | None = None,
 ) -> ProcessIdentity:
-    """Pin the process ``pid`` for ``peer``, or raise PermissionDenied (blocking reads).
+    """Pin the process ``pid`` names for ``peer``, or raise RegistrationRefused (blocking reads).
 
-    See the module docstring for the rule.
+    ``pid`` is read in the peer's pid namespace; the identity returned is the process's in the
+    agent's (its ``pid`` is what the agent records and acts on). ``registrant_pid``: what the
+    registrant says its own pid is (0: not said). ``deadline`` (``time.monotonic()``) bounds a
+    walk of /proc. See the module docstring for the rules.
     """
-    if pid <= 1 or pid == own_pid:
-        raise PermissionDenied(f"pid {pid} cannot be registered")
-    target = identity_of(pid, proc)
+    host_pid = resolve_pid(peer, pid, registrant_pid=registrant_pid, proc=proc, deadline=deadline)
+    said = pid if host_pid == pid else f"{pid} (pid {host_pid} on the node)"
+    if host_pid <= 1 or host_pid == own_pid:
+        raise RegistrationRefused("forbidden_pid", f"pid {said} cannot be registered")
+    target = identity_of(host_pid, proc)
     if target is None:
-        raise PermissionDenied(f"pid {pid}: no such process")
+        raise RegistrationRefused("no_such_process", f"pid {said}: no such process")
     connector = identity_of(peer.pid, proc)
     if connector is None or connector.euid != peer.uid:
-        raise PermissionDenied(
-            f"the process that connected (pid {peer.pid}) is gone or changed its identity"
+        raise RegistrationRefused(
+            "connector_gone",
+            f"the process that connected (pid {peer.pid}) is gone or changed its identity",
         )
     if peer.uid != 0 and (target.uid != peer.uid or target.euid != peer.uid):
-        raise PermissionDenied(
-            f"pid {pid} runs as uid {target.uid}/{target.euid}; a worker of uid {peer.uid} "
-            "may only register its own processes"
+        raise RegistrationRefused(
+            "foreign_uid",
+            f"pid {said} runs as uid {target.uid}/{target.euid}; a worker of uid {peer.uid} "
+            "may only register its own processes",
         )
-    if not descends_from(pid, peer.pid, proc):
-        raise PermissionDenied(
-            f"pid {pid} is neither the registering process (pid {peer.pid}) nor one of its "
-            "descendants"
+    if not descends_from(host_pid, peer.pid, proc):
+        raise RegistrationRefused(
+            "not_descendant",
+            f"pid {said} is neither the registering process (pid {peer.pid}) nor one of its "
+            "descendants",
         )
-    labels = labels_of(pid, proc)
+    labels = labels_of(host_pid, proc)
     if labels is not None and labels.job_id != job_id:
-        raise PermissionDenied(
-            f"pid {pid} belongs to job {labels.job_id} by its environment (TIMESLICE_JOB_ID); "
-            f"it cannot be registered for job {job_id}"
+        raise RegistrationRefused(
+            "other_job",
+            f"pid {said} belongs to job {labels.job_id} by its environment (TIMESLICE_JOB_ID); "
+            f"it cannot be registered for job {job_id}",
         )
-    # The chain was read over several reads: if the pid changed hands meanwhile, refuse.
-    if identity_of(pid, proc) != target:
-        raise PermissionDenied(f"pid {pid} changed while it was being checked")
+    # The chain was read over several reads: if the pid changed hands meanwhile, refuse. (A
+    # process keeps its pid namespace and its pids for life: the same start time at the same
+    # host pid is the same process, so the translation still holds.)
+    if identity_of(host_pid, proc) != target:
+        raise RegistrationRefused("changed", f"pid {said} changed while it was being checked")
     return target
+
+
+def resolve_pid(
+    peer: PeerCredentials,
+    pid: int,
+    *,
+    registrant_pid: int = 0,
+    proc: Path = PROC,
+    deadline: float | None = None,
+) -> int:
+    """The pid, in the agent's namespace, of the process ``peer`` calls ``pid`` in its own.
+
+    Raises RegistrationRefused if there is none (blocking reads; see the module docstring).
+    """
+    peer_chain = nspid_of(peer.pid, proc)
+    if peer_chain is None:
+        raise RegistrationRefused(
+            "connector_gone", f"the process that connected (pid {peer.pid}) is gone"
+        )
+    own_ns = pid_namespace("self", proc)
+    peer_ns = pid_namespace(peer.pid, proc)
+    if not peer_chain:
+        # No NSpid (Linux < 4.1): another namespace shows as another ns inode, or as a
+        # registrant whose own pid is not the one the kernel reports.
+        elsewhere = (own_ns is not None and peer_ns is not None and own_ns != peer_ns) or (
+            registrant_pid != 0 and registrant_pid != peer.pid
+        )
+        if elsewhere:
+            raise RegistrationRefused(
+                "namespace",
+                f"the registering process (pid {peer.pid} on the node) runs in another pid "
+                "namespace than the agent, and this kernel reports no NSpid in "
+                f"/proc/{peer.pid}/status (Linux 4.1 or later does), so pid {pid} of its "
+                "namespace cannot be translated; run the pod with hostPID, or on a newer kernel",
+            )
+        return pid
+    own_chain = nspid_of("self", proc) or (0,)
+    if own_ns is not None and peer_ns is not None:
+        same = own_ns == peer_ns
+    else:
+        same = len(peer_chain) == len(own_chain)
+    innermost = peer_chain[-1]
+    if registrant_pid != 0 and registrant_pid != innermost:
+        raise RegistrationRefused(
+            "registrant_mismatch",
+            f"the registration says it comes from pid {registrant_pid}, but the process that "
+            f"connected is pid {innermost} in its pid namespace (pid {peer.pid} on the node): "
+            "register from the process that connected",
+        )
+    if same:
+        return pid
+    if pid == innermost:
+        return peer.pid
+    # A descendant in the peer's namespace whose innermost pid is ``pid``: pids are unique
+    # within a namespace, so there is at most one (more means the walk saw a pid reused).
+    found: list[int] = []
+    try:
+        for candidate in descendants_of(peer.pid, proc, deadline=deadline):
+            chain = nspid_of(candidate, proc)
+            if chain and chain[-1] == pid and pid_namespace(candidate, proc) == peer_ns:
+                found.append(candidate)
+            if deadline is not None and time.monotonic() > deadline:
+                raise ProcWalkTimeout("reading the descendants' NSpid took too long")
+    except ProcWalkTimeout as exc:
+        raise RegistrationRefused(
+            "timeout", f"translating pid {pid} from the worker's pid namespace: {exc}"
+        ) from None
+    if len(found) > 1:
+        raise RegistrationRefused(
+            "changed",
+            f"pid {pid} of the registering process's pid namespace named several processes "
+            f"({found}) while it was being checked",
+        )
+    if not found:
+        raise RegistrationRefused(
+            "not_descendant",
+            f"pid {pid} of the registering process's pid namespace is neither the registering "
+            f"process (pid {innermost} there, {peer.pid} on the node) nor one of its "
+            "descendants in that namespace",
+        )
+    return found[0]
 
 
 def target_refusal(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,3 +108,74 @@ def descends_from(pid: int, ancestor: int, proc: Path = PROC) -> bool:
             return False
         current = stat[0]
     return False
+
+
+# ----- pid namespaces -------------------------------------------------------------------------
+
+
+class ProcWalkTimeout(Exception):
+    """A walk of /proc ran past its deadline (a process stuck in the kernel can hold a read)."""
+
+
+def pid_namespace(pid: int | str, proc: Path = PROC) -> int | None:
+    """The inode of the pid namespace ``pid`` (or ``"self"``) lives in, or None (blocking read).
+
+    None: the process is gone, or the kernel has no ``/proc/<pid>/ns/pid`` (before 3.8).
+    """
+    try:
+        link = os.readlink(proc / str(pid) / "ns" / "pid")
+    except OSError:
+        return None
+    # "pid:[4026531836]"
+    _, _, rest = link.partition("[")
+    try:
+        return int(rest.rstrip("]"))
+    except ValueError:
+        return None
+
+
+def nspid_of(pid: int | str, proc: Path = PROC) -> tuple[int, ...] | None:
+    """The ``NSpid:`` line of ``pid``'s status: its pid in each namespace, outermost first.
+
+    The first entry is the pid in the namespace of the /proc mount read, the last one the pid
+    in the process's own namespace. ``()`` when the kernel writes no NSpid line (before 4.1);
+    None if the process is gone (blocking read).
+    """
+    try:
+        with open(proc / str(pid) / "status") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    return tuple(int(x) for x in line.split()[1:])
+    except (OSError, ValueError):
+        return None
+    return ()
+
+
+def descendants_of(pid: int, proc: Path = PROC, *, deadline: float | None = None) -> list[int]:
+    """``pid``'s descendants (not ``pid`` itself), from one walk of /proc (blocking reads).
+
+    The walk is not atomic: a process may start or exit during it, so callers check what they
+    find again. Raises :class:`ProcWalkTimeout` once ``time.monotonic()`` passes ``deadline``.
+    """
+    children: dict[int, list[int]] = {}
+    try:
+        entries = [e.name for e in os.scandir(proc) if e.name.isdigit()]
+    except OSError:
+        return []
+    for n, name in enumerate(entries):
+        if deadline is not None and n % 64 == 0 and time.monotonic() > deadline:
+            raise ProcWalkTimeout(f"walking {proc} took too long")
+        stat = _stat(int(name), proc)
+        if stat is not None:
+            children.setdefault(stat[0], []).append(int(name))
+    found: list[int] = []
+    todo = list(children.get(pid, ()))
+    seen = {pid}
+    while todo:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        found.append(current)
+        todo.extend(children.get(current, ()))
+    return sorted(found)

@@ -196,6 +196,9 @@ class Agent:
         self.executor.on_workers_changed(job_id)
         self.link.workers_changed()
 
+    def _on_registration_refused(self, reason: str) -> None:
+        self.metrics.registrations_refused.labels(reason).inc()
+
     def _send_ack(self, ack: DirectiveAck) -> None:
         self.link.send_ack(ack)
 
@@ -332,7 +335,10 @@ class Agent:
         )
         # Strict decoding and a size limit: a worker's malformed or oversized message is
         # refused, typed, before a handler runs (timeslice.wire).
-        self._grpc = strict_server([WorkerLinkService(self.registry)], cfg.max_message_bytes)
+        self._grpc = strict_server(
+            [WorkerLinkService(self.registry, on_refused=self._on_registration_refused)],
+            cfg.max_message_bytes,
+        )
         sock = await asyncio.to_thread(
             bind_worker_socket, cfg.worker_socket, cfg.worker_socket_group
         )

@@ -13,11 +13,17 @@ gone (or whose pid now names another process), in case a stream outlives its pro
 PERMISSION_DENIED and nothing recorded, a pid that is not the peer or a descendant of it, runs
 as another uid, or is labelled for another job. An accepted registration pins the process's
 identity (start time, uids); the backends act on the pid only while it still matches.
+
+**Pids are the agent's.** A worker in another pid namespace (a pod without ``hostPID``) sends
+the pid it sees; the registration records the same process's pid in the agent's namespace
+(see :mod:`timeslice_agent.peers`), and everything downstream (backends, sweeps, the
+orchestrator's view) uses that one. Every refusal is counted by reason (``on_refused``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
@@ -33,7 +39,11 @@ from grpclib.exceptions import GRPCError
 from timeslice.errors import InvalidArgument, NotFound, PermissionDenied, Timeout, TimeSliceError
 from timeslice.ids import validate_group_id, validate_job_id
 from timeslice_agent.discovery import Discovered, labels_of
-from timeslice_agent.peers import authorize_registration, credentials_of_stream
+from timeslice_agent.peers import (
+    RegistrationRefused,
+    authorize_registration,
+    credentials_of_stream,
+)
 from timeslice_agent.procs import ProcessIdentity, identity_of, pid_exists
 from timeslice_proto.timeslice.v1 import (
     CommandResult,
@@ -353,37 +363,78 @@ def _grpc_error(exc: TimeSliceError) -> GRPCError:
 class WorkerLinkService:
     """The ``timeslice.v1.WorkerLink`` service over a :class:`WorkerRegistry` (grpclib)."""
 
-    def __init__(self, registry: WorkerRegistry, *, own_pid: int | None = None) -> None:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        *,
+        own_pid: int | None = None,
+        on_refused: Callable[[str], None] | None = None,
+    ) -> None:
         self._registry = registry
         self._own_pid = os.getpid() if own_pid is None else own_pid
+        self._on_refused = on_refused
 
     async def _authorize(
         self, stream: grpclib.server.Stream[WorkerInfo, WorkerCommand], info: WorkerInfo
     ) -> ProcessIdentity:
-        """The pinned process ``info`` names, if the peer may register it; else raises."""
+        """The pinned process ``info`` names, if the peer may register it; else raises.
+
+        ``info.pid`` is read in the peer's pid namespace; the identity's pid is the agent's.
+        """
         self._registry.validate(info)
         peer = credentials_of_stream(stream)
+        # The thread stops walking /proc at the deadline too, rather than running on unseen.
+        deadline = time.monotonic() + AUTHORIZE_SECONDS
         try:
             async with asyncio.timeout(AUTHORIZE_SECONDS):
                 identity = await asyncio.to_thread(
-                    authorize_registration, peer, info.pid, info.job_id, own_pid=self._own_pid
+                    authorize_registration,
+                    peer,
+                    info.pid,
+                    info.job_id,
+                    own_pid=self._own_pid,
+                    registrant_pid=info.registrant_pid,
+                    deadline=deadline,
                 )
         except TimeoutError:
             raise Timeout(
                 f"checking the registration of pid {info.pid} took over {AUTHORIZE_SECONDS:g} s"
             ) from None
-        log.debug("peer pid %d uid %d may register pid %d", peer.pid, peer.uid, info.pid)
+        if identity.pid != info.pid:
+            log.info(
+                "pid %d of the worker's pid namespace is pid %d on this node (peer pid %d)",
+                info.pid,
+                identity.pid,
+                peer.pid,
+            )
+        log.debug("peer pid %d uid %d may register pid %d", peer.pid, peer.uid, identity.pid)
         return identity
+
+    def _refused(self, exc: TimeSliceError) -> None:
+        if isinstance(exc, RegistrationRefused):
+            reason = exc.reason
+        elif isinstance(exc, InvalidArgument):
+            reason = "invalid"
+        elif isinstance(exc, Timeout):
+            reason = "timeout"
+        else:
+            reason = "other"
+        log.warning("worker registration refused: %s [%s]", exc.message, reason)
+        if self._on_refused is not None:
+            self._on_refused(reason)
 
     async def register(self, stream: grpclib.server.Stream[WorkerInfo, WorkerCommand]) -> None:
         info = await stream.recv_message()
         if info is None:
+            self._refused(InvalidArgument("Register needs a WorkerInfo message"))
             raise _grpc_error(InvalidArgument("Register needs a WorkerInfo message"))
         try:
             identity = await self._authorize(stream, info)
+            # From here on the pid is the agent's: what the backends act on and the hub sees.
+            info = dataclasses.replace(info, pid=identity.pid)
             reg = self._registry.register(info, identity)
         except TimeSliceError as exc:
-            log.warning("worker registration refused: %s", exc.message)
+            self._refused(exc)
             raise _grpc_error(exc) from None
         reason = "stream ended"
         try:

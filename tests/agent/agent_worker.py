@@ -5,6 +5,8 @@ receives is printed to stdout as one JSON line, flushed, so the test can follow 
 ``--hook-mode ok`` hooks are answered ok with ``--hook-bytes``; ``fail`` answers not-ok with a
 reason; ``silent`` never answers (to exercise the hook timeout). With ``--child`` it starts a child
 ``sleep`` and registers that descendant's pid instead of its own (printed first as ``CHILD``).
+It prints ``{"kind": "PID", "pid": ..., "ns_pid": ...}`` first: its pid as it sees it, which in
+a pid namespace of its own (``unshare --pid``) differs from the node's.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ async def main(args: argparse.Namespace) -> int:
         state_bytes=args.state_bytes,
         app_callbacks=args.app_callbacks,
         acquirer=args.acquirer,
+        registrant_pid=os.getpid() if args.registrant_pid < 0 else args.registrant_pid,
     )
     try:
         async for command in stub.register(info):
@@ -96,6 +99,8 @@ if __name__ == "__main__":
     parser.add_argument("--group", required=True)
     parser.add_argument("--pid", type=int, default=0)
     parser.add_argument("--child", action="store_true")
+    # The pid the worker says it has (-1: its own, as the SDK sends; 0: unsaid, an older SDK).
+    parser.add_argument("--registrant-pid", type=int, default=-1)
     parser.add_argument("--state-bytes", type=int, default=0)
     parser.add_argument("--app-callbacks", action="store_true")
     parser.add_argument("--acquirer", action="store_true")

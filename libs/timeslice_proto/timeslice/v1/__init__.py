@@ -966,6 +966,13 @@ class WorkerInfo(betterproto2.Message):
     The process calls acquire itself: it must never be frozen.
     """
 
+    registrant_pid: "int" = betterproto2.field(7, betterproto2.TYPE_UINT32)
+    """
+    The registering process's own pid as it sees it (getpid() in its pid namespace); 0 from
+    older SDKs. `pid` is read in the registering process's pid namespace: the agent translates
+    it to its own (NSpid), and checks this hint against the process that connected.
+    """
+
 
 default_message_pool.register_message("timeslice.v1", "WorkerInfo", WorkerInfo)
 
