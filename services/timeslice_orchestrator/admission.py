@@ -177,7 +177,8 @@ class Admission:
         finally:
             was_first = client.waiters[0] is turn
             client.waiters.remove(turn)
-            if was_first and client.waiters:
+            if was_first and client.waiters and not client.waiters[0].done():
+                # (done: that waiter is being cancelled, and hands on in its own finally)
                 client.waiters[0].set_result(None)
         client.tokens -= cost
         client.active += 1

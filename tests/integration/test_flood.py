@@ -13,18 +13,22 @@ What keeps the ratio down is the replica's per-connection admission control
 (its 16 callers then cost the replica nothing while they wait) and past the bound are
 refused RESOURCE_EXHAUSTED, while the victim's connection has a bucket of its own. The test
 runs with the default admission settings, and checks that the flood really was throttled
-and refused, typed, and that the victim never was.
+and refused, typed, and that the victim never was. ``TIMESLICE_FLOOD_TEST_ARGS`` adds
+orchestrator flags: with ``--client-rate=0`` (no admission) the ratio is 4-5 and the test
+fails.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -97,6 +101,11 @@ asyncio.run(main(*sys.argv[1:3], float(sys.argv[3])))
 """
 
 
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return str(response.read().decode())
+
+
 def _p(values: list[float], q: float) -> float:
     return sorted(values)[min(len(values) - 1, int(q * len(values)))]
 
@@ -142,7 +151,14 @@ async def test_flood_does_not_double_a_neighbours_acquire_latency(
     cluster = cluster_factory(
         agents=0,
         tls=False,
-        orchestrator_args=["--max-sessions-per-job=64", "--max-groups=1000", "--max-sessions=200"],
+        # Admission control is left at its defaults (on); the quotas are small so that the
+        # flood reaches them within seconds.
+        orchestrator_args=[
+            "--max-sessions-per-job=64",
+            "--max-groups=1000",
+            "--max-sessions=200",
+            *os.environ.get("TIMESLICE_FLOOD_TEST_ARGS", "").split(),
+        ],
     )
     target = cluster.targets[0]
     host, _, port = target.rpartition(":")
@@ -169,6 +185,7 @@ async def test_flood_does_not_double_a_neighbours_acquire_latency(
                 flooder.send_signal(signal.SIGUSR1)
                 await asyncio.sleep(SETTLE)
                 flooded.append(await victim.measure(SAMPLES))
+        metrics = await asyncio.to_thread(_get, f"http://{cluster.replica_http[0]}/metrics")
     finally:
         flooder.terminate()
         out, _ = flooder.communicate(timeout=30)
@@ -189,6 +206,8 @@ async def test_flood_does_not_double_a_neighbours_acquire_latency(
     )
     lines.append(f"  median of the per-round p50 ratios: {statistics.median(ratios):.2f}")
     lines.append(f"  flood calls: {counts}")
+    admission = [line for line in metrics.splitlines() if line.startswith("timeslice_admission")]
+    lines.append(f"  replica: {'; '.join(admission) or 'no admission metrics'}")
     print("\n" + "\n".join(lines))
 
     # The flood ran, went past its quotas and was throttled: typed refusals only.
@@ -201,4 +220,8 @@ async def test_flood_does_not_double_a_neighbours_acquire_latency(
         "Acquire:RESOURCE_EXHAUSTED",
     }, counts
     assert statistics.median(ratios) <= MAX_RATIO, ratios
+    # ... because the replica held the flood back (its calls waited for their tokens).
+    assert any(
+        line.startswith('timeslice_admission_total{outcome="waited"}') for line in admission
+    ), admission
     assert cluster.exited() == {}
