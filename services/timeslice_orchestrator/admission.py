@@ -1,4 +1,4 @@
-"""Per-connection admission: a flood from one client does not slow the other jobs.
+"""Per-client admission: a flood from one client does not slow the other jobs.
 
 A replica serves every client from one event loop, first come first served, so a client
 that sends calls as fast as it can (16 callers opening sessions and groups, far past their
@@ -6,28 +6,31 @@ quotas: a quota refusal is cheap, but not free) fills the loop, and every other 
 queue behind its own. Quotas (:mod:`.limits`) bound what a client may *keep*; admission
 bounds how fast it may *ask*.
 
-Each client connection (its peer address: one HTTP/2 connection, whatever the job) has a
-token bucket, filled at ``client_rate`` tokens a second up to ``client_burst``:
+Each client has a token bucket, filled at ``client_rate`` tokens a second up to
+``client_burst``. A client is a job when its client certificate names one (mutual TLS: all
+the job's connections share the bucket), else a connection (its peer address: one HTTP/2
+connection; without TLS a job id is only a claim, so it cannot choose the bucket):
 
 - A call is admitted, before its request is read or decoded, while the bucket is not in
   debt; it then pays its method's cost (:data:`COSTS`: 1, more for the calls that create a
   session or a group, or read every group). A call the handler refuses for the client's own
   fault (over quota, malformed, unauthenticated, ...) pays :data:`REFUSAL_COST` more, so a
   client that keeps asking for what it cannot have runs out first.
-- A call that finds the bucket in debt waits, first in first out per connection (no CPU
+- A call that finds the bucket in debt waits, first in first out per client (no CPU
   spent on it while it waits, and its caller sends nothing more), at most
   ``client_max_wait`` seconds and never past its own deadline. Past that, or with
-  ``client_max_waiting`` calls of its connection already waiting, it is refused
+  ``client_max_waiting`` calls of its client already waiting, it is refused
   RESOURCE_EXHAUSTED, typed, with how long to wait in the message.
 
-Other connections have buckets of their own, so their calls are never delayed or refused by
-a flood; a job doing a handful of calls per step never comes near the defaults. A
-connection's state is dropped once it is idle (no call running or waiting, its bucket full),
-so what is kept is bounded by the connections that are busy right now.
+Other clients have buckets of their own, so their calls are never delayed or refused by a
+flood; a job doing a handful of calls per step never comes near the defaults. A client's
+state is dropped once it is idle (no call running or waiting, its bucket full), so what is
+kept is bounded by the clients that are busy right now. The agents' service is not
+admitted here (one long stream per node).
 
-A client opening many connections gets a bucket on each: this bounds a client library or a
-runaway loop, not a determined attacker (put a limit on connections per source in front of
-the replicas for that, and use client certificates).
+Without client certificates, a client opening many connections gets a bucket on each: this
+bounds a client library or a runaway loop, not a determined attacker (use client
+certificates, and a limit on connections per source in front of the replicas).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from grpclib.exceptions import GRPCError
 from grpclib.server import Server
 
 from timeslice.errors import ResourceExhausted
+from timeslice_orchestrator import identity
 
 if TYPE_CHECKING:
     from timeslice_orchestrator.limits import Limits
@@ -68,11 +72,11 @@ REFUSALS = frozenset(
         Status.UNIMPLEMENTED,
     }
 )
-SWEEP_INTERVAL = 1.0  # seconds between two sweeps of idle connections
+SWEEP_INTERVAL = 1.0  # seconds between two sweeps of idle clients
 
 
 class _Client:
-    """One connection's bucket, its waiting calls, and its calls running."""
+    """One client's bucket, its waiting calls, and its calls running."""
 
     __slots__ = ("active", "stamp", "tokens", "waiters")
 
@@ -88,7 +92,7 @@ class _Client:
 
 
 class Admission:
-    """The buckets of every busy connection of one replica."""
+    """The buckets of every busy client of one replica."""
 
     def __init__(
         self,
@@ -123,7 +127,7 @@ class Admission:
         return self.rate > 0
 
     def tracked(self) -> int:
-        """Connections with state kept (busy ones, and idle ones until the next sweep)."""
+        """Clients with state kept (busy ones, and idle ones until the next sweep)."""
         return len(self._clients)
 
     def _client(self, key: Hashable, now: float) -> _Client:
@@ -137,7 +141,7 @@ class Admission:
         return client
 
     def _sweep(self, now: float) -> None:
-        """Forget idle connections: a full bucket is what a new one starts with."""
+        """Forget idle clients: a full bucket is what a new one starts with."""
         self._next_sweep = now + SWEEP_INTERVAL
         for key, client in list(self._clients.items()):
             client.refill(now, self.rate, self.burst)
@@ -145,7 +149,7 @@ class Admission:
                 del self._clients[key]
 
     async def admit(self, key: Hashable, method: str, timeout: float | None = None) -> _Client:
-        """Wait for the connection's turn; its caller must :meth:`done` the returned ticket.
+        """Wait for the client's turn; its caller must :meth:`done` the returned ticket.
 
         Raises :class:`~timeslice.errors.ResourceExhausted` when the call cannot be admitted
         within ``client_max_wait`` (nor within ``timeout``, the call's own deadline).
@@ -199,17 +203,21 @@ class Admission:
             self._metrics.admission.labels(outcome=f"refused_{why}").inc()
         retry = max(0.05, -client.tokens / self.rate if self.rate else 1.0)
         raise ResourceExhausted(
-            f"{method}: this connection sends calls faster than this replica admits "
+            f"{method}: this client sends calls faster than this replica admits "
             f"({self.rate:g} tokens/s, burst {self.burst:g}, --client-rate/--client-burst; "
             f"{len(client.waiters)} calls already waiting); retry in {retry:.2f} s"
         )
 
 
-def _peer_key(event: RecvRequest) -> Hashable:
-    addr: Any = event.peer.addr()
+def _client_key(peer_addr: Any) -> Hashable:
+    """Whose bucket a call spends: its job's, when a client certificate names the job (all
+    the job's connections then share one bucket), else its connection's."""
+    who = identity.current()  # set by identity's listener, before the handler runs
+    if who is not None and who.job is not None and not who.operator:
+        return ("job", who.job)
     # TCP: (host, port), one per connection. A unix socket has no peer name: all its
     # connections share one bucket.
-    return tuple(addr) if isinstance(addr, (tuple, list)) else str(addr)
+    return ("peer", tuple(peer_addr) if isinstance(peer_addr, (tuple, list)) else peer_addr)
 
 
 def install(server: Server, admission: Admission, service: str = SERVICE) -> None:
@@ -223,10 +231,11 @@ def install(server: Server, admission: Admission, service: str = SERVICE) -> Non
             return
         handler = event.method_func
         method = event.method_name[len(service) :]
-        key = _peer_key(event)
+        addr = event.peer.addr()
         deadline = event.deadline
 
         async def admitted(stream: Any) -> None:
+            key = _client_key(addr)
             timeout = None if deadline is None else deadline.time_remaining()
             try:
                 ticket = await admission.admit(key, method, timeout)

@@ -1,4 +1,4 @@
-"""Per-connection admission (timeslice_orchestrator.admission): buckets, waits, refusals."""
+"""Per-client admission (timeslice_orchestrator.admission): buckets, waits, refusals."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import pytest
 from grpclib.const import Status
 
 from timeslice.errors import ResourceExhausted
-from timeslice_orchestrator.admission import COSTS, REFUSAL_COST, Admission
+from timeslice_orchestrator import identity
+from timeslice_orchestrator.admission import COSTS, REFUSAL_COST, Admission, _client_key
 from timeslice_orchestrator.config import parse_args
+from timeslice_orchestrator.identity import Identity
 from timeslice_orchestrator.limits import Limits
 
 
@@ -126,3 +128,19 @@ def test_options_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
         Limits(client_burst=0)
     with pytest.raises(ValueError):
         Limits(client_rate=-1)
+
+
+def test_a_certificate_job_is_one_client_over_all_its_connections() -> None:
+    def key(who: Identity | None, addr: object) -> object:
+        token = identity._current.set(who)
+        try:
+            return _client_key(addr)
+        finally:
+            identity._current.reset(token)
+
+    job = Identity(subject="a", job="trainer")
+    assert key(job, ("10.0.0.1", 1)) == key(job, ("10.0.0.2", 2)) == ("job", "trainer")
+    # Without TLS (no identity), or for an operator: each connection is its own client.
+    assert key(None, ("10.0.0.1", 1)) != key(None, ("10.0.0.1", 2))
+    operator = Identity(subject="op", operator=True)
+    assert key(operator, ("10.0.0.1", 1)) == ("peer", ("10.0.0.1", 1))
