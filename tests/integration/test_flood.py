@@ -206,7 +206,7 @@ async def test_flood_does_not_double_a_neighbours_acquire_latency(
     )
     lines.append(f"  median of the per-round p50 ratios: {statistics.median(ratios):.2f}")
     lines.append(f"  flood calls: {counts}")
-    admission = [line for line in metrics.splitlines() if line.startswith("timeslice_admission")]
+    admission = [x for x in metrics.splitlines() if x.startswith("timeslice_admission_total")]
     lines.append(f"  replica: {'; '.join(admission) or 'no admission metrics'}")
     print("\n" + "\n".join(lines))
 
