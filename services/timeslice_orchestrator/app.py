@@ -33,7 +33,8 @@ from timeslice.backoff import Backoff
 from timeslice.tasks import Supervisor
 from timeslice.tracing import provider_from_env, tracer_for
 from timeslice.wire import strict_server
-from timeslice_orchestrator import identity
+from timeslice_orchestrator import admission, identity
+from timeslice_orchestrator.admission import Admission
 from timeslice_orchestrator.api import TimeSliceService
 from timeslice_orchestrator.authz import Authorizer, load_operator_token
 from timeslice_orchestrator.cleanup import IdleGroupCleaner
@@ -147,6 +148,9 @@ class Orchestrator:
         # Strict decoding and a message size limit: malformed or oversized requests are
         # refused, typed, before a handler runs (timeslice.wire).
         self._server = strict_server([api, hub], cfg.limits.max_message_bytes)
+        # Per-connection token buckets: a flood from one client waits, or is refused, before
+        # its requests are read, and other clients keep their latency (admission.py).
+        admission.install(self._server, Admission.from_limits(cfg.limits, self.metrics))
         if cfg.limits.idle_group_ttl > 0:
             cleaner = IdleGroupCleaner(
                 IdleStore(self.etcd, self.keys), self.mirror, cfg.limits, self.metrics

@@ -271,6 +271,15 @@ _LIMIT_OPTIONS: tuple[tuple[str, type, str], ...] = (
     ("max_message_bytes", int, "largest gRPC message accepted, in bytes"),
     ("idle_group_ttl", float, "seconds a group stays idle before it is removed; 0 = never"),
     ("cleanup_batch", int, "groups one clean-up pass removes at most"),
+    (
+        "client_rate",
+        float,
+        "call tokens a second each client connection may spend (a call costs 1-10, 10 more "
+        "when refused); 0 = no admission control",
+    ),
+    ("client_burst", int, "tokens a client connection may spend at once"),
+    ("client_max_waiting", int, "calls of one connection that may wait for tokens"),
+    ("client_max_wait", float, "seconds a call may wait for tokens before it is refused"),
 )
 
 

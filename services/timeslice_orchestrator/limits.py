@@ -40,6 +40,14 @@ class Limits:
     idle_group_ttl: float = 3600.0
     # Groups one clean-up pass may remove (the rest wait for the next pass).
     cleanup_batch: int = 500
+    # Admission per client connection (admission.py): tokens a second (0: no admission
+    # control), the bucket's size, calls that may wait for tokens, and for how long at most.
+    # A call pays 1 to 10 tokens by method, 10 more when refused for the client's fault: a
+    # job doing a handful of calls per step uses a few tokens a second.
+    client_rate: float = 500.0
+    client_burst: int = 1000
+    client_max_waiting: int = 64
+    client_max_wait: float = 2.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -57,6 +65,11 @@ class Limits:
             raise ValueError(f"max_id_length must be between 1 and {MAX_ID_LENGTH}")
         if self.idle_group_ttl < 0:
             raise ValueError("idle_group_ttl must not be negative")
+        for name in ("client_rate", "client_max_waiting", "client_max_wait"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative")
+        if self.client_burst < 1:
+            raise ValueError("client_burst must be at least 1")
 
 
 class Quotas:

@@ -76,4 +76,11 @@ class Metrics:
             "Groups this replica removed after they stayed idle for the idle-group TTL",
             registry=r,
         )
+        self.admission = Counter(
+            "timeslice_admission",
+            "Client calls that found their connection's token bucket empty: waited, or refused "
+            "(too many waiting, or no tokens within --client-max-wait)",
+            ["outcome"],
+            registry=r,
+        )
         self.groups = Gauge("timeslice_groups", "Groups in this replica's mirror", registry=r)
