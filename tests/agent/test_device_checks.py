@@ -317,7 +317,7 @@ async def test_agent_keeps_parked_processes_that_nvml_no_longer_lists(
     from timeslice_agent.service import Agent
 
     argv = ["--orchestrator", "127.0.0.1:1", "--node", "n1", "--backend", "app"]
-    config = parse_config([*argv, "--worker-socket", str(tmp_path / "a.sock")], {})
+    config = parse_config([*argv, "--worker-socket", str(tmp_path / "a.sock"), "--insecure"], {})
     agent = Agent(config, tracing=None)
     pinned = identity_of(sleeper)
     assert pinned is not None

@@ -19,7 +19,7 @@ from aetcd.rpc import rpc_pb2 as pb
 from aetcd.rpc import rpc_pb2_grpc as pb_grpc
 
 from tests.conftest import ClusterFactory
-from tests.integration.rawclient import raw_stub
+from tests.integration.rawclient import opened, raw_stub
 from timeslice_orchestrator.store.etcd import EtcdClient, Txn
 from timeslice_proto.timeslice.v1 import (
     AcquireRequest,
@@ -59,13 +59,16 @@ async def test_idle_groups_are_removed_and_etcd_shrinks(cluster_factory: Cluster
         orchestrator_args=[
             "--idle-group-ttl=4",
             "--cleanup-batch=2000",
+            "--client-rate=0",  # one client making 20,000 groups on purpose
             f"--max-groups={GROUPS + 10}",
         ],
     )
     endpoint = cluster.etcd_endpoint
     start_size, start_in_use = await db_size(endpoint, compact_and_defrag=True)
     async with raw_stub(cluster.target) as stub:
-        sid = (await stub.open_session(OpenSessionRequest(job_id="t", ttl_seconds=3600))).session_id
+        sid, secret = opened(
+            await stub.open_session(OpenSessionRequest(job_id="t", ttl_seconds=3600))
+        )
         names = iter(range(GROUPS))
         started = time.monotonic()
 
@@ -73,8 +76,15 @@ async def test_idle_groups_are_removed_and_etcd_shrinks(cluster_factory: Cluster
             # Throwaway groups, as the probe made them: acquire (granted at once), yield.
             for i in names:
                 group = f"throwaway-{i}"
-                events = [ev async for ev in stub.acquire(AcquireRequest(sid, "t", group))]
-                await stub.yield_(YieldRequest(sid, "t", group, events[-1].epoch))
+                events = [
+                    ev
+                    async for ev in stub.acquire(
+                        AcquireRequest(sid, "t", group, session_secret=secret)
+                    )
+                ]
+                await stub.yield_(
+                    YieldRequest(sid, "t", group, events[-1].epoch, session_secret=secret)
+                )
 
         async with asyncio.timeout(600):
             await asyncio.gather(*(churn() for _ in range(CONCURRENCY)))
@@ -83,7 +93,9 @@ async def test_idle_groups_are_removed_and_etcd_shrinks(cluster_factory: Cluster
         full_size, full_in_use = await db_size(endpoint)
 
         # A group whose state is resident somewhere, or that is held, is never idle.
-        events = [ev async for ev in stub.acquire(AcquireRequest(sid, "t", "kept"))]
+        events = [
+            ev async for ev in stub.acquire(AcquireRequest(sid, "t", "kept", session_secret=secret))
+        ]
         assert events[-1].epoch
 
         deadline = time.monotonic() + 120

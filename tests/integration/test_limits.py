@@ -16,7 +16,7 @@ from grpclib.exceptions import GRPCError
 
 from tests.conftest import ClusterFactory
 from tests.integration.etcdview import snapshot
-from tests.integration.rawclient import raw_stub
+from tests.integration.rawclient import opened, raw_stub
 from tests.wirecalls import frame, raw_call, raw_channel
 from timeslice.errors import ErrorKind, error_from_status
 from timeslice_proto.timeslice.v1 import (
@@ -82,23 +82,33 @@ LIMITS = [
 async def test_quota_refusals_are_typed_and_write_nothing(cluster_factory: ClusterFactory) -> None:
     cluster = cluster_factory(agents=0, orchestrator_args=LIMITS)
     async with raw_stub(cluster.target) as stub:
-        a1 = (await stub.open_session(OpenSessionRequest(job_id="a", ttl_seconds=30))).session_id
+        a1, a1_secret = opened(
+            await stub.open_session(OpenSessionRequest(job_id="a", ttl_seconds=30))
+        )
         await stub.open_session(OpenSessionRequest(job_id="a", ttl_seconds=30))
-        b = (await stub.open_session(OpenSessionRequest(job_id="b", ttl_seconds=30))).session_id
+        b, b_secret = opened(
+            await stub.open_session(OpenSessionRequest(job_id="b", ttl_seconds=30))
+        )
         for group in ("g1", "g2"):
-            events = await drain(stub.acquire(AcquireRequest(a1, "a", group)))
+            events = await drain(
+                stub.acquire(AcquireRequest(a1, "a", group, session_secret=a1_secret))
+            )
             assert events[-1].state == AcquireState.GRANTED
-        await drain(stub.acquire(AcquireRequest(b, "b", "g3")))
-        await drain(stub.acquire(AcquireRequest(b, "b", "g4")))
+        await drain(stub.acquire(AcquireRequest(b, "b", "g3", session_secret=b_secret)))
+        await drain(stub.acquire(AcquireRequest(b, "b", "g4", session_secret=b_secret)))
+        operator = {"authorization": f"Bearer {cluster.operator_token}"}
         before = await snapshot(cluster.etcd_endpoint, cluster.prefix)
 
         refusals = {
             "sessions per job": stub.open_session(OpenSessionRequest(job_id="a")),
-            "entries per session": drain(stub.acquire(AcquireRequest(a1, "a", "g3"))),
-            "groups": drain(stub.acquire(AcquireRequest(b, "b", "g5"))),
+            "entries per session": drain(
+                stub.acquire(AcquireRequest(a1, "a", "g3", session_secret=a1_secret))
+            ),
+            "groups": drain(stub.acquire(AcquireRequest(b, "b", "g5", session_secret=b_secret))),
             "id length": stub.open_session(OpenSessionRequest(job_id="j" * 17)),
             "members": stub.set_group_members(
-                SetGroupMembersRequest(group_id="g1", nodes=["n1", "n2", "n3"])
+                SetGroupMembersRequest(group_id="g1", nodes=["n1", "n2", "n3"]),
+                metadata=operator,
             ),
         }
         limits = {
@@ -127,11 +137,13 @@ async def test_quota_refusals_are_typed_and_write_nothing(cluster_factory: Clust
 
         # A holder re-acquiring what it has is not a new entry: ALREADY_EXISTS, not quota.
         with pytest.raises(GRPCError) as info:
-            await drain(stub.acquire(AcquireRequest(a1, "a", "g1")))
+            await drain(stub.acquire(AcquireRequest(a1, "a", "g1", session_secret=a1_secret)))
         assert info.value.status is Status.ALREADY_EXISTS
         # Yielding frees an entry of the session's quota.
         holder = await stub.get_group_status(GetGroupStatusRequest(group_id="g1"))
-        await stub.yield_(YieldRequest(a1, "a", "g1", holder.holder_epoch))
+        await stub.yield_(
+            YieldRequest(a1, "a", "g1", holder.holder_epoch, session_secret=a1_secret)
+        )
         assert before != await snapshot(cluster.etcd_endpoint, cluster.prefix)
     assert tracebacks(cluster) == []
     assert cluster.exited() == {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -56,7 +57,7 @@ async def traced_cluster(
                     "--orchestrator", target,
                     "--node", node,
                     "--worker-socket", sockets[node],
-                    "--sim-state-gb", "0.1",
+                    "--sim-state-gb", "0.1", "--insecure",
                 ],
                 {},
             ),
@@ -96,8 +97,12 @@ async def test_switch_span_tree_over_four_nodes(etcd_server: EtcdServer, tmp_pat
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     async with traced_cluster(etcd_server, tmp_path, provider) as (target, sockets):
+        # The agents run in this process, and an agent never acts on itself: each worker is
+        # a child process this process registers (its own descendant, which is allowed).
+        sleepers = [subprocess.Popen(["sleep", "120"]) for _ in range(2 * len(NODES))]
+        pids = iter(c.pid for c in sleepers)
         workers = [
-            await asyncio.to_thread(register, "g", job_id=job, socket=sockets[node])
+            await asyncio.to_thread(register, "g", job_id=job, socket=sockets[node], pid=next(pids))
             for job in ("a", "b")
             for node in NODES
         ]
@@ -117,6 +122,9 @@ async def test_switch_span_tree_over_four_nodes(etcd_server: EtcdServer, tmp_pat
         finally:
             for w in workers:
                 w.close()
+            for child in sleepers:
+                child.kill()
+                child.wait()
     spans = list(exporter.get_finished_spans())
 
     switches = [s for s in spans if s.name == "timeslice.switch"]
