@@ -98,6 +98,10 @@ class _Handshake(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but act as one.
         transport = cast(asyncio.Transport, transport)
+        # Nothing is read before start_tls takes the transport over (it resumes reading):
+        # finding the current context may await a reload after a rotation, and a ClientHello
+        # read meanwhile would be lost to the handshake, which then waits for it forever.
+        transport.pause_reading()
         peer = transport.get_extra_info("peername")
         name = peer[0] if isinstance(peer, tuple) else str(peer)
         self._peer = name
@@ -106,7 +110,8 @@ class _Handshake(asyncio.Protocol):
         )
 
     def data_received(self, data: bytes) -> None:
-        # Only after the handshake and before the hand-over: HTTP/2 bytes grpclib will get.
+        # Only after the handshake (reading is paused before it) and before the hand-over:
+        # HTTP/2 bytes grpclib will get.
         self._early += data
 
     def connection_lost(self, exc: Exception | None) -> None:

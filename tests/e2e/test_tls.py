@@ -181,6 +181,8 @@ async def test_rotation_keeps_the_hold_and_new_connections_use_the_new_certifica
         fresh = _client(cluster, "j3", pki.operator.cert, pki.operator.key)
         try:
             after = await fresh.status("g1")
+        except Exception as exc:
+            raise AssertionError(cluster.log_tail("r0", 40)) from exc
         finally:
             await fresh.close()
         assert after.holder_job_id == "j1"
