@@ -321,7 +321,7 @@ def test_agent_with_cuda_backend_exits_2_with_one_line_and_no_fallback(tmp_path:
     env["PATH"] = "/usr/bin:/bin"  # no cuda-checkpoint either
     argv = [
         str(Path(sys.executable).with_name("timeslice")), "agent", "--orchestrator", "127.0.0.1:1",
-        "--backend", "cuda", "--worker-socket", str(tmp_path / "a.sock"),
+        "--backend", "cuda", "--worker-socket", str(tmp_path / "a.sock"), "--insecure",
     ]  # fmt: skip
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert done.returncode == 2, done

@@ -85,8 +85,11 @@ async def eventually(check: Callable[[], Awaitable[bool]], timeout: float, what:
 async def test_a_session_id_and_epoch_are_not_enough_to_act(
     cluster_factory: ClusterFactory,
 ) -> None:
-    cluster = cluster_factory(agents=0)
-    async with raw_stub(cluster.target) as stub:
+    # Plaintext on purpose: the session secret is what protects a session when no
+    # certificate names the caller (with TLS, tests/e2e/test_tls.py: a job's certificate
+    # acts as its job only).
+    cluster = cluster_factory(agents=0, tls=False)
+    async with raw_stub(cluster.target, insecure=True) as stub:
         victim, victim_secret = opened(
             await stub.open_session(OpenSessionRequest(job_id="victim", ttl_seconds=30))
         )
@@ -247,9 +250,11 @@ async def _queued(stub: TimeSliceStub, group: str) -> bool:
 
 
 async def test_operator_rpcs_need_the_operator_token(cluster_factory: ClusterFactory) -> None:
-    cluster = cluster_factory(agents=1)
+    # Plaintext on purpose: the token is the operator identity when no certificate gives one
+    # (an operator certificate needs no token: tests/dev/test_dev_cli.py).
+    cluster = cluster_factory(agents=1, tls=False)
     bearer = {"authorization": f"Bearer {cluster.operator_token}"}
-    async with raw_stub(cluster.target) as stub:
+    async with raw_stub(cluster.target, insecure=True) as stub:
         pin = SetGroupMembersRequest(group_id="g", nodes=["node-0"])
         for metadata in ({}, {"authorization": "Bearer wrong"}, {"authorization": "x"}):
             message = await refused(
