@@ -177,7 +177,9 @@ async def soak(
             for j in names
             for n in cluster.nodes
         ]
-        clients = [AsyncTimeSliceClient(cluster.targets, job_id=j) for j in names]
+        clients = [
+            AsyncTimeSliceClient(cluster.targets, job_id=j, **cluster.client_tls) for j in names
+        ]
         stop = asyncio.Event()
         tasks = [
             asyncio.create_task(_job(c, recorder, stop, seed + i)) for i, c in enumerate(clients)

@@ -18,6 +18,8 @@ from grpclib.const import Cardinality, Status
 from grpclib.encoding.base import CodecBase
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 
+from tests.tlsenv import env_context
+
 # Typed answers: every refusal maps to an error kind of timeslice.errors; OK counts too.
 TYPED = {
     Status.OK,
@@ -65,12 +67,13 @@ class Outcome:
         return self.status is not Status.OK
 
 
-def raw_channel(target: str) -> Channel:
-    """A channel to ``HOST:PORT`` or ``unix:PATH``."""
+def raw_channel(target: str, *, insecure: bool = False) -> Channel:
+    """A channel to ``HOST:PORT`` (TLS as the environment says, unless ``insecure``) or
+    ``unix:PATH``."""
     if target.startswith("unix:"):
         return Channel(path=target[5:], codec=RawCodec())
     host, _, port = target.rpartition(":")
-    return Channel(host, int(port), codec=RawCodec())
+    return Channel(host, int(port), codec=RawCodec(), ssl=None if insecure else env_context())
 
 
 async def raw_call(

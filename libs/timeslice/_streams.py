@@ -21,7 +21,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from timeslice._transport import Transport
+from timeslice._transport import Transport, is_final
 from timeslice.backoff import Backoff
 from timeslice.errors import TimeSliceError, Unavailable
 from timeslice.targets import Target
@@ -47,8 +47,9 @@ not a transport failure), return how to retry, ``None`` to raise the error, or r
 
 
 def failover_when_unavailable(exc: Exception, error: TimeSliceError | None) -> Retry | None:
-    """The default :data:`OnFailure`: only an unreachable replica is worth another try."""
-    return Retry.FAILOVER if isinstance(error, Unavailable) else None
+    """The default :data:`OnFailure`: only an unreachable replica is worth another try (not
+    one that requires a client certificate we do not have)."""
+    return Retry.FAILOVER if isinstance(error, Unavailable) and not is_final(error) else None
 
 
 def _same_error(error: TimeSliceError, down_for: float) -> TimeSliceError:

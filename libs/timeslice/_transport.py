@@ -26,7 +26,12 @@ from timeslice.errors import (
     error_from_status,
 )
 from timeslice.targets import Target, UnixSocket
-from timeslice.tls import ReloadingContext, TlsChannel, describe_tls_error
+from timeslice.tls import (
+    ReloadingContext,
+    TlsChannel,
+    describe_tls_error,
+    requires_certificate,
+)
 from timeslice_proto.timeslice.v1 import TimeSliceStub
 
 log = logging.getLogger("timeslice.transport")
@@ -69,7 +74,8 @@ def map_error(exc: BaseException, where: object) -> TimeSliceError | None:
     if isinstance(exc, TimeoutError):
         return Timeout(f"{where}: deadline exceeded")
     if isinstance(exc, ssl.SSLError):
-        return TlsRefused(f"{where}: {describe_tls_error(exc)}")
+        # A server that says it requires a certificate got none: retrying cannot help.
+        return TlsRefused(f"{where}: {describe_tls_error(exc)}", final=requires_certificate(exc))
     if isinstance(exc, OSError | StreamTerminatedError | ProtocolError):
         detail = str(exc) or type(exc).__name__
         return Unavailable(f"{where}: {detail}")
@@ -80,8 +86,19 @@ class TlsRefused(Unavailable):
     """A connection failed at the TLS level (a certificate refused or not trusted).
 
     Still an outage to the retry loops (a rotation in progress heals by itself), but its
-    message is kept as the reason when the budget ends.
+    message is kept as the reason when the budget ends, over any later timeout. ``final``:
+    retrying cannot help (the server requires a client certificate and none is configured),
+    so the call fails at once with this error.
     """
+
+    def __init__(self, message: str, *, final: bool = False) -> None:
+        super().__init__(message)
+        self.final = final
+
+
+def is_final(error: TimeSliceError | None) -> bool:
+    """A refusal no retry can heal: raise it now, naming TLS."""
+    return isinstance(error, TlsRefused) and error.final
 
 
 class ReplicasUnreachable(Unavailable):
@@ -137,7 +154,7 @@ class Transport:
         if isinstance(error, Unavailable) and not isinstance(exc, ssl.SSLError):
             channel = self._channels.get(self._current)
             if isinstance(channel, TlsChannel) and channel.tls_problem is not None:
-                return TlsRefused(f"{where}: {channel.tls_problem}")
+                return TlsRefused(f"{where}: {channel.tls_problem}", final=channel.tls_final)
         return error
 
     def close(self) -> None:
@@ -181,7 +198,10 @@ class Transport:
             if remaining <= 0:
                 # Only after a failed attempt and its backoff (a sleep may overshoot the
                 # deadline under load): report the outage if that is what it was.
-                if problems and isinstance(list(problems.values())[-1], Unavailable):
+                if problems and (
+                    isinstance(list(problems.values())[-1], Unavailable)
+                    or _refusal(problems) is not None
+                ):
                     raise self._unreachable(what, problems, budget)
                 raise Timeout(f"{what}: no answer within {budget:g}s")
             target, stub = self.stub()
@@ -193,7 +213,7 @@ class Transport:
                     raise
                 # Our own per-attempt deadline passed (not a typed timeout the server sent).
                 timed_out = isinstance(exc, TimeoutError)
-                if not (isinstance(error, Unavailable) or timed_out):
+                if is_final(error) or not (isinstance(error, Unavailable) or timed_out):
                     raise error from exc
                 earlier = problems.pop(str(target), None)
                 if timed_out and isinstance(earlier, TlsRefused):
@@ -204,7 +224,10 @@ class Transport:
                 if attempts is not None and failures >= attempts:
                     raise self._unreachable(what, problems, None) from exc
                 if timed_out and deadline - loop.time() <= 0.05 and error is not earlier:
-                    # The budget itself ran out: that is a timeout, not an outage.
+                    # The budget itself ran out: that is a timeout, not an outage, unless a
+                    # replica refused us at the TLS level (the real reason: name it).
+                    if _refusal(problems) is not None:
+                        raise self._unreachable(what, problems, budget) from exc
                     raise error from exc
                 log.debug("%s", error)
                 self.rotate()
@@ -217,9 +240,18 @@ class Transport:
         self, what: str, problems: dict[str, TimeSliceError], budget: float | None
     ) -> ReplicasUnreachable:
         within = "" if budget is None else f" within {budget:g}s"
-        last = list(problems.values())[-1]
+        # A TLS refusal says more than a later timeout or reset at another replica.
+        last = _refusal(problems) or list(problems.values())[-1]
         return ReplicasUnreachable(
             f"{what}: no orchestrator replica reachable{within} "
             f"(targets {', '.join(str(t) for t in self.targets)}; last error: {last})",
             problems,
         )
+
+
+def _refusal(problems: dict[str, TimeSliceError]) -> TlsRefused | None:
+    """The latest TLS refusal among ``problems``, if any."""
+    for error in reversed(list(problems.values())):
+        if isinstance(error, TlsRefused):
+            return error
+    return None

@@ -42,6 +42,7 @@ __all__ = [
     "client_tls",
     "client_tls_from_env",
     "describe_tls_error",
+    "requires_certificate",
 ]
 
 log = logging.getLogger("timeslice.tls")
@@ -196,18 +197,28 @@ class TlsChannel(Channel):
         self._tls = tls
         self.tls_problem: str | None = None
         """Why the last connection failed or ended at the TLS level, if it did (errors)."""
+        self.tls_final = False
+        """The last refusal cannot heal by retrying: the server requires a client certificate
+        and this channel has none configured (no file rotation can add one)."""
+
+    def _set_problem(self, problem: str, *, certificate_required: bool = False) -> None:
+        self.tls_problem = problem
+        self.tls_final = certificate_required and self._tls.files.cert is None
 
     async def _create_connection(self) -> H2Protocol:
         self._ssl = await self._tls.current()
         try:
             protocol = await super()._create_connection()
         except ssl.SSLError as exc:
-            self.tls_problem = describe_tls_error(exc)
+            self._set_problem(
+                describe_tls_error(exc), certificate_required=requires_certificate(exc)
+            )
             raise
         except ConnectionError:
-            self.tls_problem = "TLS error: the server reset the connection during the handshake"
+            self._set_problem("TLS error: the server reset the connection during the handshake")
             raise
         self.tls_problem = None
+        self.tls_final = False
         return protocol
 
     def _protocol_factory(self) -> H2Protocol:
@@ -250,16 +261,20 @@ class TlsChannel(Channel):
 
         def eof_received() -> bool | None:
             if not heard:
-                self.tls_problem = refused()
+                self._set_problem(refused(), certificate_required=True)
                 if isinstance(transport, asyncio.Transport):
                     transport.abort()  # connection_lost follows: grpclib fails the calls
             return None
 
         def connection_lost(exc: BaseException | None) -> None:
+            # The server's alert (TLS 1.3: CERTIFICATE_REQUIRED, UNKNOWN_CA, ...) surfaces
+            # here, on the first read after our handshake, as an SSLError.
             if isinstance(exc, ssl.SSLError):
-                self.tls_problem = describe_tls_error(exc)
+                self._set_problem(
+                    describe_tls_error(exc), certificate_required=requires_certificate(exc)
+                )
             elif not heard:
-                self.tls_problem = refused()
+                self._set_problem(refused(), certificate_required=True)
             lost(exc)
 
         protocol.connection_made = connection_made  # type: ignore[method-assign,assignment]
@@ -268,11 +283,21 @@ class TlsChannel(Channel):
         protocol.connection_lost = connection_lost  # type: ignore[method-assign]
 
 
+def requires_certificate(exc: ssl.SSLError) -> bool:
+    """The server's alert says it requires a client certificate (TLS 1.3's
+    ``TLSV13_ALERT_CERTIFICATE_REQUIRED``; ``CERTIFICATE_REQUIRED`` elsewhere)."""
+    reason = (exc.reason or str(exc)).lower()
+    return "certificate_required" in reason or "certificate required" in reason
+
+
 def describe_tls_error(exc: ssl.SSLError) -> str:
     """A sentence for a TLS failure, naming the likely cause."""
     reason = (exc.reason or str(exc)).lower()
-    if "certificate_required" in reason or "certificate required" in reason:
-        why = "the server requires a client certificate and none was sent"
+    if requires_certificate(exc):
+        why = (
+            "the server requires a client certificate and none was sent (configure one: "
+            f"tls_cert= and tls_key=, or ${CERT_ENV} and ${KEY_ENV})"
+        )
     elif "unknown_ca" in reason or "unknown ca" in reason:
         why = "the server does not trust the CA that signed our certificate"
     elif "expired" in reason:

@@ -126,11 +126,13 @@ def _make_cluster(
         agent_args=agent_args,
         orchestrator_args=["--directive-timeout", f"{timeout:g}"],
         ready_timeout=min(60.0, max(10.0, slice_seconds / 4)),
+        tls=True,  # a throw-away CA: every hop as a deployment runs it
     )
 
 
-def _job_env(job_id: str, socket: Path) -> dict[str, str]:
+def _job_env(cluster: LocalCluster, job_id: str, socket: Path) -> dict[str, str]:
     env = dict(os.environ)
+    env.update(cluster.client_env)  # the cluster's CA and a client certificate
     path = [str(REPO), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
     env["PYTHONUNBUFFERED"] = "1"
@@ -160,7 +162,7 @@ def _start_jobs(
                 subprocess.Popen(
                     [sys.executable, "-m", "scripts.gpu_check.job", str(files.config(index))],
                     cwd=REPO,
-                    env=_job_env(cfg.job_id, socket),
+                    env=_job_env(cluster, cfg.job_id, socket),
                     stdout=log,
                     stderr=subprocess.STDOUT,
                 )
@@ -266,7 +268,7 @@ def _stop_jobs(procs: list[subprocess.Popen[bytes]], grace: float) -> list[str]:
 def _group_status(cluster: LocalCluster) -> dict[str, Any]:
     try:
         with TimeSliceOrchestratorClient(
-            cluster.target, job_id="gpu-check-observer", call_timeout=5
+            cluster.target, job_id="gpu-check-observer", call_timeout=5, **cluster.client_tls
         ) as client:
             status = client.status(GROUP)
     except Exception as exc:  # the orchestrator may be the thing that broke

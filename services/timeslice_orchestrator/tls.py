@@ -105,6 +105,11 @@ class _Handshake(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         name = peer[0] if isinstance(peer, tuple) else str(peer)
         self._peer = name
+        # The client's hello must reach the TLS layer, not this protocol: nothing is read
+        # until start_tls takes over (it resumes reading). Without this, a hello that arrives
+        # while the context is being rebuilt after a rotation (a thread, so the loop runs)
+        # lands in data_received, is lost, and the handshake hangs until the client gives up.
+        transport.pause_reading()
         self._task = self._listener._tasks.spawn(
             self._upgrade(transport, name), f"tls-handshake-{name}", kind="tls-handshake"
         )

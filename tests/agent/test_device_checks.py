@@ -316,8 +316,8 @@ async def test_agent_keeps_parked_processes_that_nvml_no_longer_lists(
     from timeslice_agent.jobs import Job, Residency
     from timeslice_agent.service import Agent
 
-    argv = ["--orchestrator", "127.0.0.1:1", "--node", "n1", "--backend", "app"]
-    config = parse_config([*argv, "--worker-socket", str(tmp_path / "a.sock"), "--insecure"], {})
+    argv = ["--orchestrator", "127.0.0.1:1", "--node", "n1", "--backend", "app", "--insecure"]
+    config = parse_config([*argv, "--worker-socket", str(tmp_path / "a.sock")], {})
     agent = Agent(config, tracing=None)
     pinned = identity_of(sleeper)
     assert pinned is not None

@@ -12,7 +12,9 @@ from bench.report import workload_table
 from bench.workload import SimCosts, arun_profile
 from timeslice_tools.dev.etcd import EtcdServer
 
-pytestmark = pytest.mark.timeout(60)
+# The benchmarks run plaintext clusters on the plaintext etcd (their figures are compared with
+# earlier runs); their clients are told so.
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("plaintext_clients")]
 
 
 async def test_workload_generator_runs_dedicated_then_shared(

@@ -3,6 +3,7 @@ against a real local orchestrator (real processes, gRPC over loopback)."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import queue
@@ -15,8 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cryptography import x509
 
 from timeslice.errors import InvalidArgument
+from timeslice.tls import CERT_ENV, KEY_ENV
 from timeslice_proto.timeslice.v1 import (
     FaultedJob,
     GroupStatus,
@@ -26,22 +29,33 @@ from timeslice_proto.timeslice.v1 import (
     SwitchStatus,
 )
 from timeslice_tools import cli
+from timeslice_tools.dev.certs import Pki
 from timeslice_tools.dev.cluster import LocalCluster
 
 TIMESLICE = [sys.executable, "-m", "timeslice_tools.cli"]
 INSTALLED = Path(sys.executable).parent / "timeslice"
 
 
-def run(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+def run(
+    *args: str, timeout: float = 30, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*TIMESLICE, *args], capture_output=True, text=True, timeout=timeout, check=False
+        [*TIMESLICE, *args], capture_output=True, text=True, timeout=timeout, check=False, env=env
     )
 
 
+def not_an_operator(pki: Pki) -> dict[str, str]:
+    """The environment of a client whose certificate is a job's, not an operator's (the
+    session's default certificate is an operator's: only a token can make this one one)."""
+    pair = pki.job("cli-anyone")
+    return {**os.environ, CERT_ENV: str(pair.cert), KEY_ENV: str(pair.key)}
+
+
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
-    # No agents: the operator commands only need the orchestrator's client API.
-    with LocalCluster(replicas=1, agents=0) as c:
+def cluster(session_pki: Pki) -> Iterator[LocalCluster]:
+    # No agents: the operator commands only need the orchestrator's client API. TLS with the
+    # session's certificates, which the commands find in $TIMESLICE_TLS_*.
+    with LocalCluster(replicas=1, agents=0, tls=session_pki) as c:
         yield c
 
 
@@ -273,21 +287,24 @@ def test_holder_queue_operator_yield_and_interrupts(cluster: LocalCluster) -> No
             groups = run("groups", "--target", cluster.target).stdout
             assert f"{group}  holder=cli-holder  queue=1  switching=no" in groups.splitlines()
 
-            # Without the operator token the yield is refused, whatever the epoch.
+            # Without the operator token (or certificate) the yield is refused, whatever the
+            # epoch.
+            assert cluster.pki is not None
+            plain = not_an_operator(cluster.pki)
             anyone = run("yield", group, "--job", "cli-holder", "--epoch", str(epoch),
-                         "--target", cluster.target)  # fmt: skip
+                         "--target", cluster.target, env=plain)  # fmt: skip
             assert anyone.returncode == 1
             assert anyone.stderr.startswith("error: permission_denied: Yield needs an operator")
             assert _status(cluster, group)["holder_job_id"] == "cli-holder"
             # A stale epoch changes nothing; the right one releases the hold without a session.
             token = str(cluster.operator_token_file)
             stale = run("yield", group, "--job", "cli-holder", "--epoch", str(epoch - 1),
-                        "--target", cluster.target, "--token-file", token)  # fmt: skip
+                        "--target", cluster.target, "--token-file", token, env=plain)  # fmt: skip
             assert stale.returncode == 1
             assert stale.stderr.startswith("error: not_holder: ")
             assert _status(cluster, group)["holder_job_id"] == "cli-holder"
             ok = run("yield", group, "--job", "cli-holder", "--epoch", str(epoch),
-                     "--target", cluster.target, "--token-file", token)  # fmt: skip
+                     "--target", cluster.target, "--token-file", token, env=plain)  # fmt: skip
             assert ok.returncode == 0 and ok.stdout == "yielded\n"
             line = waiter.line()
             assert line is not None and line.startswith("granted epoch=")
@@ -348,7 +365,9 @@ def test_acquire_timeout_is_a_typed_error(cluster: LocalCluster) -> None:
 def test_members_needs_the_operator_token_and_a_known_node(cluster: LocalCluster) -> None:
     # Runs last: it creates a group in the module's cluster.
     target = ("--target", cluster.target)
-    anyone = run("members", "cli-pinned", "--clear", *target)
+    assert cluster.pki is not None
+    plain = not_an_operator(cluster.pki)
+    anyone = run("members", "cli-pinned", "--clear", *target, env=plain)
     assert anyone.returncode == 1
     assert anyone.stderr.startswith("error: permission_denied: SetGroupMembers needs an operator")
     wrong = subprocess.run(
@@ -357,7 +376,7 @@ def test_members_needs_the_operator_token_and_a_known_node(cluster: LocalCluster
         text=True,
         timeout=30,
         check=False,
-        env={**os.environ, "TIMESLICE_OPERATOR_TOKEN": "not-the-token"},
+        env={**plain, "TIMESLICE_OPERATOR_TOKEN": "not-the-token"},
     )
     assert wrong.returncode == 1 and "permission_denied" in wrong.stderr
     # The token from the environment (a file), then from the flag.
@@ -367,11 +386,42 @@ def test_members_needs_the_operator_token_and_a_known_node(cluster: LocalCluster
         text=True,
         timeout=30,
         check=False,
-        env={**os.environ, "TIMESLICE_OPERATOR_TOKEN_FILE": str(cluster.operator_token_file)},
+        env={**plain, "TIMESLICE_OPERATOR_TOKEN_FILE": str(cluster.operator_token_file)},
     )
     assert by_env.returncode == 0, by_env.stderr
     assert by_env.stdout == "cli-pinned: pinned nodes (none: registrations only)\n"
     token = ("--token-file", str(cluster.operator_token_file))
-    ghost = run("members", "cli-pinned", "--set", "node-ghost", *target, *token)
+    ghost = run("members", "cli-pinned", "--set", "node-ghost", *target, *token, env=plain)
     assert ghost.returncode == 1
     assert ghost.stderr.startswith("error: failed_precondition: cannot pin node(s) node-ghost")
+    # An operator's certificate needs no token (the session's default certificate is one).
+    by_cert = run("members", "cli-pinned", "--clear", *target)
+    assert by_cert.returncode == 0, by_cert.stderr
+
+
+def test_dev_certs_writes_a_deployment_and_keeps_an_existing_ca(tmp_path: Path) -> None:
+    out_dir = tmp_path / "certs"
+    made = run("dev", "certs", "--out", str(out_dir), "--nodes", "gpu-1", "--jobs", "rl-a",
+               "--hosts", "timeslice-orchestrator", "10.0.0.7")  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    names = {Path(line).name for line in made.stdout.split()}
+    for stem in ("ca", "orchestrator", "etcd-server", "etcd-client", "etcd-root", "operator",
+                 "node-gpu-1", "job-rl-a"):  # fmt: skip
+        assert {f"{stem}.crt", f"{stem}.key"} <= names, (stem, names)
+        assert (out_dir / f"{stem}.key").stat().st_mode & 0o777 == 0o600
+    server = x509.load_pem_x509_certificate((out_dir / "orchestrator.crt").read_bytes())
+    sans = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "timeslice-orchestrator" in sans.get_values_for_type(x509.DNSName)
+    assert ipaddress.ip_address("10.0.0.7") in sans.get_values_for_type(x509.IPAddress)
+    node = x509.load_pem_x509_certificate((out_dir / "node-gpu-1.crt").read_bytes())
+    uris = node.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert uris.get_values_for_type(x509.UniformResourceIdentifier) == ["timeslice://node/gpu-1"]
+    # A second run would replace the CA that everything trusts: only with --force.
+    ca = (out_dir / "ca.crt").read_bytes()
+    again = run("dev", "certs", "--out", str(out_dir))
+    assert again.returncode == 2 and "already holds a CA" in again.stderr
+    assert (out_dir / "ca.crt").read_bytes() == ca
+    forced = run("dev", "certs", "--out", str(out_dir), "--force")
+    assert forced.returncode == 0 and (out_dir / "ca.crt").read_bytes() != ca
+    bad = run("dev", "certs", "--out", str(tmp_path / "x"), "--nodes", "../escape")
+    assert bad.returncode == 2 and "file name" in bad.stderr

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from timeslice.tls import CA_ENV
 from timeslice_tools.dev import _procs
+from timeslice_tools.dev.certs import Pki
 from timeslice_tools.dev.cluster import ClusterError, LocalCluster
 from timeslice_tools.dev.etcd import EtcdServer
 
@@ -160,12 +162,15 @@ def _read_lines(stream: object, lines: queue.Queue[str | None]) -> None:
 
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM])
-def test_dev_cluster_command_ready_then_clean_stop(tmp_path: Path, stop_signal: int) -> None:
+def test_dev_cluster_command_ready_then_clean_stop(
+    tmp_path: Path, stop_signal: int, session_pki: Pki
+) -> None:
     base_dir = tmp_path / "cluster"
     prefix = f"/timeslice/cli-test-{os.getpid()}-{int(stop_signal)}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "timeslice_tools.cli", "dev", "cluster", "--replicas", "2",
-         "--agents", "1", "--base-dir", str(base_dir), "--prefix", prefix],
+         "--agents", "1", "--base-dir", str(base_dir), "--prefix", prefix,
+         "--certs", str(session_pki.directory)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -185,6 +190,7 @@ def test_dev_cluster_command_ready_then_clean_stop(tmp_path: Path, stop_signal: 
             assert line is not None
             info.append(line)
         assert f"export TIMESLICE_TARGET={','.join(targets)}" in info
+        assert f"export {CA_ENV}={session_pki.ca}" in info
         sockets = [line for line in info if "TIMESLICE_AGENT_SOCKET=" in line]
         assert len(sockets) == 1
         assert sockets[0].startswith("agent node-0: export TIMESLICE_AGENT_SOCKET=")

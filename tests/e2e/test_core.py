@@ -19,6 +19,7 @@ import pytest
 from tests.conftest import ClusterFactory
 from timeslice import AsyncTimeSliceClient, register
 from timeslice.errors import Timeout
+from timeslice_tools.dev.certs import Pki
 from timeslice_tools.dev.cluster import LocalCluster
 from timeslice_tools.history import Hold, check_fifo, check_mutual_exclusion
 
@@ -210,17 +211,16 @@ DRIVER = textwrap.dedent(
 )
 
 
-def test_announcement_snippet_runs_unchanged(tmp_path: Path, etcd_server: object) -> None:
+def test_announcement_snippet_runs_unchanged(tmp_path: Path, session_pki: Pki) -> None:
     snippet = tmp_path / "snippet.py"
     snippet.write_text(SNIPPET)
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     cli = Path(sys.executable).parent / "timeslice"
-    dev = subprocess.Popen(
-        [str(cli), "dev", "cluster", "--agents", "1", "--base-dir", str(tmp_path / "cluster")],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    # The session's certificates: the jobs find them in $TIMESLICE_TLS_*.
+    argv = [str(cli), "dev", "cluster", "--agents", "1", "--base-dir", str(tmp_path / "cluster"),
+            "--certs", str(session_pki.directory)]  # fmt: skip
+    dev = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     try:
         assert dev.stdout is not None
         line = dev.stdout.readline()

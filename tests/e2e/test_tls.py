@@ -18,9 +18,9 @@ from grpclib import GRPCError
 from grpclib.client import Channel
 
 from timeslice.aio import AsyncTimeSliceClient
-from timeslice.errors import PermissionDenied, Timeout, Unavailable
+from timeslice.errors import InvalidArgument, PermissionDenied, Unavailable
 from timeslice.targets import parse_address
-from timeslice.tls import TlsFiles, client_context
+from timeslice.tls import CA_ENV, CERT_ENV, KEY_ENV, TlsFiles, client_context
 from timeslice_agent.stream import CONNECT_ROUTE
 from timeslice_orchestrator.config import parse_args
 from timeslice_orchestrator.store.etcd import EtcdClient, StoreUnavailable
@@ -66,7 +66,7 @@ def _expired(pki: Pki) -> tuple[Path, Path]:
 
 
 async def test_refused_certificates_get_a_tls_error_and_one_log_line(
-    cluster: LocalCluster, tmp_path: Path
+    cluster: LocalCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pki = cluster.pki
     assert pki is not None
@@ -84,14 +84,22 @@ async def test_refused_certificates_get_a_tls_error_and_one_log_line(
             await client.close()
         assert "TLS error" in str(info.value), what
         assert "refused our client certificate" in str(info.value), what
-    # No certificate at all: refused too (the error names TLS when the refusal is seen
-    # before the call's deadline).
-    client = _client(cluster, "j1", None, None)
-    try:
-        with pytest.raises((Unavailable, Timeout)):
-            await client.acquire("g1")
-    finally:
-        await client.close()
+    # No certificate at all (none in the environment either): refused, named at once and
+    # not retried, since nothing can change without a certificate.
+    monkeypatch.delenv(CERT_ENV, raising=False)
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    loop = asyncio.get_running_loop()
+    for _ in range(3):
+        client = _client(cluster, "j1", None, None)
+        started = loop.time()
+        try:
+            with pytest.raises(Unavailable) as info:
+                await client.acquire("g1")
+        finally:
+            await client.close()
+        assert "TLS error" in str(info.value), info.value
+        assert "requires a client certificate" in str(info.value), info.value
+        assert loop.time() - started < 2.0  # the call's budget is 3 s
     log = cluster.log_tail("r0", 400)
     # Each client retried for its whole call timeout; the replica logged each reason once.
     assert log.count("refused: certificate has expired") == 1, log
@@ -234,7 +242,8 @@ def test_plaintext_needs_insecure(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(SystemExit):
         parse_args([])
     assert parse_args(["--insecure"]).insecure
-    monkeypatch.delenv("TIMESLICE_INSECURE", raising=False)
-    with pytest.raises(Exception, match="no TLS configured"):
+    for name in ("TIMESLICE_INSECURE", CA_ENV, CERT_ENV, KEY_ENV):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(InvalidArgument, match="no TLS configured"):
         AsyncTimeSliceClient("127.0.0.1:1", job_id="j")
     AsyncTimeSliceClient("127.0.0.1:1", job_id="j", insecure=True)

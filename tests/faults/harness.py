@@ -116,7 +116,7 @@ async def describe(cluster: LocalCluster, group: str, lines: int = 15) -> str:
     """What a stuck wait needs to be told apart: the group's keys as etcd has them (a replica's
     status comes from its mirror, which may lag), and each service's last log lines."""
     root = f"{cluster.prefix}/groups/{group}/"
-    keys = await snapshot(cluster.etcd_endpoint, cluster.prefix)
+    keys = await snapshot(cluster)
     parts = ["etcd keys of the group (value, mod revision):"]
     parts += [
         f"  {k[len(root) :]}: {v!r} @{rev}" for k, (v, rev) in keys.items() if k.startswith(root)

@@ -24,8 +24,8 @@ import pytest
 
 from tests.conftest import ClusterFactory
 from tests.faults.harness import wait_for_status
+from tests.integration.etcdview import etcd_client
 from timeslice import AsyncTimeSliceClient
-from timeslice_orchestrator.store.etcd import EtcdClient
 from timeslice_orchestrator.store.keys import Keyspace
 from timeslice_orchestrator.store.records import GroupStats, HolderRecord, QueueRecord, Stored
 from timeslice_tools.dev.cluster import LocalCluster
@@ -48,7 +48,7 @@ class Etcd:
     """The group's keys, read straight from etcd (not through any replica)."""
 
     def __init__(self, cluster: LocalCluster) -> None:
-        self._client = EtcdClient([cluster.etcd_endpoint])
+        self._client = etcd_client(cluster)
         self._keys = Keyspace(cluster.prefix)
 
     async def close(self) -> None:

@@ -33,7 +33,7 @@ TTL = 2
 SLOW_SIM = ["--sim-bandwidth-gbps", "2", "--sim-state-gb", "2"]
 # The replicas' configuration (the dev cluster sets only the TTLs; the rest, such as the
 # directive timeout, comes from the defaults and the environment, as here).
-CONFIG = parse_args(["--replica-ttl", str(TTL), "--insecure"])  # only its timeouts are read
+CONFIG = parse_args(["--replica-ttl", str(TTL), "--insecure"])  # defaults only: no server
 DRIVER = DriverConfig(replica_id="-", directive_timeout=CONFIG.directive_timeout)
 # The longest a correct orchestrator may take, after a yield, to bring the next switch into a
 # given phase: the yield kicks the driver (and a group with waiters is looked at again every

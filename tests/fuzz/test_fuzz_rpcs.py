@@ -177,9 +177,7 @@ class Harness:
         return raw_channel(target)
 
     def snapshot(self) -> dict[str, tuple[bytes, int]]:
-        return self.loop.run_until_complete(
-            snapshot(self.cluster.etcd_endpoint, self.cluster.prefix)
-        )
+        return self.loop.run_until_complete(snapshot(self.cluster))
 
     def quiet_snapshot(self) -> dict[str, tuple[bytes, int]]:
         """A snapshot taken once the store stopped changing (after an accepted call)."""

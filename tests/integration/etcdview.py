@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 from timeslice_orchestrator.store.etcd import EtcdClient
+from timeslice_tools.dev.cluster import LocalCluster
 
 
-async def snapshot(endpoint: str, prefix: str) -> dict[str, tuple[bytes, int]]:
-    """Every key under ``prefix`` with its value and mod revision."""
-    client = EtcdClient([endpoint])
+def etcd_client(cluster: LocalCluster, *, timeout: float = 5.0) -> EtcdClient:
+    """A client of the cluster's etcd that reads and writes as its replicas do (their etcd
+    certificate when the etcd has TLS)."""
+    return EtcdClient([cluster.etcd_endpoint], tls=cluster.etcd_tls, timeout=timeout)
+
+
+async def snapshot(cluster: LocalCluster) -> dict[str, tuple[bytes, int]]:
+    """Every key under the cluster's prefix with its value and mod revision."""
+    prefix = cluster.prefix
+    client = etcd_client(cluster)
     try:
         _, kvs = await client.get_prefix(f"{prefix}/".encode())
         return {kv.key.decode(): (kv.value, kv.mod_revision) for kv in kvs}

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from grpclib.client import Channel
 
+from tests.tlsenv import env_context
 from timeslice_proto.timeslice.v1 import OpenSessionResponse, TimeSliceStub
 
 
 @asynccontextmanager
-async def raw_stub(target: str) -> AsyncIterator[TimeSliceStub]:
+async def raw_stub(target: str, *, insecure: bool = False) -> AsyncIterator[TimeSliceStub]:
+    """A stub on the first of ``target``'s replicas: TLS as the environment says (the
+    session's certificates), plaintext with ``insecure``."""
     host, _, port = target.split(",")[0].rpartition(":")
-    channel = Channel(host, int(port))
+    context = None if insecure else await asyncio.to_thread(env_context)
+    channel = Channel(host, int(port), ssl=context)
     try:
         yield TimeSliceStub(channel, timeout=10)
     finally:

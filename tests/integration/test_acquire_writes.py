@@ -14,8 +14,9 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from tests.conftest import ClusterFactory
+from tests.integration.etcdview import etcd_client
 from tests.integration.rawclient import opened, raw_stub
-from timeslice_orchestrator.store.etcd import EtcdClient, EventType
+from timeslice_orchestrator.store.etcd import EventType
 from timeslice_orchestrator.store.records import HolderRecord
 from timeslice_proto.timeslice.v1 import (
     AcquireEvent,
@@ -25,15 +26,18 @@ from timeslice_proto.timeslice.v1 import (
     OpenSessionRequest,
     YieldRequest,
 )
+from timeslice_tools.dev.cluster import LocalCluster
 
 T = TypeVar("T")
 
 
 async def _writes(
-    endpoint: str, prefix: str, action: Callable[[], Awaitable[T]]
+    cluster: LocalCluster, action: Callable[[], Awaitable[T]]
 ) -> tuple[T, list[tuple[int, EventType, str]]]:
-    """What ``action`` wrote under ``prefix``: (revision, event, key) of every change."""
-    client = EtcdClient([endpoint])
+    """What ``action`` wrote under the cluster's prefix: (revision, event, key) of every
+    change."""
+    prefix = cluster.prefix
+    client = etcd_client(cluster)
     root = f"{prefix}/".encode()
     try:
         start, _ = await client.get_prefix(root)
@@ -63,7 +67,7 @@ async def test_a_free_group_costs_one_write_to_acquire_and_one_to_yield(
     cluster_factory: ClusterFactory,
 ) -> None:
     cluster = cluster_factory(agents=0)
-    endpoint, prefix = cluster.etcd_endpoint, cluster.prefix
+    prefix = cluster.prefix
     async with raw_stub(cluster.target) as stub:
         a, a_secret = opened(
             await stub.open_session(OpenSessionRequest(job_id="a", ttl_seconds=30))
@@ -72,8 +76,7 @@ async def test_a_free_group_costs_one_write_to_acquire_and_one_to_yield(
             await stub.open_session(OpenSessionRequest(job_id="b", ttl_seconds=30))
         )
         first, writes = await _writes(
-            endpoint,
-            prefix,
+            cluster,
             lambda: _granted(
                 stub, AcquireRequest(a, "a", "g", request_id="r", session_secret=a_secret)
             ),
@@ -90,14 +93,12 @@ async def test_a_free_group_costs_one_write_to_acquire_and_one_to_yield(
         status = await stub.get_group_status(GetGroupStatusRequest("g"))
         assert (status.holder_job_id, status.holder_epoch) == ("a", first.epoch)
         _, writes = await _writes(
-            endpoint,
-            prefix,
+            cluster,
             lambda: stub.yield_(YieldRequest(a, "a", "g", first.epoch, session_secret=a_secret)),
         )
         assert len({r for r, _, _ in writes}) == 1, writes
         second, writes = await _writes(
-            endpoint,
-            prefix,
+            cluster,
             lambda: _granted(
                 stub, AcquireRequest(b, "b", "g", request_id="s", session_secret=b_secret)
             ),
@@ -113,7 +114,7 @@ async def test_a_free_group_costs_one_write_to_acquire_and_one_to_yield(
         await stub.yield_(YieldRequest(b, "b", "g", second.epoch, session_secret=b_secret))
         third = await waiter
         assert second.epoch < third.ticket < third.epoch
-    client = EtcdClient([endpoint])
+    client = etcd_client(cluster)
     try:
         kv = await client.get(f"{prefix}/groups/g/holder".encode())
     finally:
@@ -128,7 +129,6 @@ async def test_a_yield_hands_the_group_to_a_waiter_whose_state_is_in_place(
     # Nothing has to move for b (no workers), so the replica that serves a's Yield grants b
     # in place before it answers: b's hold is in etcd when the Yield returns.
     cluster = cluster_factory(agents=0)
-    endpoint, prefix = cluster.etcd_endpoint, cluster.prefix
     async with raw_stub(cluster.target) as stub:
         a, a_secret = opened(
             await stub.open_session(OpenSessionRequest(job_id="a", ttl_seconds=30))
@@ -145,8 +145,7 @@ async def test_a_yield_hands_the_group_to_a_waiter_whose_state_is_in_place(
         while not (await stub.get_group_status(GetGroupStatusRequest("g"))).queue:
             await asyncio.sleep(0.01)
         _, writes = await _writes(
-            endpoint,
-            prefix,
+            cluster,
             lambda: stub.yield_(YieldRequest(a, "a", "g", first.epoch, session_secret=a_secret)),
         )
         # Written before the Yield returned: the release, then b's grant (the driver may

@@ -85,8 +85,11 @@ async def eventually(check: Callable[[], Awaitable[bool]], timeout: float, what:
 async def test_a_session_id_and_epoch_are_not_enough_to_act(
     cluster_factory: ClusterFactory,
 ) -> None:
-    cluster = cluster_factory(agents=0)
-    async with raw_stub(cluster.target) as stub:
+    # Plaintext on purpose: the session secret is what protects a session when no
+    # certificate names the caller (with TLS, tests/e2e/test_tls.py: a job's certificate
+    # acts as its job only).
+    cluster = cluster_factory(agents=0, tls=False)
+    async with raw_stub(cluster.target, insecure=True) as stub:
         victim, victim_secret = opened(
             await stub.open_session(OpenSessionRequest(job_id="victim", ttl_seconds=30))
         )
@@ -112,7 +115,7 @@ async def test_a_session_id_and_epoch_are_not_enough_to_act(
         status = await stub.get_group_status(GetGroupStatusRequest(group_id="g"))
         assert (status.holder_job_id, status.holder_epoch) == ("victim", granted.epoch)
         epoch = status.holder_epoch
-        before = await snapshot(cluster.etcd_endpoint, cluster.prefix)
+        before = await snapshot(cluster)
 
         # Probe 1: Yield(session_id="", job=<holder>, epoch=<epoch>) released the hold.
         await refused(
@@ -168,7 +171,7 @@ async def test_a_session_id_and_epoch_are_not_enough_to_act(
             ),
         )
 
-        after = await snapshot(cluster.etcd_endpoint, cluster.prefix)
+        after = await snapshot(cluster)
         assert after == before, "refused calls must not change etcd"
         status = await stub.get_group_status(GetGroupStatusRequest(group_id="g"))
         assert (status.holder_job_id, status.holder_epoch) == ("victim", epoch)
@@ -236,7 +239,7 @@ async def test_no_secret_leaves_the_session_owner(cluster_factory: ClusterFactor
         for shown in (status, groups, watched):
             for private in (secret, waiter_secret, sid, waiter):
                 assert private.encode() not in shown
-        stored = await snapshot(cluster.etcd_endpoint, cluster.prefix)
+        stored = await snapshot(cluster)
         for value, _ in stored.values():
             assert secret.encode() not in value and waiter_secret.encode() not in value
 
@@ -247,9 +250,11 @@ async def _queued(stub: TimeSliceStub, group: str) -> bool:
 
 
 async def test_operator_rpcs_need_the_operator_token(cluster_factory: ClusterFactory) -> None:
-    cluster = cluster_factory(agents=1)
+    # Plaintext on purpose: the token is the operator identity when no certificate gives one
+    # (an operator certificate needs no token: tests/dev/test_dev_cli.py).
+    cluster = cluster_factory(agents=1, tls=False)
     bearer = {"authorization": f"Bearer {cluster.operator_token}"}
-    async with raw_stub(cluster.target) as stub:
+    async with raw_stub(cluster.target, insecure=True) as stub:
         pin = SetGroupMembersRequest(group_id="g", nodes=["node-0"])
         for metadata in ({}, {"authorization": "Bearer wrong"}, {"authorization": "x"}):
             message = await refused(
@@ -272,7 +277,7 @@ async def test_operator_rpcs_need_the_operator_token(cluster_factory: ClusterFac
         assert list(status.missing_members) == []
 
         # Pinning a node that never had an agent would block the group: refused, typed.
-        before = await snapshot(cluster.etcd_endpoint, cluster.prefix)
+        before = await snapshot(cluster)
         message = await refused(
             ErrorKind.FAILED_PRECONDITION,
             stub.set_group_members(
@@ -290,7 +295,7 @@ async def test_operator_rpcs_need_the_operator_token(cluster_factory: ClusterFac
             ),
         )
         assert "256" in message  # --max-members, default 256
-        assert await snapshot(cluster.etcd_endpoint, cluster.prefix) == before
+        assert await snapshot(cluster) == before
         # Unpinning needs no known node.
         status = await stub.set_group_members(
             SetGroupMembersRequest(group_id="g", nodes=[]), metadata=bearer

@@ -57,7 +57,7 @@ async def test_bad_input_is_refused_and_changes_nothing(cluster_factory: Cluster
             )
         )[-1]
         assert granted.state == AcquireState.GRANTED
-        before = await snapshot(cluster.etcd_endpoint, cluster.prefix)
+        before = await snapshot(cluster)
 
         for bad in BAD_IDS:
             await expect(
@@ -194,7 +194,7 @@ async def test_bad_input_is_refused_and_changes_nothing(cluster_factory: Cluster
             ),
         )
 
-        after = await snapshot(cluster.etcd_endpoint, cluster.prefix)
+        after = await snapshot(cluster)
         assert after == before, "refused calls must not change etcd"
 
         # Yield twice: the first works, the second is a clear error.

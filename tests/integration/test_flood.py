@@ -50,10 +50,12 @@ FLOODER = """
 import asyncio, json, signal, sys
 from grpclib.client import Channel
 from grpclib.exceptions import GRPCError
+from timeslice.tls import client_context, client_tls_from_env
 from timeslice_proto.timeslice.v1 import AcquireRequest, OpenSessionRequest, TimeSliceStub
 
 async def main(host, port, seconds):
-    channel = Channel(host, int(port))
+    files = client_tls_from_env()  # the session's certificates (tests/conftest.py)
+    channel = Channel(host, int(port), ssl=None if files is None else client_context(files))
     stub = TimeSliceStub(channel, timeout=10)
     loop = asyncio.get_running_loop()
     end = loop.time() + seconds

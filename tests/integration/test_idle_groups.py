@@ -20,7 +20,6 @@ from aetcd.rpc import rpc_pb2_grpc as pb_grpc
 
 from tests.conftest import ClusterFactory
 from tests.integration.rawclient import opened, raw_stub
-from timeslice_orchestrator.store.etcd import EtcdClient, Txn
 from timeslice_proto.timeslice.v1 import (
     AcquireRequest,
     GetGroupStatusRequest,
@@ -28,23 +27,38 @@ from timeslice_proto.timeslice.v1 import (
     OpenSessionRequest,
     YieldRequest,
 )
+from timeslice_tools.dev.cluster import LocalCluster
 
 GROUPS = 20_000
 CONCURRENCY = 48
 
 
-async def db_size(endpoint: str, *, compact_and_defrag: bool = False) -> tuple[int, int]:
-    """(db_size, db_size_in_use) of the etcd at ``endpoint``, after maintenance if asked."""
-    if compact_and_defrag:
-        client = EtcdClient([endpoint])
-        try:
-            revision = (await client.txn(Txn([]))).revision
-            await client.compact(revision)
-        finally:
-            await client.close()
-    async with grpc.aio.insecure_channel(endpoint) as channel:
+async def db_size(cluster: LocalCluster, *, compact_and_defrag: bool = False) -> tuple[int, int]:
+    """(db_size, db_size_in_use) of the cluster's etcd, after maintenance if asked.
+
+    As etcd's ``root`` when the etcd has TLS and auth (only root compacts and defragments).
+    """
+    pki = cluster.pki
+    if pki is None:
+        channel = grpc.aio.insecure_channel(cluster.etcd_endpoint)
+    else:
+        ca, key, cert = await asyncio.to_thread(
+            lambda: (
+                pki.ca.read_bytes(),
+                pki.etcd_root.key.read_bytes(),
+                pki.etcd_root.cert.read_bytes(),
+            )
+        )
+        creds = grpc.ssl_channel_credentials(ca, key, cert)
+        channel = grpc.aio.secure_channel(cluster.etcd_endpoint, creds)
+    async with channel:
         maintenance = pb_grpc.MaintenanceStub(channel)
         if compact_and_defrag:
+            kv = pb_grpc.KVStub(channel)
+            revision = (await kv.Range(pb.RangeRequest(key=b"/", limit=1), timeout=10)).header
+            await kv.Compact(
+                pb.CompactionRequest(revision=revision.revision, physical=True), timeout=60
+            )
             await maintenance.Defragment(pb.DefragmentRequest(), timeout=60)
         status = await maintenance.Status(pb.StatusRequest(), timeout=10)
     return status.dbSize, status.dbSizeInUse
@@ -63,8 +77,7 @@ async def test_idle_groups_are_removed_and_etcd_shrinks(cluster_factory: Cluster
             f"--max-groups={GROUPS + 10}",
         ],
     )
-    endpoint = cluster.etcd_endpoint
-    start_size, start_in_use = await db_size(endpoint, compact_and_defrag=True)
+    start_size, start_in_use = await db_size(cluster, compact_and_defrag=True)
     async with raw_stub(cluster.target) as stub:
         sid, secret = opened(
             await stub.open_session(OpenSessionRequest(job_id="t", ttl_seconds=3600))
@@ -90,7 +103,7 @@ async def test_idle_groups_are_removed_and_etcd_shrinks(cluster_factory: Cluster
             await asyncio.gather(*(churn() for _ in range(CONCURRENCY)))
         made = time.monotonic() - started
         listed = len((await stub.list_groups(ListGroupsRequest())).groups)
-        full_size, full_in_use = await db_size(endpoint)
+        full_size, full_in_use = await db_size(cluster)
 
         # A group whose state is resident somewhere, or that is held, is never idle.
         events = [
@@ -108,7 +121,7 @@ async def test_idle_groups_are_removed_and_etcd_shrinks(cluster_factory: Cluster
         assert [g.group_id for g in groups] == ["kept"], f"{len(groups)} groups left"
         kept = await stub.get_group_status(GetGroupStatusRequest(group_id="kept"))
         assert kept.holder_job_id == "t"
-    end_size, end_in_use = await db_size(endpoint, compact_and_defrag=True)
+    end_size, end_in_use = await db_size(cluster, compact_and_defrag=True)
     print(
         f"\n{GROUPS} throwaway groups made in {made:.1f} s ({listed} listed at the end), "
         f"removed {emptied:.1f} s later\n"

@@ -97,7 +97,7 @@ async def test_quota_refusals_are_typed_and_write_nothing(cluster_factory: Clust
         await drain(stub.acquire(AcquireRequest(b, "b", "g3", session_secret=b_secret)))
         await drain(stub.acquire(AcquireRequest(b, "b", "g4", session_secret=b_secret)))
         operator = {"authorization": f"Bearer {cluster.operator_token}"}
-        before = await snapshot(cluster.etcd_endpoint, cluster.prefix)
+        before = await snapshot(cluster)
 
         refusals = {
             "sessions per job": stub.open_session(OpenSessionRequest(job_id="a")),
@@ -128,12 +128,12 @@ async def test_quota_refusals_are_typed_and_write_nothing(cluster_factory: Clust
         # Three more sessions fill the deployment's 5; the sixth is refused.
         await stub.open_session(OpenSessionRequest(job_id="c", ttl_seconds=30))
         await stub.open_session(OpenSessionRequest(job_id="d", ttl_seconds=30))
-        mid = await snapshot(cluster.etcd_endpoint, cluster.prefix)
+        mid = await snapshot(cluster)
         with pytest.raises(GRPCError) as info:
             await stub.open_session(OpenSessionRequest(job_id="e"))
         err = error_from_status(info.value.status, info.value.message)
         assert err.kind is ErrorKind.RESOURCE_EXHAUSTED and "limit is 5" in err.message
-        assert await snapshot(cluster.etcd_endpoint, cluster.prefix) == mid
+        assert await snapshot(cluster) == mid
 
         # A holder re-acquiring what it has is not a new entry: ALREADY_EXISTS, not quota.
         with pytest.raises(GRPCError) as info:
@@ -144,7 +144,7 @@ async def test_quota_refusals_are_typed_and_write_nothing(cluster_factory: Clust
         await stub.yield_(
             YieldRequest(a1, "a", "g1", holder.holder_epoch, session_secret=a1_secret)
         )
-        assert before != await snapshot(cluster.etcd_endpoint, cluster.prefix)
+        assert before != await snapshot(cluster)
     assert tracebacks(cluster) == []
     assert cluster.exited() == {}
 
@@ -156,7 +156,7 @@ async def test_malformed_requests_are_invalid_argument_and_write_nothing(
     sid = ""
     async with raw_stub(cluster.target) as stub:
         sid = (await stub.open_session(OpenSessionRequest(job_id="j", ttl_seconds=30))).session_id
-    before = await snapshot(cluster.etcd_endpoint, cluster.prefix)
+    before = await snapshot(cluster)
     ok_job = string(1, b"j")
     cases: dict[str, tuple[str, bytes, Status]] = {
         "invalid UTF-8": (OPEN, frame(string(1, b"j\xff\xfe")), Status.INVALID_ARGUMENT),
@@ -237,7 +237,7 @@ async def test_malformed_requests_are_invalid_argument_and_write_nothing(
         assert good.status is Status.OK and len(good.replies) == 1
     finally:
         channel.close()
-    after = await snapshot(cluster.etcd_endpoint, cluster.prefix)
+    after = await snapshot(cluster)
     new = {k for k in after if k not in before}
     assert all(k.endswith(tuple("0123456789abcdef")) and "/sessions/" in k for k in new), new
     assert len(new) == 1 and {k: v for k, v in after.items() if k in before} == before

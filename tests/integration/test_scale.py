@@ -164,7 +164,10 @@ async def test_a_replica_starts_on_100k_groups(etcd: EtcdServer, tmp_path: Path)
         print(f"replica ready in {started:.2f} s with {TOTAL} groups; VmRSS {rss:.0f} MiB")
         assert started < START_WITHIN
         # It serves: every group is listed, and a real group is granted to a new job.
-        async with AsyncTimeSliceClient(cluster.target, job_id="newcomer") as sdk:
+        # A plaintext cluster (it shares this test's plaintext etcd): its client says so.
+        async with AsyncTimeSliceClient(
+            cluster.target, job_id="newcomer", **cluster.client_tls
+        ) as sdk:
             listed = await sdk.groups()
             assert len(listed) == TOTAL
             assert {g.group_id for g in listed} >= {name(0), name(TOTAL - 1)}

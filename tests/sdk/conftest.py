@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.sdk.fakes import FakeOrchestrator, LoopThread
+from timeslice.tls import TlsFiles
+from timeslice_tools.dev.certs import Pki
 
 
 @pytest.fixture
@@ -22,9 +24,13 @@ def loop_thread() -> Iterator[LoopThread]:
 
 
 @pytest.fixture
-def orch(loop_thread: LoopThread) -> Iterator[FakeOrchestrator]:
-    """A one-replica fake orchestrator on loopback TCP."""
-    fake = FakeOrchestrator(loop_thread)
+def orch(loop_thread: LoopThread, session_pki: Pki) -> Iterator[FakeOrchestrator]:
+    """A one-replica fake orchestrator on loopback TCP, serving mutual TLS with the session's
+    certificates (the ones the clients find in their environment)."""
+    server = session_pki.orchestrator
+    fake = FakeOrchestrator(
+        loop_thread, tls=TlsFiles(str(session_pki.ca), str(server.cert), str(server.key))
+    )
     fake.add_replica()
     try:
         yield fake

@@ -24,6 +24,7 @@ from grpclib.const import Status
 from grpclib.server import Server
 
 from timeslice.errors import TimeSliceError
+from timeslice.tls import TlsFiles, server_context
 from timeslice_proto.timeslice.v1 import (
     AcquireEvent,
     AcquireRequest,
@@ -414,8 +415,11 @@ class TcpProxy:
 class FakeOrchestrator:
     """Replicas of one fake orchestrator, served from a background loop thread."""
 
-    def __init__(self, thread: LoopThread) -> None:
+    def __init__(self, thread: LoopThread, *, tls: TlsFiles | None = None) -> None:
+        """``tls``: serve mutual TLS with these files (the server's certificate and the CA
+        of its clients); None: plaintext."""
         self.thread = thread
+        self._ssl = None if tls is None else server_context(tls)
         self.state = thread.call(OrchestratorState)
         self.frontends: list[Frontend] = []
         self.ports: list[int] = []
@@ -431,7 +435,7 @@ class FakeOrchestrator:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
             sock.bind(("127.0.0.1", 0))
             port: int = sock.getsockname()[1]
-            await server.start(sock=sock)
+            await server.start(sock=sock, ssl=self._ssl)
             self._servers.append(server)
             return port
 

@@ -42,6 +42,9 @@ async def traced_cluster(
             "--etcd", etcd.endpoint,
             "--prefix", f"/timeslice/trace-{tmp.name}",
             "--replica-id", "r0",
+            # Plaintext on purpose: one of the few tests that run without TLS (in-process
+            # services on the plaintext etcd; TLS itself is covered by every cluster test).
+            "--insecure",
         ]
     )  # fmt: skip
     orchestrator = Orchestrator(config, tracing=provider)
@@ -57,7 +60,8 @@ async def traced_cluster(
                     "--orchestrator", target,
                     "--node", node,
                     "--worker-socket", sockets[node],
-                    "--sim-state-gb", "0.1", "--insecure",
+                    "--sim-state-gb", "0.1",
+                    "--insecure",
                 ],
                 {},
             ),
@@ -108,8 +112,8 @@ async def test_switch_span_tree_over_four_nodes(etcd_server: EtcdServer, tmp_pat
         ]
         try:
             async with (
-                AsyncTimeSliceClient(target, job_id="a") as a,
-                AsyncTimeSliceClient(target, job_id="b") as b,
+                AsyncTimeSliceClient(target, job_id="a", insecure=True) as a,
+                AsyncTimeSliceClient(target, job_id="b", insecure=True) as b,
             ):
                 await a.acquire("g", timeout=20)
                 waiter = asyncio.create_task(b.acquire("g", timeout=20))

@@ -102,3 +102,37 @@ def test_kustomizations_resolve(overlay: str, monkeypatch: pytest.MonkeyPatch) -
                 continue
             container = doc["spec"]["template"]["spec"]["containers"][0]
             _check_command(container["args"], _env(container), monkeypatch)
+
+
+def test_compose_runs_every_hop_on_tls_from_the_certs_directory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    compose = yaml.safe_load((ROOT / "compose" / "docker-compose.yml").read_text())
+    services = compose["services"]
+    monkeypatch.delenv("TIMESLICE_ORCHESTRATOR_INSECURE", raising=False)
+    seen = 0
+    for name, svc in services.items():
+        argv = [_interpolate(str(a)) for a in svc.get("command", [])]
+        assert "--insecure" not in argv, name
+        if not name.startswith(("orchestrator", "agent")):
+            continue
+        mounts = [str(v) for v in svc.get("volumes", [])]
+        assert "./certs:/certs:ro" in mounts, name
+        env = _env(svc)
+        if argv[0] == "orchestrator":
+            for key, value in env.items():
+                monkeypatch.setenv(key, value)
+            config = parse_args(argv[1:])
+            files = [config.tls, config.etcd_tls]
+        else:
+            files = [parse_config(argv[1:], env).tls]
+        for tls in files:
+            assert tls is not None, name
+            assert all(p.startswith("/certs/") for p in tls.paths()), (name, tls)
+        seen += 1
+    assert seen == 6  # 3 replicas, agent-0, agent-1, agent-gpu
+    etcd = " ".join(services["etcd"]["command"])
+    assert "http://" not in etcd and "--client-cert-auth" in etcd
+    assert "auth enable" in services["etcd-auth"]["command"][0]
+    depends = services["orchestrator-0"]["depends_on"]
+    assert depends["etcd-auth"]["condition"] == "service_completed_successfully"

@@ -208,3 +208,52 @@ def test_example_job_pod(path: Path) -> None:
             mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
             volume = next(v for v in spec["volumes"] if v["name"] == mounts[str(socket.parent)])
             assert volume["hostPath"]["path"] == "/run/timeslice"
+
+
+def _mounted_from_secret(pod: dict[str, Any], container: dict[str, Any], path: str) -> str:
+    """The Secret that the file ``path`` of ``container`` comes from (fails if none)."""
+    volumes = {v["name"]: v for v in pod["spec"]["template"]["spec"].get("volumes", [])}
+    for mount in container.get("volumeMounts", []):
+        if path.startswith(mount["mountPath"].rstrip("/") + "/"):
+            secret = volumes[mount["name"]].get("secret")
+            assert secret is not None, f"{path} is mounted from {volumes[mount['name']]}"
+            return str(secret["secretName"])
+    raise AssertionError(f"{path} is not mounted in {container['name']}")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_hop_is_tls_with_certificates_from_secrets(
+    overlay: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    docs = _render(overlay)
+    deployment = _one(docs, "Deployment", "timeslice-orchestrator")
+    orchestrator = _container(deployment)
+    for key, value in _env(orchestrator).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("TIMESLICE_ORCHESTRATOR_INSECURE", raising=False)
+    config = parse_args(orchestrator["args"][1:])
+    assert not config.insecure and config.tls is not None and config.etcd_tls is not None
+    for files in (config.tls, config.etcd_tls):
+        for path in files.paths():
+            _mounted_from_secret(deployment, orchestrator, path)
+    daemonset = _one(docs, "DaemonSet", "timeslice-agent")
+    agent = _container(daemonset)
+    node = FIELD_VALUES["spec.nodeName"]
+    # Kubernetes expands $(VAR) in args from the container's environment.
+    args = [a.replace("$(TIMESLICE_AGENT_NODE)", node) for a in agent["args"][1:]]
+    agent_config = parse_config(args, _env(agent))
+    assert agent_config.tls is not None and not agent_config.insecure
+    assert agent_config.tls.cert == f"/etc/timeslice/tls/node-{node}.crt"
+    for path in agent_config.tls.paths():
+        _mounted_from_secret(daemonset, agent, path)
+    etcd = _one(docs, "StatefulSet", "etcd")
+    command = " ".join(_container(etcd)["command"])
+    assert "http://" not in command and "--client-cert-auth" in command
+    for path in re.findall(r"/etc/etcd/tls/\S+", command):
+        _mounted_from_secret(etcd, _container(etcd), path)
+    job = _one(docs, "Job", "etcd-auth")
+    assert "auth enable" in " ".join(_container(job)["command"])
+    for doc in docs:
+        if doc["kind"] in ("Deployment", "DaemonSet", "StatefulSet", "Job"):
+            for container in doc["spec"]["template"]["spec"]["containers"]:
+                assert "--insecure" not in container.get("args", []), doc["metadata"]["name"]

@@ -9,6 +9,12 @@ import pytest
 from timeslice_orchestrator.config import parse_args
 
 
+@pytest.fixture(autouse=True)
+def _plaintext_by_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    # These parse options without certificates: plaintext chosen through the environment.
+    monkeypatch.setenv("TIMESLICE_ORCHESTRATOR_INSECURE", "1")
+
+
 def test_options_come_from_timeslice_orchestrator_variables(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -1,12 +1,17 @@
 """``timeslice dev cluster``: etcd, orchestrators and agents on this machine, in the foreground.
 
 Prints ``ready <targets>`` once the cluster serves, then the exports a job needs, and runs
-until SIGINT/SIGTERM, warning about any process that exits on its own.
+until SIGINT/SIGTERM, warning about any process that exits on its own. TLS on every hop
+unless ``--no-tls``.
+
+``timeslice dev certs --out DIR``: the CA and certificates of a deployment (the Secrets of
+the Compose and Kubernetes deployments), made by :class:`timeslice_tools.dev.certs.Pki`.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 import sys
 import time
@@ -24,10 +29,14 @@ from timeslice.cli.base import (
 )
 from timeslice.errors import InvalidArgument, Unavailable
 from timeslice.targets import TARGET_ENV, parse_address
+from timeslice_tools.dev.certs import DEFAULT_DAYS, Pki
 from timeslice_tools.dev.cluster import BACKENDS, ClusterError, LocalCluster
 from timeslice_tools.dev.etcd import EtcdError
 
-__all__ = ["cmd_dev_cluster", "parse_etcd", "register"]
+__all__ = ["cmd_dev_certs", "cmd_dev_cluster", "parse_etcd", "register"]
+
+# Node and job names become file names (node-<name>.crt).
+_FILE_SAFE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def register(commands: Commands) -> None:
@@ -50,8 +59,39 @@ def register(commands: Commands) -> None:
     cluster.add_argument(
         "--tls",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="make a throw-away CA and certificates: mutual TLS on every hop, etcd auth",
+        default=True,
+        help="mutual TLS on every hop and etcd auth, with a throw-away CA (the default); "
+        "--no-tls runs every hop in plaintext",
+    )
+    cluster.add_argument(
+        "--certs",
+        type=Path,
+        metavar="DIR",
+        help="use the CA and certificates in DIR (made there if DIR has no ca.crt; see "
+        "'timeslice dev certs') instead of a throw-away CA; its etcd certificates must be "
+        "those of --etcd",
+    )
+    certs = dev_sub.add_parser(
+        "certs",
+        help="make a CA and the certificates of a deployment (Compose, Kubernetes Secrets)",
+        description="Write a new CA and the certificates of every component to --out: "
+        "orchestrator, etcd (server, replicas' client, root), an operator, and one per node "
+        "and job given. Keep ca.key away from the services.",
+    )
+    certs.add_argument("--out", type=Path, required=True, metavar="DIR", help="where to write")
+    certs.add_argument("--nodes", nargs="*", default=[], metavar="NODE", help="agents' node names")
+    certs.add_argument("--jobs", nargs="*", default=[], metavar="JOB", help="jobs' ids")
+    certs.add_argument(
+        "--hosts",
+        nargs="*",
+        default=[],
+        metavar="HOST",
+        help="DNS names or IP addresses the orchestrator and etcd answer on, besides "
+        "localhost (Service names, say)",
+    )
+    certs.add_argument("--days", type=count(1), default=DEFAULT_DAYS, help="validity")
+    certs.add_argument(
+        "--force", action="store_true", help="replace a CA already in --out (a new CA)"
     )
     cluster.add_argument(
         "--base-dir",
@@ -76,8 +116,28 @@ def parse_etcd(text: str) -> str:
 
 def cmd_dev(args: argparse.Namespace) -> int:
     """``timeslice dev DEV_COMMAND``."""
+    if args.dev_command == "certs":
+        return cmd_dev_certs(args)
     assert args.dev_command == "cluster", args.dev_command
     return cmd_dev_cluster(args)
+
+
+def cmd_dev_certs(args: argparse.Namespace) -> int:
+    """``timeslice dev certs --out DIR``: a CA and every component's certificate."""
+    out_dir: Path = args.out
+    if (out_dir / "ca.crt").exists() and not args.force:
+        raise InvalidArgument(
+            f"{out_dir} already holds a CA (ca.crt): certificates signed by a new one would "
+            "not be trusted by what uses the old one; pass --force to replace it"
+        )
+    for name in [*args.nodes, *args.jobs]:
+        if not _FILE_SAFE.fullmatch(name):
+            raise InvalidArgument(f"{name!r} cannot be part of a file name")
+    pki = Pki.create(out_dir, nodes=args.nodes, jobs=args.jobs, hosts=args.hosts, days=args.days)
+    for path in sorted(pki.directory.iterdir()):
+        if path.suffix in (".crt", ".key") and not path.name.startswith("."):
+            out(str(path))
+    return 0
 
 
 def cmd_dev_cluster(args: argparse.Namespace) -> int:
@@ -102,7 +162,7 @@ def cmd_dev_cluster(args: argparse.Namespace) -> int:
             prefix=args.prefix,
             session_ttl=args.session_ttl,
             base_dir=args.base_dir,
-            tls=args.tls,
+            tls=Pki(args.certs) if args.certs is not None else args.tls,
         )
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from None

@@ -28,15 +28,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Literal
+from typing import Literal, TypedDict
 
-from timeslice.tls import CA_ENV, CERT_ENV, INSECURE_ENV, KEY_ENV
+from timeslice.tls import CA_ENV, CERT_ENV, INSECURE_ENV, KEY_ENV, TlsFiles
 from timeslice_agent.config import BackendKind
 from timeslice_tools.dev import _procs
 from timeslice_tools.dev.certs import Pki
 from timeslice_tools.dev.etcd import EtcdServer
 
-__all__ = ["Backend", "ClusterError", "LocalCluster", "ServiceProcess"]
+__all__ = ["Backend", "ClientTls", "ClusterError", "LocalCluster", "ServiceProcess"]
 
 Backend = str
 # The agent's one list of backends (adding one there adds it here and to the CLI).
@@ -47,6 +47,15 @@ _MAX_SOCKET_PATH = 100
 _READY_POLL_SECONDS = 0.05
 _PORT_RETRIES = 3
 _PREFIX_PATTERN = re.compile(r"/[A-Za-z0-9._:/-]*[A-Za-z0-9._:-]")
+
+
+class ClientTls(TypedDict, total=False):
+    """A client's TLS keyword arguments (``AsyncTimeSliceClient(target, **cluster.client_tls)``)."""
+
+    tls_ca: str
+    tls_cert: str
+    tls_key: str
+    insecure: bool
 
 
 class ClusterError(RuntimeError):
@@ -235,14 +244,35 @@ class LocalCluster:
 
     @property
     def client_env(self) -> dict[str, str]:
-        """What a client of this cluster needs in its environment: TLS files, or plaintext."""
+        """What a client of this cluster needs in its environment: TLS files, or plaintext
+        (which also blanks TLS files the environment may name, since files win over it)."""
         if self._pki is None:
-            return {INSECURE_ENV: "1"}
+            return {INSECURE_ENV: "1", CA_ENV: "", CERT_ENV: "", KEY_ENV: ""}
         return {
             CA_ENV: str(self._pki.ca),
             CERT_ENV: str(self._pki.operator.cert),
             KEY_ENV: str(self._pki.operator.key),
         }
+
+    @property
+    def client_tls(self) -> ClientTls:
+        """The same as keyword arguments of ``AsyncTimeSliceClient`` / ``TimeSliceClient``."""
+        if self._pki is None:
+            return ClientTls(insecure=True)
+        return ClientTls(
+            tls_ca=str(self._pki.ca),
+            tls_cert=str(self._pki.operator.cert),
+            tls_key=str(self._pki.operator.key),
+        )
+
+    @property
+    def etcd_tls(self) -> TlsFiles | None:
+        """What the replicas present to etcd (for tools that read etcd as they do); None:
+        plaintext etcd."""
+        if self._pki is None:
+            return None
+        pair = self._pki.etcd_client
+        return TlsFiles(str(self._pki.ca), str(pair.cert), str(pair.key))
 
     @property
     def prefix(self) -> str:
