@@ -140,7 +140,10 @@ async def handoff_latency(
     async with running_cluster(**kwargs) as cluster:
         clients = [
             AsyncTimeSliceClient(
-                rotated(cluster.targets, i), job_id=f"handoff-{i}", call_timeout=_CALL_TIMEOUT
+                rotated(cluster.targets, i),
+                job_id=f"handoff-{i}",
+                call_timeout=_CALL_TIMEOUT,
+                **cluster.client_tls,
             )
             for i in range(2)
         ]
@@ -259,7 +262,10 @@ async def cycle_throughput(
     async with running_cluster(**kwargs) as cluster:
         pool = [
             AsyncTimeSliceClient(
-                rotated(cluster.targets, i), job_id=f"cycle-{i}", call_timeout=_CALL_TIMEOUT
+                rotated(cluster.targets, i),
+                job_id=f"cycle-{i}",
+                call_timeout=_CALL_TIMEOUT,
+                **cluster.client_tls,
             )
             for i in range(n_clients)
         ]
@@ -389,7 +395,9 @@ async def memory_per_group(
     kwargs = {"replicas": 1, "agents": 0, **(cluster_kwargs or {})}
     async with running_cluster(**kwargs) as cluster:
         pool = [
-            AsyncTimeSliceClient(cluster.targets, job_id=f"mem-{i}", call_timeout=_CALL_TIMEOUT)
+            AsyncTimeSliceClient(
+                cluster.targets, job_id=f"mem-{i}", call_timeout=_CALL_TIMEOUT, **cluster.client_tls
+            )
             for i in range(clients)
         ]
         try:
@@ -478,7 +486,9 @@ async def switch_fanout(
     async with running_cluster(**kwargs) as cluster:
         workers = await register_workers(cluster, [(j, group) for j in jobs])
         clients = [
-            AsyncTimeSliceClient(cluster.targets, job_id=j, call_timeout=_CALL_TIMEOUT)
+            AsyncTimeSliceClient(
+                cluster.targets, job_id=j, call_timeout=_CALL_TIMEOUT, **cluster.client_tls
+            )
             for j in jobs
         ]
         try:

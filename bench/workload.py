@@ -426,7 +426,9 @@ async def _run_jobs(
     pairs = [(job, group) for job, groups in job_groups for group in groups.values()]
     workers = await register_workers(cluster, pairs)
     clients = [
-        AsyncTimeSliceClient(rotated(cluster.targets, i), job_id=job, **client_kwargs)
+        AsyncTimeSliceClient(
+            rotated(cluster.targets, i), job_id=job, **{**cluster.client_tls, **client_kwargs}
+        )
         for i, (job, _) in enumerate(job_groups)
     ]
     try:

@@ -120,7 +120,7 @@ def test_options_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert defaults.client_burst >= 10 * COSTS["OpenSession"]
     monkeypatch.setenv("TIMESLICE_ORCHESTRATOR_CLIENT_RATE", "0")
     monkeypatch.setenv("TIMESLICE_ORCHESTRATOR_CLIENT_MAX_WAIT", "0.5")
-    config = parse_args(["--client-burst", "77"])
+    config = parse_args(["--client-burst", "77", "--insecure"])
     assert (config.limits.client_rate, config.limits.client_burst) == (0.0, 77)
     assert config.limits.client_max_wait == 0.5
     assert not Admission.from_limits(config.limits).enabled
