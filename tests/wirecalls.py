@@ -49,6 +49,18 @@ class RawCodec(CodecBase):
         return data
 
 
+def varint(value: int) -> bytes:
+    """``value`` as a protobuf varint (to build messages, valid or not, byte by byte)."""
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
 def frame(payload: bytes, declared: int | None = None, compressed: bool = False) -> bytes:
     """One gRPC frame; ``declared`` overrides the length it claims."""
     length = len(payload) if declared is None else declared

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import ClusterFactory
 from tests.integration.etcdview import snapshot
-from tests.wirecalls import TYPED, frame, raw_call, raw_channel
+from tests.wirecalls import TYPED, frame, raw_call, raw_channel, varint
 from timeslice_proto.timeslice.v1 import (
     AcquireRequest,
     AgentMessage,
@@ -81,17 +81,6 @@ AGENT_METHODS: dict[str, type[betterproto2.Message]] = {
 # -- building messages field by field -------------------------------------------------------
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
 # Strings that sometimes name real things (so some calls get past validation) and often not.
 _TEXT = st.one_of(
     st.sampled_from(["fz", "g", "node-0", "", "..", "a/b", "x" * 300]),
@@ -122,14 +111,14 @@ def _message(draw: st.DrawFn, cls: type[betterproto2.Message], depth: int = 0) -
         if kind == betterproto2.TYPE_MESSAGE and depth < 3:
             nested = meta.cls_by_field[name]
             body = draw(_message(nested, depth + 1))
-            out += _varint(field.number << 3 | 2) + _varint(len(body)) + body
+            out += varint(field.number << 3 | 2) + varint(len(body)) + body
         elif kind in (betterproto2.TYPE_STRING, betterproto2.TYPE_BYTES, betterproto2.TYPE_MAP):
             body = draw(_RAW_STRING)
-            out += _varint(field.number << 3 | 2) + _varint(len(body)) + body
+            out += varint(field.number << 3 | 2) + varint(len(body)) + body
         elif kind in (betterproto2.TYPE_DOUBLE, betterproto2.TYPE_FIXED64):
-            out += _varint(field.number << 3 | 1) + draw(st.binary(min_size=8, max_size=8))
+            out += varint(field.number << 3 | 1) + draw(st.binary(min_size=8, max_size=8))
         else:
-            out += _varint(field.number << 3 | 0) + _varint(draw(_NUMBER))
+            out += varint(field.number << 3 | 0) + varint(draw(_NUMBER))
     if draw(st.booleans()) and depth == 0:
         out += draw(st.binary(max_size=8))  # trailing junk: an unknown or broken field
     return bytes(out)

@@ -17,7 +17,7 @@ from grpclib.exceptions import GRPCError
 from tests.conftest import ClusterFactory
 from tests.integration.etcdview import snapshot
 from tests.integration.rawclient import opened, raw_stub
-from tests.wirecalls import frame, raw_call, raw_channel
+from tests.wirecalls import frame, raw_call, raw_channel, varint
 from timeslice.errors import ErrorKind, error_from_status
 from timeslice_proto.timeslice.v1 import (
     AcquireEvent,
@@ -35,17 +35,6 @@ OPEN = "/timeslice.v1.TimeSlice/OpenSession"
 ACQUIRE = "/timeslice.v1.TimeSlice/Acquire"
 KEEPALIVE = "/timeslice.v1.TimeSlice/KeepAlive"
 REGISTER = "/timeslice.v1.WorkerLink/Register"
-
-
-def varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
 
 
 def field(number: int, wire: int, body: bytes) -> bytes:

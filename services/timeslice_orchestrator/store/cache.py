@@ -355,7 +355,8 @@ class Mirror:
 
     def _store(self, ref: KeyRef, kv: KeyValue) -> None:
         _index(self._topics, self._groups, ref, kv)
-        self._owners.stored(ref, kv)
+        if ref.kind in _OWNED:
+            self._owners.stored(ref, self._owner_of(ref, kv))
         if ref.kind is Kind.HOLDER:
             self._hold(ref.group, kv)
 
@@ -372,12 +373,23 @@ class Mirror:
             del self._topics[ref.topic]
             self._groups.discard(ref.group)
 
+    def _owner_of(self, ref: KeyRef, kv: KeyValue) -> str | None:
+        """A session's job, or an entry's or a hold's session (decoded once per write, like
+        every record the mirror hands out); None when the record does not decode."""
+        try:
+            if ref.kind is Kind.SESSION:
+                return self._decoded_record(ref, kv, SessionRecord).job
+            if ref.kind is Kind.QUEUE:
+                return self._decoded_record(ref, kv, QueueRecord).session
+            return self._decoded_record(ref, kv, HolderRecord).session
+        except CorruptRecord:
+            log.exception("ignoring corrupt record %s", kv.key.decode(errors="replace"))
+            return None
+
     def _hold(self, group: str, kv: KeyValue) -> None:
         self._unhold(group)
-        try:
-            session = HolderRecord.decode(kv.value).session
-        except CorruptRecord:
-            log.exception("ignoring corrupt holder record of %s", group)
+        session = self._owner_of(KeyRef(Kind.HOLDER, group), kv)
+        if session is None:
             return
         self._holder_of[group] = session
         self._held.setdefault(session, set()).add(group)
@@ -508,7 +520,7 @@ class Mirror:
             self._hold(held, kv)
         self._owners = OwnerIndex()
         for ref, kv in owned:
-            self._owners.stored(ref, kv)
+            self._owners.stored(ref, self._owner_of(ref, kv))
         self.revision = revision
         self.synced.set()
         await self._notify(old | set(topics))

@@ -10,14 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from timeslice_orchestrator.store.etcd import KeyValue
 from timeslice_orchestrator.store.keys import KeyRef, Kind
-from timeslice_orchestrator.store.records import (
-    CorruptRecord,
-    HolderRecord,
-    QueueRecord,
-    SessionRecord,
-)
 
 
 class OwnerIndex:
@@ -26,22 +19,16 @@ class OwnerIndex:
         self.sessions_per_job: Counter[str] = Counter()
         self.entries_per_session: Counter[str] = Counter()
 
-    def stored(self, ref: KeyRef, kv: KeyValue) -> None:
+    def stored(self, ref: KeyRef, owner: str | None) -> None:
+        """``ref`` was written; ``owner`` is its job (a session) or its session (an entry or a
+        hold), None when its record does not decode (not counted)."""
         if ref.kind not in (Kind.SESSION, Kind.QUEUE, Kind.HOLDER):
             return
         self.dropped(ref)  # a rewrite replaces the old owner
-        try:
-            if ref.kind is Kind.SESSION:
-                owner = SessionRecord.decode(kv.value).job
-                self.sessions_per_job[owner] += 1
-            elif ref.kind is Kind.QUEUE:
-                owner = QueueRecord.decode(kv.value).session
-                self.entries_per_session[owner] += 1
-            else:
-                owner = HolderRecord.decode(kv.value).session
-                self.entries_per_session[owner] += 1
-        except CorruptRecord:
+        if owner is None:
             return
+        counts = self.sessions_per_job if ref.kind is Kind.SESSION else self.entries_per_session
+        counts[owner] += 1
         self._owner[ref] = owner
 
     def dropped(self, ref: KeyRef) -> None:
