@@ -72,6 +72,18 @@ async def _fenced_state(path: Path, timeout: float) -> dict[str, Any]:
         await asyncio.sleep(0.05)
 
 
+async def _transitioning(path: Path, job: str, timeout: float) -> None:
+    """Return once the agent's state file shows ``job`` mid-move (written before it acts)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state: dict[str, Any] = json.loads(await asyncio.to_thread(path.read_text))
+        if state.get("jobs", {}).get(job, {}).get("state") == "transitioning":
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{job} never began a move in {path} within {timeout} s: {state}")
+        await asyncio.sleep(0.002)
+
+
 @pytest.mark.parametrize("when", ["during-checkpoint", "before-switch"])
 async def test_paused_agent_is_fenced_out(cluster_factory: ClusterFactory, when: str) -> None:
     cluster = cluster_factory(
@@ -132,6 +144,10 @@ async def test_paused_agent_is_fenced_out(cluster_factory: ClusterFactory, when:
                     10,
                     interval=0.005,
                 )
+                # The switch record says CHECKPOINT once the directives are posted; node-1 may
+                # not have begun yet (then it refuses the directive when it wakes, as before a
+                # switch). Its state file says TRANSITIONING once it has: pause it then.
+                await _transitioning(cluster.agent_state_files["node-1"], "a", 10)
                 os.kill(paused_pid, signal.SIGSTOP)  # mid-checkpoint on node-1
                 paused, paused_wall = time.monotonic(), time.time()
             recorder.hold(Hold("a", "g", first.epoch, first.ticket, first_at, released))
