@@ -226,7 +226,7 @@ class Orchestrator:
 
     def _begin_term(self, lease: int) -> Term:
         cfg = self.config
-        assert self._hub is not None
+        assert self._hub is not None and self._locks is not None
         keeper = LeaseKeeper(self.etcd, lease, cfg.replica_ttl)
         # Not critical: its end (a lost lease) ends the term, which the membership loop
         # watches; a crash sets ``lost`` too (see LeaseKeeper.run).
@@ -249,6 +249,7 @@ class Orchestrator:
             ),
             lease,
             tracer_for(self._tracing),
+            hand_overs=self._locks.hand_overs,
         )
         driver.start()
         self.terms += 1

@@ -7,6 +7,7 @@ is level-triggered: it reads the group from the mirror and takes the one step it
 to bottom:
 
     another live replica drives it      -> nothing to do (checked before anything is written)
+    a yield here is handing it over     -> nothing to do (looked at again when that ends)
     switch record present               -> carry it on from its phase (ours in flight, or left
                                            by a driver that died)
     queue empty                         -> nothing to do
@@ -43,7 +44,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Tracer
 
 from timeslice_orchestrator.directives import DirectiveSender, NodeResult
-from timeslice_orchestrator.grants import holder_for, in_place
+from timeslice_orchestrator.grants import HandOvers, holder_for, in_place
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.policy import Policy, order
 from timeslice_orchestrator.relay import DirectiveRouter
@@ -124,8 +125,10 @@ class SwitchDriver:
         config: DriverConfig,
         lease: int,
         tracer: Tracer | None = None,
+        hand_overs: HandOvers | None = None,
     ) -> None:
         self._store = store
+        self._hand_overs = hand_overs or HandOvers()
         self._mirror = mirror
         self._metrics = metrics
         self._config = config
@@ -149,12 +152,14 @@ class SwitchDriver:
     def start(self) -> None:
         """Start the workers and look once at every group with something to do."""
         self._mirror.add_listener(self._on_change)
+        self._hand_overs.add_listener(self.kick)
         self._queue.start()
         self._kick_busy(self._mirror.group_names())
 
     async def stop(self) -> None:
         """Stop driving: passes in flight are cancelled (a switch record carries them on)."""
         self._mirror.remove_listener(self._on_change)
+        self._hand_overs.remove_listener(self.kick)
         await self._queue.shutdown()
 
     def kick(self, group: str) -> None:
@@ -213,6 +218,8 @@ class SwitchDriver:
         """Take the one step ``group`` calls for (the table in the module docstring)."""
         if self._mirror.idle(group):
             return Next.IDLE  # no switch, nobody waits (decided without decoding a record)
+        if group in self._hand_overs:
+            return Next.IDLE  # a yield here is granting the next waiter; kicked when it ends
         view = self._mirror.group(group)
         if view.switch is not None:
             # Ours in flight, or left by a driver that died: carry it on from its phase.

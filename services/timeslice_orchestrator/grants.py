@@ -6,11 +6,18 @@ of a free group nobody waits for (:func:`resident_after_grant`), and a Yield tha
 next waiter's state resident (the releasing replica grants it at once, see
 :meth:`timeslice_orchestrator.locks.LockService.release`). All three decide with the same
 function, so they agree on when nothing needs to move.
+
+When the Yield's replica also drives the group, its driver sees the yield's write too and
+would race the hand-over with a grant of its own (one of the two transactions then fails its
+compares: a wasted round trip and pass). :class:`HandOvers` says which groups are being
+handed over here, so the driver leaves them alone and looks again once the hand-over ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable, Iterator
 
 from timeslice_orchestrator.store.cache import GroupView, QueuedJob
 from timeslice_orchestrator.store.records import AgentRecord, HolderRecord, ResidentRecord
@@ -69,3 +76,32 @@ def resident_after_grant(
     if view.queue:
         return None
     return in_place(view, job, agents)
+
+
+class HandOvers:
+    """The groups this replica is handing to a waiter on a yield, right now."""
+
+    def __init__(self) -> None:
+        self._groups: set[str] = set()
+        self._listeners: list[Callable[[str], None]] = []
+
+    def __contains__(self, group: object) -> bool:
+        return group in self._groups
+
+    @contextlib.contextmanager
+    def handing(self, group: str) -> Iterator[None]:
+        """Mark ``group`` while the block runs; then tell the listeners to look at it."""
+        self._groups.add(group)
+        try:
+            yield
+        finally:
+            self._groups.discard(group)
+            for listener in list(self._listeners):
+                listener(group)
+
+    def add_listener(self, listener: Callable[[str], None]) -> None:
+        self._listeners.append(listener)
+
+    def remove_listener(self, listener: Callable[[str], None]) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)

@@ -30,7 +30,7 @@ from timeslice.errors import (
 )
 from timeslice.ids import validate_group_id, validate_job_id, validate_node
 from timeslice_orchestrator.authz import new_session_secret, secret_hash, secret_matches
-from timeslice_orchestrator.grants import holder_for, in_place, resident_after_grant
+from timeslice_orchestrator.grants import HandOvers, holder_for, in_place, resident_after_grant
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.policy import Policy, order
 from timeslice_orchestrator.store.cache import GroupView, Mirror, group_topic
@@ -66,6 +66,15 @@ class Progress:
     ticket: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class _LocalWaiter:
+    """An Acquire call waiting on this replica: a hand-over made here answers it directly."""
+
+    entry_revision: int
+    attempt: str
+    granted: asyncio.Future[Progress]
+
+
 class LockService:
     def __init__(
         self,
@@ -90,6 +99,12 @@ class LockService:
         # its group back at once finds it free (and takes it in one transaction) instead of
         # queueing behind its own hold.
         self._released: dict[str, int] = {}
+        # Acquire calls waiting here, by (group, job): a yield served here that hands the
+        # group to one of them answers it at once, without waiting for the watch to bring
+        # the grant back into the mirror.
+        self._waiting: dict[tuple[str, str], _LocalWaiter] = {}
+        # Groups being handed over here: this replica's driver leaves them alone meanwhile.
+        self.hand_overs = HandOvers()
 
     async def open_session(self, job: str, ttl: int, host: str, pid: int) -> tuple[str, str, int]:
         """Open a session; returns its id, its secret (the only time it is told) and TTL."""
@@ -180,9 +195,18 @@ class LockService:
         topic = group_topic(group)
         granted = False
         last: tuple[AcquireStage, int] | None = None
+        key = (group, job)
+        waiter = _LocalWaiter(
+            enqueued.entry_revision, attempt, asyncio.get_running_loop().create_future()
+        )
+        self._waiting[key] = waiter
         self._metrics.waiters.inc()
         try:
             while True:
+                if waiter.granted.done():
+                    granted = True
+                    yield waiter.granted.result()
+                    return
                 seen = self._mirror.version(topic)
                 view = self._mirror.group(group)
                 progress = dataclasses.replace(
@@ -197,11 +221,24 @@ class LockService:
                 if (progress.stage, progress.position) != last:
                     last = (progress.stage, progress.position)
                     yield progress
-                await self._mirror.wait_for_change(topic, seen)
+                await self._wait(topic, seen, waiter.granted)
         finally:
+            if self._waiting.get(key) is waiter:
+                del self._waiting[key]
             self._metrics.waiters.dec()
             if not granted and not self.draining:
                 await _shielded(self._store.withdraw(enqueued))
+
+    async def _wait(self, topic: str, seen: int, granted: asyncio.Future[Progress]) -> None:
+        """Until the group changes in the mirror, or a hand-over here grants the waiter."""
+        change = asyncio.ensure_future(self._mirror.wait_for_change(topic, seen))
+        try:
+            await asyncio.wait((change, granted), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not change.done():
+                change.cancel()
+        if change.done() and not change.cancelled():
+            change.result()  # raise what the wait raised
 
     async def _take_free(self, request: EnqueueRequest) -> Enqueued | None:
         """Grant at once when the group is free and nobody waits: one transaction instead of
@@ -308,23 +345,32 @@ class LockService:
             )
         if epoch <= 0:
             raise InvalidArgument("epoch must be the positive fencing token of the grant")
+        hold = Hold(group, job, epoch, session_id)
+        if not self._mirror.has_waiters(group):
+            await self._release(hold)
+            return
+        # Marked before the release is written: the driver sees that write too.
+        with self.hand_overs.handing(group):
+            await self._release(hold)
+            # The mirror may not show the release yet: the view is the group after it.
+            await self._hand_over(dataclasses.replace(self._mirror.group(group), holder=None))
+
+    async def _release(self, hold: Hold) -> None:
+        group = hold.group
         revision = await self._store.release(
-            Hold(group, job, epoch, session_id),
-            Hint(self._mirror.holder(group)),
-            Hint(self._mirror.usage(group)),
+            hold, Hint(self._mirror.holder(group)), Hint(self._mirror.usage(group))
         )
         self._released[group] = revision
         if len(self._released) > _RELEASED_KEPT:
             seen = self._mirror.revision
             self._released = {g: r for g, r in self._released.items() if r > seen}
-        if self._mirror.has_waiters(group):
-            # The mirror may not show the release yet: the view is the group after it.
-            await self._hand_over(dataclasses.replace(self._mirror.group(group), holder=None))
 
     async def _hand_over(self, view: GroupView) -> None:
         """Grant the group's next waiter in place, as the driver would (``view``: the group
         just after the release, as this replica saw it; every part of it the grant relies on
         is compared, so a stale view costs only the driver's usual pass)."""
+        if not view.queue:
+            return  # the waiter left meanwhile
         head = order(self.policy, view)[0]
         residency = in_place(view, head.job, self._mirror.agents())
         if residency is None:
@@ -346,9 +392,26 @@ class LockService:
         except StoreUnavailable as exc:
             log.info("group %s: no hand-over on yield (%s); the driver grants", view.group, exc)
             return
-        if epoch is not None:
-            self._metrics.grants.labels(kind="on_yield").inc()
-            self._metrics.acquire_wait_seconds.observe(holder.waited_seconds)
+        if epoch is None:
+            return
+        self._metrics.grants.labels(kind="on_yield").inc()
+        self._metrics.acquire_wait_seconds.observe(holder.waited_seconds)
+        waiter = self._waiting.get((view.group, head.job))
+        if (
+            waiter is not None
+            and waiter.entry_revision == head.revision
+            and waiter.attempt == holder.attempt
+            and not waiter.granted.done()
+        ):
+            waiter.granted.set_result(
+                Progress(
+                    AcquireStage.GRANTED,
+                    epoch=epoch,
+                    waited_seconds=holder.waited_seconds,
+                    previous_job=holder.previous_job,
+                    ticket=head.revision,
+                )
+            )
 
     async def set_members(self, group: str, nodes: list[str]) -> None:
         """Pin ``nodes`` to ``group`` (an empty list unpins).
