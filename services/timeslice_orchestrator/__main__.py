@@ -10,7 +10,6 @@ import sys
 from timeslice_orchestrator.app import serve
 from timeslice_orchestrator.config import parse_args
 
-
 # Objects allocated before a young-generation collection. A replica allocates a few hundred
 # short-lived objects per call, almost none of them in reference cycles; at Python's default
 # (700) it ran a collection every few calls, about 8% of its CPU per acquire/yield cycle

@@ -3,7 +3,7 @@ exactly when the driver would grant a lone waiter in place (nothing to move)."""
 
 from __future__ import annotations
 
-from timeslice_orchestrator.grants import resident_after_grant
+from timeslice_orchestrator.grants import HandOvers, resident_after_grant
 from timeslice_orchestrator.store.cache import GroupView
 from timeslice_orchestrator.store.records import (
     AgentRecord,
@@ -73,3 +73,23 @@ def test_pinned_nodes_count_and_must_be_present() -> None:
     assert resident_after_grant(_view({}, pinned=["n0"]), "a", agents) is None
     assert resident_after_grant(_view({"n0": ["a"]}, pinned=["n0", "n1"]), "a", agents) is None
     assert resident_after_grant(_view({"n0": ["a"]}, pinned=["n0"]), "a", agents) is not None
+
+
+def test_a_group_is_handed_over_only_inside_the_block_and_the_driver_hears_when_it_ends() -> None:
+    hand_overs = HandOvers()
+    heard: list[str] = []
+    hand_overs.add_listener(heard.append)
+    with hand_overs.handing("g"):
+        assert "g" in hand_overs and "h" not in hand_overs
+        assert heard == []  # the driver leaves it alone meanwhile
+    assert "g" not in hand_overs and heard == ["g"]
+    try:
+        with hand_overs.handing("h"):
+            raise RuntimeError("the release failed")
+    except RuntimeError:
+        pass
+    assert "h" not in hand_overs and heard == ["g", "h"]  # told even when it failed
+    hand_overs.remove_listener(heard.append)
+    with hand_overs.handing("g"):
+        pass
+    assert heard == ["g", "h"]
