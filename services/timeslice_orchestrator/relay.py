@@ -88,6 +88,12 @@ class DirectiveRouter:
                         # The stream moved (or the agent is gone): whoever holds it now never
                         # saw this post. Report it unreachable; the driver sends it again.
                         raise AgentUnavailable(f"agent {node} left replica {agent.replica}")
+                    if now.connected_at != agent.connected_at:
+                        # It reconnected to the same replica: that replica failed what was in
+                        # flight on the old stream and will not forward this post again. Same
+                        # answer as for a local stream that reconnects, not a wait to the
+                        # deadline.
+                        raise AgentUnavailable(f"agent {node} reconnected to {agent.replica}")
                     await self._mirror.wait_for_change("*", seen)
         except TimeoutError as exc:
             raise AgentTimeout(
