@@ -39,6 +39,20 @@ class ScopeRunner(Protocol):
     async def yield_(self, group_id: str) -> None: ...
 
 
+class ScopeOwner(Protocol):
+    """A client that makes scopes (both clients): what a pickled scope is rebuilt from."""
+
+    def on_accelerators(
+        self, group_id: str, *, timeout: float | None = None, priority: int = 0
+    ) -> AcceleratorScope: ...
+
+
+def _rebuild_scope(
+    owner: ScopeOwner, group_id: str, timeout: float | None, priority: int
+) -> AcceleratorScope:
+    return owner.on_accelerators(group_id, timeout=timeout, priority=priority)
+
+
 class AcceleratorScope:
     """Runs code between ``acquire`` and ``yield_`` of one group.
 
@@ -58,12 +72,26 @@ class AcceleratorScope:
     """
 
     def __init__(
-        self, runner: ScopeRunner, group_id: str, timeout: float | None, priority: int
+        self,
+        runner: ScopeRunner,
+        group_id: str,
+        timeout: float | None,
+        priority: int,
+        *,
+        owner: ScopeOwner | None = None,
     ) -> None:
         self._runner = runner
         self.group_id = group_id
         self.timeout = timeout
         self.priority = priority
+        # The client that made this scope: a pickled scope (a decorated function sent to a
+        # Ray task or actor) is rebuilt as the same scope of that client's copy.
+        self._owner = owner
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if self._owner is None:
+            raise TypeError("this AcceleratorScope has no client to be rebuilt from")
+        return (_rebuild_scope, (self._owner, self.group_id, self.timeout, self.priority))
 
     def __repr__(self) -> str:
         return (

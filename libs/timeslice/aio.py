@@ -32,7 +32,7 @@ import logging
 import os
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from types import TracebackType
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 from timeslice._acquire import AcquireCall, ProgressCallback
 from timeslice._release import PendingRelease
@@ -78,6 +78,11 @@ T = TypeVar("T")
 
 # CloseSession is best effort: the lease expires on its own if the orchestrator is away.
 _CLOSE_BUDGET = 3.0
+
+
+def rebuild_client(cls: Callable[..., T], settings: dict[str, Any]) -> T:
+    """Unpickle a client: a new one from the settings of the pickled one."""
+    return cls(**settings)
 
 
 class AsyncTimeSliceClient:
@@ -152,6 +157,28 @@ class AsyncTimeSliceClient:
         """KeepAlive calls answered so far (all sessions)."""
         self.last_session_loss: str | None = None
         """Why the last session was lost, if one was."""
+
+    def settings(self) -> dict[str, Any]:
+        """The arguments that build a client like this one, resolved (environment defaults,
+        TLS files): what a copy in another process is made from."""
+        files = self._tls.files if self._tls is not None else None
+        return {
+            "target": self.targets,
+            "job_id": self._job_id,
+            "session_ttl": self._session_ttl,
+            "call_timeout": self._call_timeout,
+            "on_yield_request": self._on_yield_request,
+            "tls_ca": files.ca if files is not None else None,
+            "tls_cert": files.cert if files is not None else None,
+            "tls_key": files.key if files is not None else None,
+            "insecure": files is None,
+        }
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as its settings, not its connection (Ray tasks and actors, multiprocessing):
+        the copy opens its own session on its first call. Holds stay with this client; the
+        TLS files must exist where the copy runs."""
+        return (rebuild_client, (type(self), self.settings()))
 
     # ----------------------------------------------------------------- properties
 
@@ -310,7 +337,7 @@ class AsyncTimeSliceClient:
         """
         group = validate_group_id(group_id)
         wait = check_seconds(timeout, "timeout", allow_none=True)
-        return AcceleratorScope(self._runner, group, wait, check_priority(priority))
+        return AcceleratorScope(self._runner, group, wait, check_priority(priority), owner=self)
 
     async def status(self, group_id: str) -> GroupStatus:
         """The group's holder, queue, residency, switch in flight and faults."""

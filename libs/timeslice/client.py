@@ -21,7 +21,7 @@ from timeslice._loops import call_in_loop
 from timeslice._scope import AcceleratorScope
 from timeslice._types import Grant
 from timeslice._validate import check_priority, check_seconds
-from timeslice.aio import AsyncTimeSliceClient
+from timeslice.aio import AsyncTimeSliceClient, rebuild_client
 from timeslice.errors import Cancelled, InternalError, InvalidArgument
 from timeslice.ids import validate_group_id
 from timeslice_proto.timeslice.v1 import GroupStatus, GroupSummary
@@ -158,6 +158,11 @@ class TimeSliceOrchestratorClient:
             self, _shutdown, self._client, self._loop, self._thread, self._call_timeout + _SLACK
         )
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as its settings, like :class:`AsyncTimeSliceClient`: a copy in another
+        process (a Ray task or actor) starts its own loop thread and session on first use."""
+        return (rebuild_client, (type(self), self._client.settings()))
+
     # ----------------------------------------------------------------- properties
 
     @property
@@ -276,7 +281,11 @@ class TimeSliceOrchestratorClient:
 
         See :class:`~timeslice.AcceleratorScope`.
         """
-        return self._client.on_accelerators(group_id, timeout=timeout, priority=priority)
+        group = validate_group_id(group_id)
+        wait = check_seconds(timeout, "timeout", allow_none=True)
+        # Owned by this client, so a pickled scope comes back as a scope of this client's
+        # copy (with its own loop thread), not of the asyncio client inside it.
+        return AcceleratorScope(self._runner, group, wait, check_priority(priority), owner=self)
 
     def close(self) -> None:
         """End the session (best effort), stop the loop thread. Idempotent."""
