@@ -10,6 +10,8 @@ to bottom:
     a yield here is handing it over     -> nothing to do (looked at again when that ends)
     switch record present               -> carry it on from its phase (ours in flight, or left
                                            by a driver that died)
+    holder present, a node came back    -> catch-up: restore the holder on the nodes that
+      without its state                    lack its state (a switch beside it, no grant)
     queue empty                         -> nothing to do
     holder present                      -> nothing to do (lazy: no data moves on yield), or
                                            prefetch the next waiter beside it if it fits
@@ -171,7 +173,7 @@ class SwitchDriver:
         # 100,000 of them: at start, on a re-list or when an agent changes, only the groups
         # with a waiter or a switch are queued.
         for group in groups:
-            if not self._mirror.idle(group):
+            if self._mirror.needs_driver(group):
                 self.kick(group)
 
     def _on_change(self, topics: set[str]) -> None:
@@ -216,7 +218,7 @@ class SwitchDriver:
 
     async def reconcile(self, group: str) -> Next:
         """Take the one step ``group`` calls for (the table in the module docstring)."""
-        if self._mirror.idle(group):
+        if not self._mirror.needs_driver(group):
             return Next.IDLE  # no switch, nobody waits (decided without decoding a record)
         if group in self._hand_overs:
             return Next.IDLE  # a yield here is granting the next waiter; kicked when it ends
@@ -226,6 +228,10 @@ class SwitchDriver:
             if not await self._drives(view):
                 return Next.IDLE
             return await self._advance(view.switch)
+        if view.holder is not None:
+            caught_up = await self._catch_up(view)
+            if caught_up is not None:
+                return caught_up
         if not view.queue:
             return Next.IDLE
         head = order(self._config.policy, view)[0]
@@ -251,7 +257,7 @@ class SwitchDriver:
         if retry is not None and retry.due > time.monotonic():
             return Next.WAIT  # its last switch failed and rolled back just now
         attempt = retry.attempts + 1 if retry is not None else 1
-        return await self._begin(view, head, steps, attempt)
+        return await self._begin(view, head.job, head.revision, steps, attempt)
 
     async def _drives(self, view: GroupView) -> bool:
         """Whether this replica drives ``view``'s group, claiming the role if it is free."""
@@ -261,6 +267,43 @@ class SwitchDriver:
         if view.driver is None and not await self._store.claim_driver(group, self._auth):
             return False
         return True
+
+    async def _catch_up(self, view: GroupView) -> Next | None:
+        """Restore the holder on a node that came back without its state (fenced, or its
+        agent away, when the hold was granted): a switch beside the hold, towards the holder
+        itself, that ends without a grant. None when its state is everywhere it runs.
+
+        Each hold's catch-up starts at most once per backoff (doubling from
+        ``retry_backoff`` up to ``max_backoff``) and ``max_attempts`` times in all, so a node
+        that keeps failing it is not hammered; then ``last_error`` says so and the holder's
+        state reaches that node at its next switch.
+        """
+        holder = view.holder
+        assert holder is not None
+        job, epoch = holder.record.job, holder.create_revision
+        key = (view.group, job, epoch)
+        steps = plan(view, job, self._mirror.agents(), self._config.co_residency)
+        if not steps:
+            self._retries.pop(key, None)
+            return None
+        retry = self._retries.get(key)
+        now = time.monotonic()
+        attempt = retry.attempts + 1 if retry is not None else 1
+        if attempt > self._config.max_attempts:
+            return None  # given up on this hold (said once, below)
+        if retry is not None and retry.due > now:
+            return Next.WAIT
+        if not await self._drives(view):
+            return Next.IDLE
+        if attempt == self._config.max_attempts:
+            nodes = ", ".join(sorted({s.node for s in steps}))
+            self._last_error[view.group] = (
+                f"holder {job} could not be restored on {nodes} after {attempt} attempts; "
+                "it gets its state there at its next switch"
+            )
+        backoff = min(self._config.retry_backoff * 2 ** (attempt - 1), self._config.max_backoff)
+        self._retries[key] = _Retry(attempt, now + backoff)
+        return await self._begin(view, job, epoch, steps, attempt)
 
     async def _prefetch(self, view: GroupView, head: QueuedJob) -> Next:
         """While the holder runs, bring the next waiter's state in if it fits beside it."""
@@ -274,22 +317,24 @@ class SwitchDriver:
             return Next.IDLE  # already resident, or it does not fit beside the holder
         if not await self._drives(view):
             return Next.IDLE
-        return await self._begin(view, head, steps, attempt=1)
+        return await self._begin(view, head.job, head.revision, steps, attempt=1)
 
     async def _begin(
-        self, view: GroupView, head: QueuedJob, steps: list[NodeStep], attempt: int
+        self, view: GroupView, to_job: str, to_revision: int, steps: list[NodeStep], attempt: int
     ) -> Next:
-        """Write the switch record towards ``head``, then drive it.
+        """Write the switch record towards ``to_job``, then drive it.
 
-        With the group free this is a switch; beside a holder it is a prefetch, which moves
-        only what fits next to the holder and ends without a grant.
+        With the group free this is a switch (``to_revision``: the waiter's queue entry);
+        beside a holder it is a prefetch of a waiter, or the catch-up of the holder itself
+        (``to_revision``: its epoch), which move only what fits next to the hold and end
+        without a grant.
         """
         group = view.group
         record = SwitchRecord(
             switch_id=new_switch_id(),
             group=group,
-            to_job=head.job,
-            to_revision=head.revision,
+            to_job=to_job,
+            to_revision=to_revision,
             steps=steps,
             phase=SwitchPhase.CHECKPOINT,
             driver=self._config.replica_id,
@@ -308,14 +353,17 @@ class SwitchDriver:
             )
         if switch is None:
             return Next.AGAIN  # the group changed underneath; look again
-        if view.holder is not None:
-            log.info("group %s: prefetching %s beside %s", group, head.job, view.holder.record.job)
+        if view.holder is not None and view.holder.record.job == to_job:
+            nodes = ", ".join(sorted({s.node for s in steps}))
+            log.info("group %s: restoring holder %s on %s (catch-up)", group, to_job, nodes)
+        elif view.holder is not None:
+            log.info("group %s: prefetching %s beside %s", group, to_job, view.holder.record.job)
         else:
             log.info(
                 "group %s: switch %s -> %s on %d node(s), epoch %d (attempt %d)",
                 group,
                 ",".join(record.from_jobs) or "-",
-                head.job,
+                to_job,
                 len(steps),
                 switch.create_revision,
                 attempt,

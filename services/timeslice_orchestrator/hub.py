@@ -339,18 +339,37 @@ class AgentHub(AgentHubBase):
 
     async def _forget_off_device(self, node: str, jobs: list[JobReport]) -> None:
         """Trust the agent about what is on its devices: after a crash or a lost stream, a job
-        the group still lists as resident there may in truth be parked, half-moved or faulted.
+        the group still lists as resident there may in truth be parked, half-moved or faulted;
+        and a group that lost track of the node (fenced, or its agent lease ran out) learns
+        what the node holds, which lets its driver restore a holder granted meanwhile.
         """
+        on_device: dict[str, list[str]] = {}
         for report in jobs:
-            if report.state in _ON_DEVICE:
+            try:
+                group = validate_group_id(report.group_id)
+                job = validate_job_id(report.job_id)
+            except InvalidArgument as exc:
+                log.warning("agent %s: ignoring an invalid job report: %s", node, exc)
                 continue
-            if await self._store.forget_residency(report.group_id, node, report.job_id):
+            held = on_device.setdefault(group, [])
+            if report.state in _ON_DEVICE:
+                held.append(job)
+                continue
+            if await self._store.forget_residency(group, node, job):
                 log.warning(
                     "agent %s reports %s of %s as %s: no longer resident there",
                     node,
-                    report.job_id,
-                    report.group_id,
+                    job,
+                    group,
                     report.state.name.lower(),
+                )
+        for group, held in sorted(on_device.items()):
+            if await self._store.settle_unknown_residency(group, node, held):
+                log.info(
+                    "agent %s is back in %s: resident there: %s",
+                    node,
+                    group,
+                    ", ".join(held) or "nothing",
                 )
 
     async def _read_hello(self, messages: AsyncIterator[AgentMessage]) -> AgentHello:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import _thread
 import asyncio
+import contextlib
+import signal
 import subprocess
 import sys
 import textwrap
@@ -137,10 +139,15 @@ def test_keyboard_interrupt_cancels_a_blocking_acquire(
     orch: FakeOrchestrator, job_env: str
 ) -> None:
     assert threading.current_thread() is threading.main_thread()
+    # interrupt_main() runs whatever SIGINT handler this worker process has; code an earlier
+    # test ran in-process may have left its own. Ctrl-C's default is what is tested here.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     with (
         TimeSliceOrchestratorClient(orch.target, job_id="holder") as holder,
         TimeSliceOrchestratorClient(orch.target) as client,
+        contextlib.ExitStack() as restore,
     ):
+        restore.callback(signal.signal, signal.SIGINT, previous)
         holder.acquire("g1")
         interrupt = threading.Timer(0.3, _thread.interrupt_main)
         interrupt.start()

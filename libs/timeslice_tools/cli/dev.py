@@ -166,8 +166,9 @@ def cmd_dev_cluster(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from None
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in previous:
             signal.signal(sig, on_signal)
         try:
             cluster.start()
@@ -203,5 +204,9 @@ def cmd_dev_cluster(args: argparse.Namespace) -> int:
     finally:
         shutting_down = True
         cluster.stop()
+        # Called in-process (tests, embedding tools), the caller's handlers come back: a
+        # leaked one would turn the caller's next Ctrl-C into a no-op.
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     out("stopped")
     return 0

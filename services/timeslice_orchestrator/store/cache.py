@@ -267,12 +267,28 @@ class Mirror:
         return sorted(self._held.get(session_id, ()))
 
     def idle(self, group: str) -> bool:
-        """No switch record and nobody queued: nothing for a driver to do. Decodes nothing,
-        so looking at every group of a large deployment (at start, on a re-list) is cheap."""
+        """No switch record and nobody queued. Decodes nothing, so looking at every group of
+        a large deployment (at start, on a re-list) is cheap."""
         for ref in self._topics.get(group_topic(group), ()):
             if ref.kind is Kind.QUEUE or ref.kind is Kind.SWITCH:
                 return False
         return True
+
+    def needs_driver(self, group: str) -> bool:
+        """A switch record, a waiter, or a residency written after the hold began: the last
+        is a node that came back (after a fence, a lost lease) and may lack the holder's
+        state. Every grant writes the hold and the residency in one transaction, so on the
+        hot path they share a revision. Decodes nothing, like :meth:`idle`."""
+        hold = resident = 0
+        for ref, kv in self._topics.get(group_topic(group), {}).items():
+            kind = ref.kind
+            if kind is Kind.QUEUE or kind is Kind.SWITCH:
+                return True
+            if kind is Kind.HOLDER:
+                hold = kv.mod_revision
+            elif kind is Kind.RESIDENT:
+                resident = kv.mod_revision
+        return 0 < hold < resident
 
     def summary(self, group: str) -> tuple[HolderRecord | None, int, bool]:
         """The group's hold, how many wait, and whether it switches: what a listing of every

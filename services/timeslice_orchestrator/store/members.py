@@ -100,6 +100,29 @@ class MemberStore(StoreBase):
         )
         return result.succeeded
 
+    async def settle_unknown_residency(self, group: str, node: str, on_device: list[str]) -> bool:
+        """Take an agent's word for ``node`` in ``group`` when the group does not know what the
+        node holds (it was fenced, or its agent's lease ran out, while the group went on).
+
+        Written even when nothing of the group is on the node's devices: the write itself
+        makes the group's driver look again, since a holder granted meanwhile may need its
+        state restored there. A node the group knows about keeps the driver's record (only
+        :meth:`forget_residency` corrects that). Returns whether it wrote.
+        """
+        key = self.keys.resident(group)
+        current = await self.etcd.get(key)
+        if current is None:
+            return False  # never granted: nothing to settle
+        record = ResidentRecord.decode(current.value)
+        if node in record.nodes:
+            return False
+        if on_device:
+            record.nodes[node] = list(on_device)
+        result = await self.etcd.txn(
+            Txn([modified_at(key, current.mod_revision)], [Put(key, record.encode())])
+        )
+        return result.succeeded
+
     async def set_node_residency(
         self, group: str, node: str, jobs: list[str], note: str = ""
     ) -> bool:

@@ -1,0 +1,99 @@
+"""A hold granted while one of its nodes was fenced out is restored on that node when it rejoins.
+
+Node-1's agent is paused (SIGSTOP) before the switch to b: the switch goes on without it (the
+node is fenced) and b is granted with its state on node-0 only. When node-1 wakes and says
+hello again, it reports a still on its devices (b parked); the driver then restores b there
+beside b's hold (a catch-up: checkpoint a, restore b, no new grant), so b's processes on
+node-1 get their state back without waiting for b's next switch.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from tests.conftest import ClusterFactory
+from tests.faults.harness import journals, wait_for_status
+from timeslice import AsyncTimeSliceClient, register
+from timeslice_tools.history import check_fencing, check_two_phase
+
+SLOW_SIM = ["--sim-bandwidth-gbps", "2", "--sim-state-gb", "2"]  # ~1 s per move
+LIVENESS = 1.5
+
+pytestmark = pytest.mark.slow
+
+
+async def test_a_holder_granted_without_a_fenced_node_is_restored_there_when_it_rejoins(
+    cluster_factory: ClusterFactory,
+) -> None:
+    cluster = cluster_factory(
+        replicas=1,
+        agents=2,
+        agent_args=SLOW_SIM,
+        orchestrator_args=[
+            "--agent-ttl",
+            "60",
+            "--agent-liveness-timeout",
+            str(LIVENESS),
+            "--directive-timeout",
+            "10",
+        ],
+    )
+    sockets = [str(cluster.agent_sockets[n]) for n in ("node-0", "node-1")]
+    workers = [register("g", job_id=j, socket=s) for j in ("a", "b") for s in sockets]
+    paused_pid = cluster.services["node-1"].pid
+    assert paused_pid is not None
+    resumed = False
+    try:
+        async with (
+            AsyncTimeSliceClient(cluster.targets, job_id="a") as a,
+            AsyncTimeSliceClient(cluster.targets, job_id="b") as b,
+            AsyncTimeSliceClient(cluster.targets, job_id="observer") as observer,
+        ):
+            # a, b, a: b's state is checkpointed (parked) on both nodes, a's is on them.
+            for client in (a, b, a):
+                first = await client.acquire("g", timeout=30)
+                await client.yield_("g")
+            await wait_for_status(
+                observer,
+                "g",
+                lambda s: (
+                    {n.node: n.resident_job_id for n in s.nodes} == {"node-0": "a", "node-1": "a"}
+                ),
+                10,
+            )
+
+            os.kill(paused_pid, signal.SIGSTOP)
+            grant = await b.acquire("g", timeout=30)  # goes on without node-1
+            status = await observer.status("g")
+            assert {n.node: n.resident_job_id for n in status.nodes} == {"node-0": "b"}
+
+            os.kill(paused_pid, signal.SIGCONT)
+            resumed = True
+            woke = time.time()
+            caught_up = await wait_for_status(
+                observer,
+                "g",
+                lambda s: (
+                    {n.node: n.resident_job_id for n in s.nodes} == {"node-0": "b", "node-1": "b"}
+                    and s.switch is None
+                ),
+                30,
+            )
+            # Beside the same hold: no new grant, b never lost the group.
+            assert caught_up.holder_job_id == "b" and caught_up.holder_epoch == grant.epoch
+            on_node1 = [e for e in journals(cluster) if e.node == "node-1" and e.started_at >= woke]
+            moves = [(e.kind, e.job, e.status) for e in on_node1 if e.epoch > grant.epoch]
+            assert moves == [("checkpoint", "a", "ok"), ("restore", "b", "ok")], on_node1
+            await b.yield_("g")
+            assert first.epoch < grant.epoch
+    finally:
+        if not resumed:
+            os.kill(paused_pid, signal.SIGCONT)
+        for w in workers:
+            w.close()
+    check_fencing(journals(cluster))
+    check_two_phase(journals(cluster))
