@@ -12,8 +12,10 @@ from typing import Any
 
 from tests.compat.conftest import V1Client, V1Factory
 from tests.conftest import ClusterFactory
+from tests.integration.etcdview import snapshot
 from timeslice import AsyncTimeSliceClient, register
 from timeslice_tools.dev.cluster import LocalCluster
+from timeslice_tools.history import Hold, Recorder, check_mutual_exclusion
 
 HOLD_TTL = 2
 COMPAT = ["--compat-hold-ttl", str(HOLD_TTL)]
@@ -199,3 +201,86 @@ async def test_failover_during_a_blocked_acquire(
         await client.ok("Yield", job_id="j", group_id="g")
         got = await status(observer)
         assert got["group"]["locking_job"] == "" and got["group"]["group_state"] == "STATE_IDLE"
+
+
+async def test_v1alpha1_and_v1_jobs_alternate_exclusively(
+    cluster_factory: ClusterFactory, v1alpha1: V1Factory
+) -> None:
+    cluster = cluster_factory(tls=False, agents=1, agent_args=SIM_FAST, orchestrator_args=COMPAT)
+    socket = str(cluster.agent_sockets["node-0"])
+    recorder = Recorder()
+    rounds = 8
+
+    async def ours(client: AsyncTimeSliceClient) -> None:
+        for _ in range(rounds):
+            grant = await client.acquire("g", timeout=60)
+            start = recorder.now()
+            await asyncio.sleep(0.02)
+            end = recorder.now()
+            recorder.hold(Hold("v1", "g", grant.epoch, grant.ticket, start, end))
+            await client.yield_("g")
+
+    async def theirs(alpha: V1Client, observer: AsyncTimeSliceClient) -> None:
+        for _ in range(rounds):
+            await alpha.ok("Acquire", timeout=60, job_id="alpha", group_id="g")
+            start = recorder.now()
+            held = await observer.status("g")  # the epoch, from our own API
+            assert held.holder_job_id == "alpha", held
+            end = recorder.now()
+            recorder.hold(Hold("alpha", "g", held.holder_epoch, 0, start, end))
+            await alpha.ok("Yield", job_id="alpha", group_id="g")
+
+    with (
+        register("g", job_id="v1", socket=socket, state_bytes=64 << 20),
+        register("g", job_id="alpha", socket=socket, state_bytes=64 << 20),
+    ):
+        async with (
+            plain(cluster, job_id="v1") as v1,
+            plain(cluster, job_id="observer") as observer,
+            v1alpha1(cluster.target) as alpha,
+        ):
+            await asyncio.wait_for(asyncio.gather(ours(v1), theirs(alpha, observer)), 120)
+    assert len(recorder.holds) == 2 * rounds
+    check_mutual_exclusion(recorder.holds)
+
+
+BAD_IDS = ["", "x" * 254, "a/b", "..", "tab\there", "nul\x00", "caf\u00e9", " lead"]
+
+
+def _field(number: int, wire_type: int, payload: bytes) -> bytes:
+    return bytes([number << 3 | wire_type]) + payload
+
+
+async def test_bad_input_is_refused_and_changes_nothing(
+    cluster_factory: ClusterFactory, v1alpha1: V1Factory
+) -> None:
+    cluster = cluster_factory(tls=False, agents=0, orchestrator_args=COMPAT)
+    async with v1alpha1(cluster.target) as client:
+        await client.ok("Acquire", job_id="good", group_id="g")
+        before = await snapshot(cluster)
+        for bad in BAD_IDS:
+            for op, args in (
+                ("Acquire", {"job_id": bad, "group_id": "g"}),
+                ("Acquire", {"job_id": "good", "group_id": bad}),
+                ("Acquire", {"job_id": "other", "group_id": bad}),
+                ("Yield", {"job_id": bad, "group_id": "g"}),
+                ("Yield", {"job_id": "good", "group_id": bad}),
+                ("GetGroupStatus", {"group_id": bad}),
+            ):
+                reply = await client.call(op, **args)
+                assert not reply["ok"] and reply["code"] == "INVALID_ARGUMENT", (op, args, reply)
+                assert reply["details"], "the error says why"
+        # Wrong types on the wire: a varint where a string belongs, a string where a bool...
+        for method, data in (
+            ("Acquire", _field(1, 0, b"\x05")),
+            ("Acquire", _field(2, 0, b"\x05")),
+            ("Yield", _field(1, 5, b"\x00\x00\x00\x00")),
+            ("GetGroupStatus", _field(1, 0, b"\x01")),
+            ("Acquire", b"\xff\xff\xff"),
+        ):
+            reply = await client.raw(method, data)
+            assert not reply["ok"] and reply["code"] == "INVALID_ARGUMENT", (method, reply)
+        assert await snapshot(cluster) == before, "bad input wrote nothing"
+        # The service is still up and serving.
+        assert (await client.ok("Acquire", job_id="good", group_id="g"))["success"]
+        assert (await client.ok("Yield", job_id="good", group_id="g"))["success"]
