@@ -59,9 +59,9 @@ from timeslice_orchestrator.limits import Quotas
 from timeslice_orchestrator.locks import LockService, Progress
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.store.cache import GroupView, Mirror
-from timeslice_orchestrator.store.etcd import StoreError, Txn
+from timeslice_orchestrator.store.etcd import StoreError
 from timeslice_orchestrator.store.groups import GroupStore
-from timeslice_orchestrator.store.records import AgentRecord
+from timeslice_orchestrator.store.records import AgentRecord, HolderRecord, Stored
 from timeslice_proto.timeslice_orchestrator.v1alpha1 import (
     AcquireRequest,
     AcquireResponse,
@@ -83,8 +83,6 @@ log = logging.getLogger(__name__)
 SERVICE = "timeslice_orchestrator.v1alpha1.TimeSliceOrchestratorService"
 # The host field of an implicit session's record: the marker, then the nonce of its secret.
 IMPLICIT_HOST = "v1alpha1-compat/"
-# How long a read barrier (the mirror catching up with etcd) may take.
-SYNC_TIMEOUT = 10.0
 
 
 @dataclass(eq=False)
@@ -192,14 +190,12 @@ class CompatService(TimeSliceOrchestratorServiceBase):
             validate_group_id(group)
             identity.check_job(job, "Acquire")
             conn = _connection(stream)
-            await self._sync()
-            view = self._mirror.group(group)
-            holder = view.holder
+            holder = await self._holder(group)
             if holder is not None and holder.record.job == job:
                 # Idempotent; a hold under an implicit session now lives on this connection.
                 await self._attach(job, conn, adopt=holder.record.session)
             else:
-                queued = view.queued(job)
+                queued = self._mirror.group(group).queued(job)
                 adopt = queued.entry.record.session if queued is not None else ""
                 implicit = await self._attach(job, conn, adopt=adopt)
                 session = implicit.session_id
@@ -240,12 +236,10 @@ class CompatService(TimeSliceOrchestratorServiceBase):
             validate_group_id(group)
             identity.check_job(job, "Yield")
             self._renew(job, _connection(stream))
-            await self._sync()
-            view = self._mirror.group(group)
-            if not view.exists:
+            holder = await self._holder(group)
+            if holder is None and not await self._exists(group):
                 raise NotFound(f"group {group} does not exist")
-            pending = len(view.queue)
-            holder = view.holder
+            pending = len(self._mirror.group(group).queue)
             if holder is not None:
                 if holder.record.job != job:
                     raise PermissionDenied(
@@ -271,11 +265,16 @@ class CompatService(TimeSliceOrchestratorServiceBase):
 
     # -- implicit sessions ----------------------------------------------------------------
 
-    async def _sync(self) -> None:
-        """A read barrier: the mirror shows at least what etcd held when this was called (a
-        yield or grant just made through another replica, or handed over here)."""
-        now = (await self._store.etcd.txn(Txn([]))).revision
-        await self._mirror.wait_for_revision(now, SYNC_TIMEOUT)
+    async def _holder(self, group: str) -> Stored[HolderRecord] | None:
+        """The group's hold as etcd has it now: the mirror may not show yet a yield or grant
+        just made through another replica (or handed over here)."""
+        kv = await self._store.etcd.get(self._store.keys.holder(group))
+        return Stored.of(kv, HolderRecord.decode(kv.value)) if kv else None
+
+    async def _exists(self, group: str) -> bool:
+        if self._mirror.group(group).exists:
+            return True
+        return await self._store.etcd.get(self._store.keys.meta(group)) is not None
 
     def _renew(self, job: str, conn: Connection) -> None:
         """A call of ``job``: renew its implicit session on ``conn`` now (if it has one)."""

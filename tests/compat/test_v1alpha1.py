@@ -27,7 +27,9 @@ async def status(client: V1Client, group: str = "g") -> dict[str, Any]:
     return await client.ok("GetGroupStatus", group_id=group)
 
 
-async def until(client: V1Client, check: Any, timeout: float = 20, group: str = "g") -> dict[str, Any]:
+async def until(
+    client: V1Client, check: Any, timeout: float = 20, group: str = "g"
+) -> dict[str, Any]:
     """Poll GetGroupStatus until ``check(status)``; the last status."""
     deadline = time.monotonic() + timeout
     while True:
@@ -107,12 +109,14 @@ async def test_status_codes(cluster_factory: ClusterFactory, v1alpha1: V1Factory
         assert await b.code("Acquire", timeout=0.5, job_id="b", group_id="g") == (
             "DEADLINE_EXCEEDED"
         )
-        await until(a, lambda s: s["group"]["waiter_queue_depth"] == "0", timeout=5)
+        # At once (the session is alive: b's connection is open): the entry was withdrawn.
+        await until(a, lambda s: s["group"]["waiter_queue_depth"] == "0", timeout=1)
         # One that the client cancels leaves it too.
-        assert (await b.send({"op": "cancel", "args": {"job_id": "c", "group_id": "g"}, "after": 0.5}))[
-            "code"
-        ] == "CANCELLED"
-        await until(a, lambda s: s["group"]["waiter_queue_depth"] == "0", timeout=5)
+        assert (
+            await b.send({"op": "cancel", "args": {"job_id": "c", "group_id": "g"}, "after": 0.5})
+        )["code"] == "CANCELLED"
+        # At once (the session is alive: b's connection is open): the entry was withdrawn.
+        await until(a, lambda s: s["group"]["waiter_queue_depth"] == "0", timeout=1)
         yielded = await a.ok("Yield", job_id="a", group_id="g")
         assert yielded["pending_waiters"] == "0" and yielded["snapshot_deferred"]
         await asyncio.sleep(HOLD_TTL + 1)
@@ -164,6 +168,7 @@ async def test_killed_holder_gives_up_the_group_within_the_ttl(
         assert grant["success"]
         # The documented bound: the TTL after the connection closed (etcd checks expiry
         # every 0.5 s; the grant then takes a transaction).
+        print(f"hold lapse: granted {elapsed:.2f} s after the holder was killed (TTL {HOLD_TTL})")
         assert elapsed <= HOLD_TTL + 1, f"granted {elapsed:.2f} s after the holder died"
 
 
@@ -267,7 +272,7 @@ async def test_bad_input_is_refused_and_changes_nothing(
                 ("Yield", {"job_id": "good", "group_id": bad}),
                 ("GetGroupStatus", {"group_id": bad}),
             ):
-                reply = await client.call(op, **args)
+                reply = await client.send({"op": op, "args": args})
                 assert not reply["ok"] and reply["code"] == "INVALID_ARGUMENT", (op, args, reply)
                 assert reply["details"], "the error says why"
         # Wrong types on the wire: a varint where a string belongs, a string where a bool...

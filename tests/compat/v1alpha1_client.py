@@ -22,10 +22,10 @@ import time
 from typing import Any
 
 import grpc
-from google.protobuf import json_format
 
 pb: Any = importlib.import_module("timeslice_orchestrator.v1alpha1.orchestrator_pb2")
 rpc: Any = importlib.import_module("timeslice_orchestrator.v1alpha1.orchestrator_pb2_grpc")
+json_format: Any = importlib.import_module("google.protobuf.json_format")
 SERVICE = "/timeslice_orchestrator.v1alpha1.TimeSliceOrchestratorService/"
 
 
