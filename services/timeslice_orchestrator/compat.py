@@ -268,13 +268,12 @@ class CompatService(TimeSliceOrchestratorServiceBase):
     async def _holder(self, group: str) -> Stored[HolderRecord] | None:
         """The group's hold as etcd has it now: the mirror may not show yet a yield or grant
         just made through another replica (or handed over here)."""
-        kv = await self._store.etcd.get(self._store.keys.holder(group))
-        return Stored.of(kv, HolderRecord.decode(kv.value)) if kv else None
+        return await self._store.current_holder(group)
 
     async def _exists(self, group: str) -> bool:
         if self._mirror.group(group).exists:
             return True
-        return await self._store.etcd.get(self._store.keys.meta(group)) is not None
+        return await self._store.group_exists(group)
 
     def _renew(self, job: str, conn: Connection) -> None:
         """A call of ``job``: renew its implicit session on ``conn`` now (if it has one)."""
@@ -338,7 +337,10 @@ class CompatService(TimeSliceOrchestratorServiceBase):
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(implicit.poke.wait(), interval)
                 implicit.poke.clear()
-                implicit.connections = {c for c in implicit.connections if not c.is_closing()}
+                closed = {c for c in implicit.connections if c.is_closing()}
+                for conn in closed:
+                    self._by_connection.pop((conn, implicit.job), None)
+                implicit.connections -= closed
                 if not implicit.connections:
                     log.info(
                         "implicit session %s of job %s: its connections closed, it lapses "

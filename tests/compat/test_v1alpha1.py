@@ -10,6 +10,8 @@ import signal
 import time
 from typing import Any
 
+import pytest
+
 from tests.compat.conftest import V1Client, V1Factory
 from tests.conftest import ClusterFactory
 from tests.integration.etcdview import snapshot
@@ -289,3 +291,22 @@ async def test_bad_input_is_refused_and_changes_nothing(
         # The service is still up and serving.
         assert (await client.ok("Acquire", job_id="good", group_id="g"))["success"]
         assert (await client.ok("Yield", job_id="good", group_id="g"))["success"]
+
+
+async def test_killed_waiter_leaves_the_queue_at_once(
+    cluster_factory: ClusterFactory, v1alpha1: V1Factory
+) -> None:
+    cluster = cluster_factory(tls=False, agents=0, orchestrator_args=["--compat-hold-ttl", "30"])
+    async with v1alpha1(cluster.target) as holder, v1alpha1(cluster.target) as quitter:
+        await holder.ok("Acquire", job_id="holder", group_id="g")
+        waiter = asyncio.create_task(quitter.call("Acquire", timeout=60, job_id="q", group_id="g"))
+        await until(holder, lambda s: s["group"]["waiter_queue_depth"] == "1")
+        os.kill(quitter.proc.pid, signal.SIGKILL)
+        # Well before its session's TTL (30 s): the dropped connection ended the call.
+        await until(holder, lambda s: s["group"]["waiter_queue_depth"] == "0", timeout=3)
+        await holder.ok("Yield", job_id="holder", group_id="g")
+        await asyncio.sleep(0.5)
+        got = await status(holder)
+        assert got["group"]["locking_job"] == "", "the dead waiter was not granted"
+        with pytest.raises(EOFError):
+            await waiter  # the client process is gone: no answer
