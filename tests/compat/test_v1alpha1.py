@@ -177,7 +177,10 @@ async def test_killed_holder_gives_up_the_group_within_the_ttl(
 async def test_failover_during_a_blocked_acquire(
     cluster_factory: ClusterFactory, v1alpha1: V1Factory
 ) -> None:
-    cluster = cluster_factory(tls=False, replicas=2, agents=0, orchestrator_args=COMPAT)
+    ttl = 4  # the re-call surely comes before the old replica's session lapses: adopted
+    cluster = cluster_factory(
+        tls=False, replicas=2, agents=0, orchestrator_args=["--compat-hold-ttl", str(ttl)]
+    )
     first, second = cluster.targets
     async with (
         plain(cluster, job_id="holder") as holder,
@@ -200,8 +203,9 @@ async def test_failover_during_a_blocked_acquire(
         await holder.yield_("g")
         grant = await asyncio.wait_for(again, 30)
         assert grant["success"]
+        assert "adopted implicit session" in cluster.log_tail(cluster.replica_ids[1], 200)
         # The hold outlives the dead replica's session TTL: the new replica keeps it.
-        await asyncio.sleep(HOLD_TTL * 2)
+        await asyncio.sleep(ttl * 1.5)
         got = await status(observer)
         assert got["group"]["locking_job"] == "j" and got["group"]["waiter_queue_depth"] == "0"
         assert await observer.code("Yield", job_id="other", group_id="g") == "PERMISSION_DENIED"
