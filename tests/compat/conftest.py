@@ -89,7 +89,7 @@ class V1Client:
         assert (await self.send({"op": "connect", "target": target}))["ok"]
 
 
-V1Factory = Callable[[str], AbstractAsyncContextManager[V1Client]]
+V1Factory = Callable[..., AbstractAsyncContextManager[V1Client]]
 
 
 @pytest.fixture
@@ -97,9 +97,11 @@ def v1alpha1(v1alpha1_code: Path) -> V1Factory:
     """``async with v1alpha1(target) as client``: a client process on ``target``."""
 
     @asynccontextmanager
-    async def make(target: str) -> AsyncIterator[V1Client]:
+    async def make(target: str, tls: dict[str, str] | None = None) -> AsyncIterator[V1Client]:
+        """``tls``: V1_TLS_CA, V1_TLS_CERT, V1_TLS_KEY (files) for a TLS client."""
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
         env["PYTHONPATH"] = str(v1alpha1_code)
+        env.update(tls or {})
         proc = subprocess.Popen(
             [sys.executable, str(CLIENT), target.split(",")[0]],
             stdin=subprocess.PIPE,

@@ -16,6 +16,7 @@ from tests.compat.conftest import V1Client, V1Factory
 from tests.conftest import ClusterFactory
 from tests.integration.etcdview import snapshot
 from timeslice import AsyncTimeSliceClient, register
+from timeslice_tools.dev.certs import Pki
 from timeslice_tools.dev.cluster import LocalCluster
 from timeslice_tools.history import Hold, Recorder, check_mutual_exclusion
 
@@ -314,3 +315,19 @@ async def test_killed_waiter_leaves_the_queue_at_once(
         assert got["group"]["locking_job"] == "", "the dead waiter was not granted"
         with pytest.raises(EOFError):
             await waiter  # the client process is gone: no answer
+
+
+async def test_tls_job_identity_is_checked(
+    cluster_factory: ClusterFactory, v1alpha1: V1Factory, session_pki: Pki
+) -> None:
+    cluster = cluster_factory(agents=0, orchestrator_args=COMPAT)  # mutual TLS
+    mine = session_pki.job("a")
+    tls = {"V1_TLS_CA": str(session_pki.ca), "V1_TLS_CERT": str(mine.cert)}
+    tls["V1_TLS_KEY"] = str(mine.key)
+    async with v1alpha1(cluster.target, tls) as a:
+        assert (await a.ok("Acquire", job_id="a", group_id="g"))["success"]
+        assert await a.code("Acquire", job_id="b", group_id="g") == "PERMISSION_DENIED"
+        assert await a.code("Yield", job_id="b", group_id="g") == "PERMISSION_DENIED"
+        assert (await status(a))["group"]["locking_job"] == "a"
+        assert (await a.ok("Yield", job_id="a", group_id="g"))["success"]
+        assert (await status(a))["group"]["locking_job"] == ""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -36,8 +37,19 @@ def _dict(message: Any) -> dict[str, Any]:
     return result
 
 
+def _channel(target: str) -> Any:
+    """Plaintext, as the reference's client; TLS with the files of $V1_TLS_CA/CERT/KEY."""
+    ca = os.environ.get("V1_TLS_CA")
+    if not ca:
+        return grpc.insecure_channel(target)
+    with open(ca, "rb") as a, open(os.environ["V1_TLS_CERT"], "rb") as c:
+        with open(os.environ["V1_TLS_KEY"], "rb") as k:
+            creds = grpc.ssl_channel_credentials(a.read(), k.read(), c.read())
+    return grpc.secure_channel(target, creds)
+
+
 def main() -> None:
-    channel = grpc.insecure_channel(sys.argv[1])
+    channel = _channel(sys.argv[1])
     stub = rpc.TimeSliceOrchestratorServiceStub(channel)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
@@ -47,7 +59,7 @@ def main() -> None:
         try:
             if op == "connect":
                 channel.close()
-                channel = grpc.insecure_channel(cmd["target"])
+                channel = _channel(cmd["target"])
                 stub = rpc.TimeSliceOrchestratorServiceStub(channel)
                 reply = {"ok": True}
             elif op == "cancel":
