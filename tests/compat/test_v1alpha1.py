@@ -331,3 +331,28 @@ async def test_tls_job_identity_is_checked(
         assert (await status(a))["group"]["locking_job"] == "a"
         assert (await a.ok("Yield", job_id="a", group_id="g"))["success"]
         assert (await status(a))["group"]["locking_job"] == ""
+
+
+async def test_faulted_switch_answers_unavailable(
+    cluster_factory: ClusterFactory, v1alpha1: V1Factory
+) -> None:
+    cluster = cluster_factory(
+        tls=False,
+        agents=1,
+        agent_args=[*SIM_FAST, "--sim-fault", "checkpoint:fail:a"],
+        orchestrator_args=COMPAT,
+    )
+    socket = str(cluster.agent_sockets["node-0"])
+    with (
+        register("g", job_id="a", socket=socket, state_bytes=64 << 20),
+        register("g", job_id="b", socket=socket, state_bytes=64 << 20),
+    ):
+        async with v1alpha1(cluster.target) as a, v1alpha1(cluster.target) as b:
+            await a.ok("Acquire", job_id="a", group_id="g")
+            waiter = asyncio.create_task(b.call("Acquire", timeout=60, job_id="b", group_id="g"))
+            await until(a, lambda s: s["group"]["waiter_queue_depth"] == "1")
+            await a.ok("Yield", job_id="a", group_id="g")
+            reply = await asyncio.wait_for(waiter, 60)
+            assert not reply["ok"] and reply["code"] == "UNAVAILABLE", reply
+            got = await status(a)
+            assert jobs(got).get(("node-0", "b")) == "STATE_FAULTED", got
