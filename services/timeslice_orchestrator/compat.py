@@ -44,6 +44,7 @@ from opentelemetry.trace import Span, SpanKind, StatusCode, Tracer
 from timeslice import AcquireStage
 from timeslice.errors import (
     GroupFaulted,
+    InvalidArgument,
     NotFound,
     NotHolder,
     PermissionDenied,
@@ -192,8 +193,12 @@ class CompatService(TimeSliceOrchestratorServiceBase):
             conn = _connection(stream)
             holder = await self._holder(group)
             if holder is not None and holder.record.job == job:
-                # Idempotent; a hold under an implicit session now lives on this connection.
-                await self._attach(job, conn, adopt=holder.record.session)
+                # Idempotent; a hold under an implicit session now lives on this connection
+                # too (a hold under a timeslice.v1 session stays that session's).
+                async with self._opening:
+                    adopted = await self._adopted(holder.record.session, job)
+                    if adopted is not None:
+                        self._bind(adopted, job, conn)
             else:
                 queued = self._mirror.group(group).queued(job)
                 adopt = queued.entry.record.session if queued is not None else ""
@@ -285,23 +290,31 @@ class CompatService(TimeSliceOrchestratorServiceBase):
         """The implicit session of ``job`` on ``conn``: ``adopt`` (the session of its entry or
         hold, if implicit), else the one it has here, else a new one."""
         async with self._opening:
-            implicit = self._adopted(adopt, job) if adopt else None
+            implicit = await self._adopted(adopt, job) if adopt else None
             if implicit is None:
                 known = self._implicit.get(self._by_connection.get((conn, job), ""))
                 implicit = known or await self._open(job)
-            implicit.connections.add(conn)
-            self._by_connection[(conn, job)] = implicit.session_id
-            implicit.poke.set()
+            self._bind(implicit, job, conn)
             return implicit
 
-    def _adopted(self, session_id: str, job: str) -> _Implicit | None:
+    def _bind(self, implicit: _Implicit, job: str, conn: Connection) -> None:
+        implicit.connections.add(conn)
+        self._by_connection[(conn, job)] = implicit.session_id
+        implicit.poke.set()  # renewed now: every call of the job renews its session
+
+    async def _adopted(self, session_id: str, job: str) -> _Implicit | None:
         """The implicit session ``session_id`` of ``job``, kept alive from here from now on
         (None: not an implicit session of that job, or gone)."""
         implicit = self._implicit.get(session_id)
         if implicit is not None:
             return implicit
         stored = self._mirror.session(session_id)
-        if stored is None or stored.record.job != job:
+        if stored is None:  # just opened through another replica: not in the mirror yet
+            try:
+                stored = await self._store.session(session_id)
+            except (SessionExpired, InvalidArgument):
+                return None
+        if stored.record.job != job:
             return None
         host = stored.record.host
         if not host.startswith(IMPLICIT_HOST):
