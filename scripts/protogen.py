@@ -17,8 +17,12 @@ PROTO_ROOT = ROOT / "protos"
 PLUGIN_OPTIONS = "client_generation=async,server_generation=async"
 
 
+# Our API (timeslice.v1) and the llm-d reference's, served for its users (v1alpha1).
+PACKAGES = ("timeslice", "timeslice_orchestrator")
+
+
 def proto_files() -> list[Path]:
-    return sorted((PROTO_ROOT / "timeslice").rglob("*.proto"))
+    return sorted(p for package in PACKAGES for p in (PROTO_ROOT / package).rglob("*.proto"))
 
 
 def generate(target: Path) -> None:

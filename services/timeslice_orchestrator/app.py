@@ -38,6 +38,7 @@ from timeslice_orchestrator.admission import Admission
 from timeslice_orchestrator.api import TimeSliceService
 from timeslice_orchestrator.authz import Authorizer, load_operator_token
 from timeslice_orchestrator.cleanup import IdleGroupCleaner
+from timeslice_orchestrator.compat import CompatService
 from timeslice_orchestrator.config import OrchestratorConfig
 from timeslice_orchestrator.driver import DriverConfig, SwitchDriver
 from timeslice_orchestrator.http import make_app
@@ -147,7 +148,12 @@ class Orchestrator:
         api = TimeSliceService(locks, self.mirror, self.metrics, tracer, authz, quotas)
         # Strict decoding and a message size limit: malformed or oversized requests are
         # refused, typed, before a handler runs (timeslice.wire).
-        self._server = strict_server([api, hub], cfg.limits.max_message_bytes)
+        # The llm-d reference's v1alpha1 API, on the same port (docs/migrating-from-llm-d.md).
+        compat = CompatService(
+            locks, self.store, self.mirror, self.metrics, tracer, quotas, self._tasks,
+            cfg.compat_hold_ttl,
+        )  # fmt: skip
+        self._server = strict_server([api, hub, compat], cfg.limits.max_message_bytes)
         # Per-connection token buckets: a flood from one client waits, or is refused, before
         # its requests are read, and other clients keep their latency (admission.py).
         admission.install(self._server, Admission.from_limits(cfg.limits, self.metrics))

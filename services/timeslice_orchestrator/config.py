@@ -63,6 +63,9 @@ class OrchestratorConfig:
     identity: IdentityRules = field(default_factory=IdentityRules)
     insecure: bool = False
     limits: Limits = field(default_factory=Limits)
+    compat_hold_ttl: int = 10
+    """TTL of the implicit sessions of v1alpha1 (llm-d) clients: how long a hold outlives
+    its client's connection at most (docs/migrating-from-llm-d.md)."""
 
 
 ENV_PREFIX = "TIMESLICE_ORCHESTRATOR_"
@@ -114,6 +117,13 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         type=int,
         default=_env("SESSION_TTL", "10"),
         help="default client session lease TTL, seconds",
+    )
+    p.add_argument(
+        "--compat-hold-ttl",
+        type=int,
+        default=_env("COMPAT_HOLD_TTL", "10", legacy_name=False),
+        help="v1alpha1 (llm-d) clients: a hold lapses at most this many seconds after its "
+        "client's connection closes",
     )
     p.add_argument(
         "--replica-ttl",
@@ -210,7 +220,7 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         listen, http = Address.parse(a.listen), Address.parse(a.http)
     except ValueError as exc:
         p.error(str(exc))
-    if a.session_ttl < 1 or a.replica_ttl < 1 or a.agent_ttl < 1:
+    if a.session_ttl < 1 or a.replica_ttl < 1 or a.agent_ttl < 1 or a.compat_hold_ttl < 1:
         p.error("TTLs must be at least 1 second")
     if a.agent_liveness_timeout < 0 or a.agent_liveness_timeout > 3600:
         p.error("--agent-liveness-timeout must be between 0 and 3600 seconds")
@@ -257,6 +267,7 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         identity=IdentityRules(JobSource(a.tls_job_identity), a.tls_operator_ou),
         insecure=a.insecure,
         limits=_limits(p, a),
+        compat_hold_ttl=a.compat_hold_ttl,
     )
 
 

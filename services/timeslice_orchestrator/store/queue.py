@@ -342,6 +342,13 @@ class QueueStore(StoreBase):
             return await self.release(hold, Hint(current), None)
         raise NotHolder(f"job {job} lost its hold on {group} (session expired?)")
 
+    async def current_holder(self, group: str) -> Stored[HolderRecord] | None:
+        """The group's hold as etcd has it now (not as a mirror saw it)."""
+        return await self._holder(group)
+
+    async def group_exists(self, group: str) -> bool:
+        return await self.etcd.get(self.keys.meta(group)) is not None
+
     async def _holder(self, group: str) -> Stored[HolderRecord] | None:
         kv = await self.etcd.get(self.keys.holder(group))
         return Stored.of(kv, HolderRecord.decode(kv.value)) if kv else None
