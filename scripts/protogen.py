@@ -18,7 +18,7 @@ PLUGIN_OPTIONS = "client_generation=async,server_generation=async"
 
 
 def proto_files() -> list[Path]:
-    return sorted((PROTO_ROOT / "timeslice").rglob("*.proto"))
+    return sorted(PROTO_ROOT.glob("**/*.proto"))
 
 
 def generate(target: Path) -> None:
