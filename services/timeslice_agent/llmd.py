@@ -559,16 +559,19 @@ class SnapshotAgentService:
 
     def _operator(self, what: str, job_id: str, needs: JobState) -> GRPCError:
         job = self._jobs().get(job_id)
-        if job is None:
+        state = job.state if job is not None else None
+        if state is None and self._registry.workers_of(job_id):
+            state = JobState.IDLE  # registered; nothing moved yet (as Status says)
+        if state is None:
             return GRPCError(Status.NOT_FOUND, f"job {job_id} is not known on this node")
-        if job.state is JobState.TRANSITIONING:
+        if state is JobState.TRANSITIONING:
             return GRPCError(
                 Status.ABORTED, f"job {job_id} is transitioning; try again when it settled"
             )
-        if job.state is not needs:
+        if state is not needs:
             return GRPCError(
                 Status.FAILED_PRECONDITION,
-                f"{what} needs the job {needs.name}; job {job_id} is {job.state.name}",
+                f"{what} needs the job {needs.name}; job {job_id} is {state.name}",
             )
         return GRPCError(
             Status.FAILED_PRECONDITION, OPERATOR_REFUSAL.format(what=what, harm=_HARM[what])
