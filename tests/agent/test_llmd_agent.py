@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CLIENT = Path(__file__).with_name("llmd_client.py")
 GROUP = "g-llmd"
 SWITCHES = 10
+HAS_GPU = Path("/dev/nvidia0").exists()
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +201,9 @@ async def test_workload_channel_gets_a_command_at_every_switch(
         assert [c["kind"] for c in got] == expected[job], (job, got)
         mine = [e for e in entries if e.job == job]
         checkpoints = [e for e in mine if e.kind == "checkpoint"]
-        restores = [e for e in mine if e.kind == "restore" and e.started_at > checkpoints[0].started_at]
+        restores = [
+            e for e in mine if e.kind == "restore" and e.started_at > checkpoints[0].started_at
+        ]
         snaps = [c for c in got if c["kind"] == "snapshot"]
         rests = [c for c in got if c["kind"] == "restore"]
         assert len(snaps) == len(checkpoints), (job, checkpoints)
@@ -212,13 +215,13 @@ async def test_workload_channel_gets_a_command_at_every_switch(
         for cmd, entry in zip(rests, sorted(restores, key=lambda e: e.started_at), strict=True):
             assert entry.started_at - 0.5 <= cmd["t"] <= entry.finished_at + 0.5, (cmd, entry)
         assert len({c["id"] for c in got}) == len(got)
-    assert {(c["mode"], tuple(c["tags"])) for c in commands["job-a"] if c["kind"] == "snapshot"} == {
-        ("SUSPEND_MODE_DISCARD", ("w1", "w2"))
-    }
+    assert {
+        (c["mode"], tuple(c["tags"])) for c in commands["job-a"] if c["kind"] == "snapshot"
+    } == {("SUSPEND_MODE_DISCARD", ("w1", "w2"))}
     assert all(c["tags"] == ["w1", "w2"] for c in commands["job-a"] if c["kind"] == "restore")
-    assert {(c["mode"], tuple(c["tags"])) for c in commands["job-b"] if c["kind"] == "snapshot"} == {
-        ("SUSPEND_MODE_OFFLOAD", ())
-    }
+    assert {
+        (c["mode"], tuple(c["tags"])) for c in commands["job-b"] if c["kind"] == "snapshot"
+    } == {("SUSPEND_MODE_OFFLOAD", ())}
 
 
 async def test_bad_input_status_and_health(
@@ -295,7 +298,7 @@ async def test_bad_input_status_and_health(
     # Nothing changed: job-a is still the one registered job; no GPU here, no accelerators
     # (with NVML, one entry per device).
     assert status["jobs"] == {"job-a": "JOB_STATE_IDLE"}, status
-    if not Path("/dev/nvidia0").exists():
+    if not HAS_GPU:
         assert status["accelerators"] == []
     assert all(p.poll() is None for p in workloads)
     assert all(s.is_running() for s in cluster.services.values())
