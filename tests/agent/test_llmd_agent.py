@@ -333,3 +333,92 @@ def test_loopback_peer_names_the_process_holding_the_client_end() -> None:
         loopback_peer(("10.1.2.3", 4000), ("10.1.2.4", 9001))
     with pytest.raises(RegistrationRefused, match="no socket"):
         loopback_peer(("127.0.0.1", 1), ("127.0.0.1", 2))
+
+
+async def test_workload_results_complete_the_hooks_in_process() -> None:
+    """ok=false fails the hook with the workload's error; ok=true completes it; a workload
+    that goes away mid-hook fails it (the registry's own rules, over the TCP channel)."""
+    from grpclib.client import Channel
+    from grpclib.const import Cardinality
+
+    from timeslice.wire import strict_server
+    from timeslice_agent.llmd import SnapshotAgentService
+    from timeslice_agent.workers import HookFailed, WorkerRegistry
+    from timeslice_proto.snapshot_agent.v1alpha1 import (
+        AgentCommand,
+        CommandResult,
+        RegisterWorkload,
+        SuspendMode,
+        WorkloadMessage,
+    )
+    from timeslice_proto.timeslice.v1 import HookKind
+
+    registry = WorkerRegistry(on_change=lambda job: None)
+    # The test process is the workload here: tell the service the agent is another pid.
+    service = SnapshotAgentService(registry, dict, own_pid=1)
+    server = strict_server([service])
+    await server.start("127.0.0.1", 0)
+    port = server._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    channel = Channel("127.0.0.1", port)
+    method = "/snapshot_agent.v1alpha1.SnapshotAgentService/WorkloadChannel"
+    try:
+        async with channel.request(
+            method, Cardinality.STREAM_STREAM, WorkloadMessage, AgentCommand
+        ) as stream:
+            await stream.send_message(
+                WorkloadMessage(register=RegisterWorkload(job_id="j1", group="g1"))
+            )
+            deadline = time.monotonic() + 10
+            while not registry.workers_of("j1") and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert [w.pid for w in registry.workers_of("j1")] == [os.getpid()]
+
+            async def answer(ok: bool, error: str = "") -> AgentCommand:
+                command = await stream.recv_message()
+                assert command is not None
+                await stream.send_message(
+                    WorkloadMessage(
+                        result=CommandResult(command_id=command.command_id, ok=ok, error=error)
+                    )
+                )
+                return command
+
+            hook = asyncio.create_task(
+                registry.run_hooks("j1", "g1", HookKind.BEFORE_CHECKPOINT, 10)
+            )
+            command = await answer(False, "engine busy")
+            assert command.snapshot is not None and command.snapshot.mode is SuspendMode.OFFLOAD
+            with pytest.raises(HookFailed, match="engine busy"):
+                await hook
+            hook = asyncio.create_task(registry.run_hooks("j1", "g1", HookKind.AFTER_RESTORE, 10))
+            command = await answer(True)
+            assert command.restore is not None
+            assert await hook == 0
+            hook = asyncio.create_task(
+                registry.run_hooks("j1", "g1", HookKind.BEFORE_CHECKPOINT, 10)
+            )
+            assert await stream.recv_message() is not None
+            await stream.cancel()  # the workload goes away mid-hook
+        with pytest.raises(HookFailed, match="went away"):
+            await hook
+        deadline = time.monotonic() + 10
+        while registry.workers_of("j1") and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert not registry.workers_of("j1")
+    finally:
+        channel.close()
+        server.close()
+        await server.wait_closed()
+
+
+def test_llmd_flags() -> None:
+    from timeslice_agent.config import parse_config
+
+    base = ["--orchestrator", "127.0.0.1:1", "--insecure", "--node", "n1"]
+    config = parse_config(base, environ={})
+    assert config.llmd_port is None and config.llmd_host == "127.0.0.1"
+    config = parse_config([*base, "--llmd-port", "9001", "--llmd-host", "::1"], environ={})
+    assert config.llmd_port == 9001 and config.llmd_host == "::1"
+    for bad in ("-1", "65536", "x"):
+        with pytest.raises(SystemExit):
+            parse_config([*base, "--llmd-port", bad], environ={})
