@@ -17,12 +17,10 @@ PROTO_ROOT = ROOT / "protos"
 PLUGIN_OPTIONS = "client_generation=async,server_generation=async"
 
 
-# Our API (timeslice.v1) and the llm-d reference's, served for its users (v1alpha1).
-PACKAGES = ("timeslice", "timeslice_orchestrator")
-
-
 def proto_files() -> list[Path]:
-    return sorted(p for package in PACKAGES for p in (PROTO_ROOT / package).rglob("*.proto"))
+    """Every proto under protos/: ours (timeslice.v1) and the llm-d reference's v1alpha1
+    services we also serve for its users (orchestrator and snapshot agent), plus gRPC health."""
+    return sorted(PROTO_ROOT.glob("**/*.proto"))
 
 
 def generate(target: Path) -> None:

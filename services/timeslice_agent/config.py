@@ -151,6 +151,9 @@ class AgentConfig:
     # The group that may connect to the worker socket (mode 0660); None: the agent's own group.
     worker_socket_group: int | None = None
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    # The llm-d reference's snapshot agent API (docs/llmd-agent.md): TCP port, None = off.
+    llmd_port: int | None = None
+    llmd_host: str = "127.0.0.1"
 
 
 def parse_endpoint(text: str, *, allow_port_zero: bool = False) -> Endpoint:
@@ -406,7 +409,31 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "largest gRPC message the worker socket accepts, in bytes (larger: RESOURCE_EXHAUSTED)",
         type=_argtype(_number(1, inclusive=True)),
     )
+    add(
+        "--llmd-port",
+        None,
+        "TCP port for the llm-d reference's snapshot_agent.v1alpha1 API and grpc.health.v1 "
+        "(docs/llmd-agent.md; 0 picks one; default: off)",
+        type=_argtype(_port),
+        metavar="PORT",
+    )
+    add(
+        "--llmd-host",
+        "127.0.0.1",
+        "address the llm-d API listens on (workloads register only over loopback)",
+        metavar="HOST",
+    )
     return parser
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise InvalidArgument(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise InvalidArgument(f"port must be 0 to 65535, got {port}")
+    return port
 
 
 def _faults(parser: argparse.ArgumentParser, texts: list[str]) -> list[InjectedFault]:
@@ -481,4 +508,6 @@ def parse_config(
         insecure=tls is None,
         worker_socket_group=ns.worker_socket_group,
         max_message_bytes=int(ns.max_message_bytes),
+        llmd_port=ns.llmd_port,
+        llmd_host=str(ns.llmd_host),
     )

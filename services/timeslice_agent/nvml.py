@@ -154,6 +154,19 @@ class NvmlDeviceMemory:
     async def compute_pids(self) -> set[int]:
         return {pid for pid, _ in await self._call(self._processes)}
 
+    async def usage(self) -> list[tuple[str, int, int]]:
+        """Per device: (UUID, used bytes, total bytes)."""
+
+        def read() -> list[tuple[str, int, int]]:
+            out = []
+            for handle in self._handles:
+                info = self._nvml.nvmlDeviceGetMemoryInfo(handle)
+                uuid = _text(self._nvml.nvmlDeviceGetUUID(handle))
+                out.append((uuid, int(info.used), int(info.total)))
+            return out
+
+        return await self._call(read)
+
 
 def open_device_memory() -> DeviceMemory | None:
     """NVML if it works here, else None (the reason is logged once)."""

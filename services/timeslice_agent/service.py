@@ -31,8 +31,14 @@ from timeslice_agent.hostmem import GB, HostMemory
 from timeslice_agent.http import HttpServer
 from timeslice_agent.jobs import Residency
 from timeslice_agent.journal import DirectiveJournal
+from timeslice_agent.llmd import AcceleratorMemory, HealthService, SnapshotAgentService
 from timeslice_agent.metrics import AgentMetrics
-from timeslice_agent.nvml import DeviceMemory, discover_devices, open_device_memory
+from timeslice_agent.nvml import (
+    DeviceMemory,
+    NvmlDeviceMemory,
+    discover_devices,
+    open_device_memory,
+)
 from timeslice_agent.procs import identity_of
 from timeslice_agent.statefile import StateFileError, load_state
 from timeslice_agent.stream import OrchestratorLink
@@ -177,6 +183,8 @@ class Agent:
         self._scan_lock = asyncio.Lock()
         self.http_address: Endpoint | None = None
         self._grpc: Server | None = None
+        self._llmd: Server | None = None
+        self.llmd_port: int | None = None
         self._http: HttpServer | None = None
         self._socket_inode: int | None = None
         self._link_task: asyncio.Task[None] | None = None
@@ -349,6 +357,8 @@ class Agent:
             raise
         self._socket_inode = os.stat(cfg.worker_socket).st_ino
         log.info("worker socket listening on %s", cfg.worker_socket)
+        if cfg.llmd_port is not None:
+            await self._start_llmd()
         if cfg.http is not None:
             self._http = HttpServer(cfg.http, self.metrics, lambda: self.link.ready)
             self.http_address = await self._http.start()
@@ -361,6 +371,37 @@ class Agent:
             )
         self._link_task = self.supervisor.spawn(
             self.link.run_forever(), name="orchestrator-link", kind="link", critical=True
+        )
+
+    def _accelerators(self) -> AcceleratorMemory | None:
+        memory = self.memory
+        return memory if isinstance(memory, NvmlDeviceMemory) else None
+
+    async def _start_llmd(self) -> None:
+        """Serve the llm-d reference's snapshot agent API on TCP (docs/llmd-agent.md)."""
+        cfg = self.config
+        assert cfg.llmd_port is not None
+        service = SnapshotAgentService(
+            self.registry,
+            lambda: self.executor.jobs,
+            memory=self._accelerators,
+            on_refused=self._on_registration_refused,
+        )
+        health = HealthService(self.backend.name, lambda: self.link.ready)
+        server = strict_server([service, health], cfg.max_message_bytes)
+        try:
+            await server.start(cfg.llmd_host, cfg.llmd_port)
+        except OSError as exc:
+            raise AgentStartError(
+                f"cannot serve the llm-d API on {cfg.llmd_host}:{cfg.llmd_port}: {exc}"
+            ) from None
+        self._llmd = server
+        # grpclib keeps its asyncio server private; port 0 needs the port it was given.
+        sockets = getattr(server._server, "sockets", None) or ()
+        self.llmd_port = int(sockets[0].getsockname()[1]) if sockets else cfg.llmd_port
+        log.info("llm-d snapshot agent API listening on %s:%d", cfg.llmd_host, self.llmd_port)
+        self.supervisor.spawn(
+            server.wait_closed(), name="llmd-server", kind="server", critical=True
         )
 
     async def run(self, stop: asyncio.Event) -> int:
@@ -403,7 +444,15 @@ class Agent:
                     await self._grpc.wait_closed()
             except TimeoutError:
                 log.error("worker socket server did not close within %g s", CLOSE_SECONDS)
+        if self._llmd is not None:
+            self._llmd.close()
         self.registry.close("agent stopping")
+        if self._llmd is not None:
+            try:
+                async with asyncio.timeout(CLOSE_SECONDS):
+                    await self._llmd.wait_closed()
+            except TimeoutError:
+                log.error("llm-d API server did not close within %g s", CLOSE_SECONDS)
         if self._http is not None:
             await self._http.close()
         await self.supervisor.cancel_all(CLOSE_SECONDS)
