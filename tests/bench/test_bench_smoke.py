@@ -20,11 +20,14 @@ pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("plaintext_client
 async def test_workload_generator_runs_dedicated_then_shared(
     etcd_server: EtcdServer, tmp_path: Path
 ) -> None:
-    # Steps of 0.4 s (time scale 0.004 on 100 s steps); a switch moves 40 GB at 50 GB/s: 6 ms.
+    # Steps of 1 s (time scale 0.01 on 100 s steps); a switch moves 40 GB at 50 GB/s: 16 ms.
+    # Phases this long keep the comparison with a dedicated group about scheduling, not
+    # about a loaded machine's control-plane latency (at 0.4 s steps, a run beside a full
+    # test suite once measured a shared duty of 31%).
     result = await arun_profile(
         PROFILES["balanced"],
         2,
-        time_scale=0.004,
+        time_scale=0.01,
         steps=4,
         nodes=1,
         cluster_kwargs={"etcd_endpoint": etcd_server.endpoint, "base_dir": tmp_path / "c"},
@@ -39,8 +42,8 @@ async def test_workload_generator_runs_dedicated_then_shared(
     assert all(s > 0.9 for s in result.slowdown)
     assert result.switches >= 2
     assert result.switch_data_ms.n == result.switches
-    # Data movement includes the modelled 2 x 40 GB / 50 GB/s x 0.004 = 6.4 ms.
-    assert result.switch_data_ms.p50 >= 6.0
+    # Data movement includes the modelled 2 x 40 GB / 50 GB/s x 0.01 = 16 ms.
+    assert result.switch_data_ms.p50 >= 15.0
     assert result.orchestrator_metrics['timeslice_switches_total{outcome="committed"}'] >= 2
     assert {h.job for h in result.holds} == {"balanced-0", "balanced-1"}
     assert len(workload_table([result])) == 3
