@@ -451,6 +451,7 @@ class SwitchDriver:
             # Keep the record (with the nodes fenced meanwhile); the same directives go again.
             if fenced:
                 await self._store.update_switch(group, self._auth, switch, record.phase)
+            _retrying(record, "restore", results)
             return Next.LATER
         view = self._mirror.group(group)
         resident = view.residency()
@@ -507,7 +508,15 @@ class SwitchDriver:
             self._auth, Grant(group, head, holder, resident, view.resident_revision, stats, switch)
         )
         if epoch is None:
-            return Next.LATER  # the mirror lagged or the waiter re-attached: retry the commit
+            # The mirror lagged or the waiter re-attached: retry the commit.
+            log.info(
+                "group %s: commit of switch %s to %s did not go through (the group changed "
+                "or this replica's view lags); retrying",
+                group,
+                record.switch_id,
+                head.job,
+            )
+            return Next.LATER
         self._retries.pop((group, head.job, head.revision), None)
         self._metrics.switches.labels(outcome="committed").inc()
         self._metrics.switch_seconds.observe(elapsed)
@@ -530,6 +539,7 @@ class SwitchDriver:
         if any(r.unavailable for r in results):
             if fenced:
                 await self._store.update_switch(group, self._auth, switch, record.phase)
+            _retrying(record, "rollback", results)
             return Next.LATER
         view = self._mirror.group(group)
         resident = view.residency()
@@ -598,3 +608,16 @@ class SwitchDriver:
             previous = self._last_error.get(record.group)
             self._last_error[record.group] = f"{previous}; {note}" if previous else note
         return [r.node for r in new]
+
+
+def _retrying(record: SwitchRecord, phase: str, results: Sequence[NodeResult]) -> None:
+    """Say why a phase goes again: which nodes could not be reached (the retry is silent
+    otherwise, and a switch that keeps retrying must be explainable from the log)."""
+    unreachable = "; ".join(f"{r.node}: {r.error}" for r in results if r.unavailable)
+    log.warning(
+        "group %s: %s of switch %s unreachable on %s; sending again",
+        record.group,
+        phase,
+        record.switch_id,
+        unreachable,
+    )

@@ -121,6 +121,15 @@ async def describe(cluster: LocalCluster, group: str, lines: int = 15) -> str:
     parts += [
         f"  {k[len(root) :]}: {v!r} @{rev}" for k, (v, rev) in keys.items() if k.startswith(root)
     ]
+    # Where each agent's stream is, and directives in flight between replicas.
+    for area in ("agents", "relay"):
+        here = f"{cluster.prefix}/{area}/"
+        parts.append(f"etcd keys under {area}/:")
+        parts += [
+            f"  {k[len(here) :]}: {v[:300]!r} @{rev}"
+            for k, (v, rev) in keys.items()
+            if k.startswith(here)
+        ]
     for name in cluster.services:
         parts.append(f"--- last {lines} log lines of {name}:\n{cluster.log_tail(name, lines)}")
     return "\n".join(parts)

@@ -45,6 +45,11 @@ async def traced_cluster(
             # Plaintext on purpose: one of the few tests that run without TLS (in-process
             # services on the plaintext etcd; TLS itself is covered by every cluster test).
             "--insecure",
+            # No heartbeats: orchestrator and agents share this process's event loop, and on a
+            # loaded machine a stalled loop would make an agent drop its stream mid-switch (the
+            # stall gate), splitting the switch over two passes and two spans. Liveness has
+            # its own tests (tests/faults/test_agent_pause.py).
+            "--agent-liveness-timeout", "0",
         ]
     )  # fmt: skip
     orchestrator = Orchestrator(config, tracing=provider)
