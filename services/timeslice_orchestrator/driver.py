@@ -50,7 +50,13 @@ from timeslice_orchestrator.grants import HandOvers, holder_for, in_place
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.policy import Policy, order
 from timeslice_orchestrator.relay import DirectiveRouter
-from timeslice_orchestrator.store.cache import AGENTS_TOPIC, GroupView, Mirror, QueuedJob
+from timeslice_orchestrator.store.cache import (
+    AGENTS_TOPIC,
+    MIRROR_LAG_TIMEOUT,
+    GroupView,
+    Mirror,
+    QueuedJob,
+)
 from timeslice_orchestrator.store.etcd import StoreUnavailable
 from timeslice_orchestrator.store.groups import Authority, Fault, Grant, GroupStore, new_switch_id
 from timeslice_orchestrator.store.records import (
@@ -148,6 +154,9 @@ class SwitchDriver:
         )
         self._retries: dict[_Waiter, _Retry] = {}
         self._last_error: dict[str, str] = {}
+        # The revision of this driver's last write to each group, until the mirror shows it:
+        # a pass planned on an older view would carry on a switch it has just committed.
+        self._written: dict[str, int] = {}
 
     # -- wiring -------------------------------------------------------------------------
 
@@ -218,6 +227,10 @@ class SwitchDriver:
 
     async def reconcile(self, group: str) -> Next:
         """Take the one step ``group`` calls for (the table in the module docstring)."""
+        written = self._written.get(group, 0)
+        if written > self._mirror.revision:
+            await self._mirror.wait_for_revision(written, MIRROR_LAG_TIMEOUT)
+        self._written.pop(group, None)
         if not self._mirror.needs_driver(group):
             return Next.IDLE  # no switch, nobody waits (decided without decoding a record)
         if group in self._hand_overs:
@@ -353,6 +366,7 @@ class SwitchDriver:
             )
         if switch is None:
             return Next.AGAIN  # the group changed underneath; look again
+        self._wrote(group, switch.mod_revision)
         if view.holder is not None and view.holder.record.job == to_job:
             nodes = ", ".join(sorted({s.node for s in steps}))
             log.info("group %s: restoring holder %s on %s (catch-up)", group, to_job, nodes)
@@ -382,6 +396,7 @@ class SwitchDriver:
         )
         if epoch is None:
             return Next.AGAIN
+        self._wrote(view.group, epoch)
         self._metrics.grants.labels(kind="in_place").inc()
         self._metrics.acquire_wait_seconds.observe(holder.waited_seconds)
         return Next.IDLE
@@ -436,6 +451,7 @@ class SwitchDriver:
             moved = await self._store.update_switch(record.group, self._auth, switch, next_phase)
             if moved is None:
                 return Next.AGAIN  # lost the driver role or raced: look again
+            self._wrote(record.group, moved.mod_revision)
             switch, record = moved, moved.record
         if record.phase is SwitchPhase.RESTORE:
             return await self._restore_and_commit(switch, started)
@@ -450,7 +466,8 @@ class SwitchDriver:
         if any(r.unavailable for r in results):
             # Keep the record (with the nodes fenced meanwhile); the same directives go again.
             if fenced:
-                await self._store.update_switch(group, self._auth, switch, record.phase)
+                kept = await self._store.update_switch(group, self._auth, switch, record.phase)
+                self._wrote(group, kept.mod_revision if kept else None)
             _retrying(record, "restore", results)
             return Next.LATER
         view = self._mirror.group(group)
@@ -472,14 +489,17 @@ class SwitchDriver:
             error = SwitchFailed(SwitchPhase.RESTORE, failed)
             stats.last_error = f"{record.to_job}: {error}"
             fault = Fault(head, str(error)) if head is not None else None
-            ended = await self._store.end_switch(
+            ended = self._wrote(
                 group,
-                self._auth,
-                switch,
-                resident,
-                stats,
-                fault=fault,
-                resident_revision=view.resident_revision,
+                await self._store.end_switch(
+                    group,
+                    self._auth,
+                    switch,
+                    resident,
+                    stats,
+                    fault=fault,
+                    resident_revision=view.resident_revision,
+                ),
             )
             if ended:
                 self._metrics.switches.labels(outcome="restore_failed").inc()
@@ -488,8 +508,16 @@ class SwitchDriver:
         if record.prefetch or head is None:
             # A prefetch ends here, and so does a switch whose waiter left: keep what the
             # devices now hold, drop the record; the grant (in place) comes on its own.
-            ended = await self._store.end_switch(
-                group, self._auth, switch, resident, stats, resident_revision=view.resident_revision
+            ended = self._wrote(
+                group,
+                await self._store.end_switch(
+                    group,
+                    self._auth,
+                    switch,
+                    resident,
+                    stats,
+                    resident_revision=view.resident_revision,
+                ),
             )
             if ended:
                 outcome = "prefetched" if record.prefetch else "waiter_left"
@@ -507,6 +535,7 @@ class SwitchDriver:
         epoch = await self._store.grant(
             self._auth, Grant(group, head, holder, resident, view.resident_revision, stats, switch)
         )
+        self._wrote(group, epoch)
         if epoch is None:
             # The mirror lagged or the waiter re-attached: retry the commit.
             log.info(
@@ -538,7 +567,8 @@ class SwitchDriver:
         fenced = self._note_fenced(record, results, "rollback")
         if any(r.unavailable for r in results):
             if fenced:
-                await self._store.update_switch(group, self._auth, switch, record.phase)
+                kept = await self._store.update_switch(group, self._auth, switch, record.phase)
+                self._wrote(group, kept.mod_revision if kept else None)
             _retrying(record, "rollback", results)
             return Next.LATER
         view = self._mirror.group(group)
@@ -556,11 +586,18 @@ class SwitchDriver:
                 # reconnected between checkpoint and rollback and reported the job parked
                 # (which it then was). Left out, the next switch would not checkpoint it.
                 resident.place(step.node, step.evict)
-        if not await self._store.end_switch(
+        ended = await self._store.end_switch(
             group, self._auth, switch, resident, stats, resident_revision=view.resident_revision
-        ):
+        )
+        if not self._wrote(group, ended):
             return Next.AGAIN
         return await self._after_abort(group, record)
+
+    def _wrote(self, group: str, revision: int | None) -> int | None:
+        """Remember a write of this pass (None: it did not go through); returns it."""
+        if revision is not None:
+            self._written[group] = max(revision, self._written.get(group, 0))
+        return revision
 
     async def _after_abort(self, group: str, record: SwitchRecord) -> Next:
         """Retry the waiter with a bounded backoff, then give up on it alone."""

@@ -33,7 +33,7 @@ from timeslice_orchestrator.authz import new_session_secret, secret_hash, secret
 from timeslice_orchestrator.grants import HandOvers, holder_for, in_place, resident_after_grant
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.policy import Policy, order
-from timeslice_orchestrator.store.cache import GroupView, Mirror, group_topic
+from timeslice_orchestrator.store.cache import MIRROR_LAG_TIMEOUT, GroupView, Mirror, group_topic
 from timeslice_orchestrator.store.etcd import StoreUnavailable
 from timeslice_orchestrator.store.groups import (
     Enqueued,
@@ -48,7 +48,6 @@ from timeslice_orchestrator.store.records import Hint, SessionRecord, Stored
 
 log = logging.getLogger(__name__)
 
-MIRROR_LAG_TIMEOUT = 10.0
 # Groups whose last yield here the mirror may not show yet, kept at most (then pruned).
 _RELEASED_KEPT = 1024
 MAX_TTL = 3600

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import subprocess
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -24,15 +25,23 @@ from timeslice_agent.config import parse_config
 from timeslice_agent.service import Agent
 from timeslice_orchestrator.app import Orchestrator
 from timeslice_orchestrator.config import parse_args
+from timeslice_orchestrator.store.etcd import WatchBatch
 from timeslice_tools.dev._procs import free_ports
 from timeslice_tools.dev.etcd import EtcdServer
 
 NODES = [f"node-{i}" for i in range(4)]
 
 
+@dataclass
+class WatchLag:
+    """How late the orchestrator's mirror applies each watch batch (changed while it runs)."""
+
+    seconds: float = 0.0
+
+
 @contextlib.asynccontextmanager
 async def traced_cluster(
-    etcd: EtcdServer, tmp: Path, provider: TracerProvider
+    etcd: EtcdServer, tmp: Path, provider: TracerProvider, watch_lag: WatchLag | None = None
 ) -> AsyncIterator[tuple[str, dict[str, str]]]:
     grpc_port, http_port = free_ports(2)
     config = parse_args(
@@ -53,6 +62,15 @@ async def traced_cluster(
         ]
     )  # fmt: skip
     orchestrator = Orchestrator(config, tracing=provider)
+    if watch_lag is not None:
+        # A slow watch: the mirror sees every change late (a loaded replica).
+        apply = orchestrator.mirror._apply
+
+        async def late(batch: WatchBatch) -> None:
+            await asyncio.sleep(watch_lag.seconds)
+            await apply(batch)
+
+        orchestrator.mirror._apply = late  # type: ignore[method-assign]
     await orchestrator.start()
     stop = asyncio.Event()
     run_orchestrator = asyncio.create_task(orchestrator.run(stop))
@@ -101,11 +119,18 @@ def end_time(span: ReadableSpan) -> int:
     return span.end_time
 
 
-async def test_switch_span_tree_over_four_nodes(etcd_server: EtcdServer, tmp_path: Path) -> None:
+# With a slow watch, the driver's mirror still shows the switch when b (granted directly, not
+# through the mirror) yields and kicks it: the pass must wait for its own commit to show, not
+# carry the committed switch on again (a second span, directives sent twice).
+@pytest.mark.parametrize("watch_lag", [0.0, 0.2], ids=["prompt-watch", "slow-watch"])
+async def test_switch_span_tree_over_four_nodes(
+    etcd_server: EtcdServer, tmp_path: Path, watch_lag: float
+) -> None:
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    async with traced_cluster(etcd_server, tmp_path, provider) as (target, sockets):
+    lag = WatchLag()
+    async with traced_cluster(etcd_server, tmp_path, provider, lag) as (target, sockets):
         # The agents run in this process, and an agent never acts on itself: each worker is
         # a child process this process registers (its own descendant, which is allowed).
         sleepers = [subprocess.Popen(["sleep", "120"]) for _ in range(2 * len(NODES))]
@@ -124,6 +149,7 @@ async def test_switch_span_tree_over_four_nodes(etcd_server: EtcdServer, tmp_pat
                 waiter = asyncio.create_task(b.acquire("g", timeout=20))
                 await asyncio.sleep(0.3)
                 exporter.clear()
+                lag.seconds = watch_lag
                 await a.yield_("g")
                 grant = await waiter
                 assert grant.restored and grant.previous_job_id == "a"

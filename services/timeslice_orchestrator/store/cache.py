@@ -72,6 +72,8 @@ __all__ = [
 
 AGENTS_TOPIC = Kind.AGENT.value
 RELAY_TOPIC = Kind.RELAY.value
+# How far behind its own writes a replica's mirror may be before callers answer UNAVAILABLE.
+MIRROR_LAG_TIMEOUT = 10.0
 
 
 @dataclass(slots=True)

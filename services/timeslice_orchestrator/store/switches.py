@@ -189,8 +189,10 @@ class SwitchStore(StoreBase):
         stats: GroupStats,
         fault: Fault | None = None,
         resident_revision: int | None = None,
-    ) -> bool:
+    ) -> int | None:
         """Close a switch without a grant (aborted, or the waiter left mid-switch).
+
+        Returns the revision of the write, or None if a compare failed.
 
         With ``fault``, the waiter whose switch failed for good is given up on as well. With
         ``resident_revision`` (that of the residency ``resident`` was computed from), it fails
@@ -208,7 +210,7 @@ class SwitchStore(StoreBase):
         if resident_revision is not None:
             compare.append(modified_at(k.resident(group), resident_revision))
         result = await self.etcd.txn(Txn(compare, ops))
-        return result.succeeded
+        return result.revision if result.succeeded else None
 
     async def fault_waiter(
         self, group: str, auth: Authority, fault: Fault, stats: GroupStats
