@@ -20,6 +20,7 @@ import asyncio
 import json
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,8 @@ from timeslice_proto.timeslice.v1 import JobState as ProtoJobState
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
+# A state write slower than this is logged: every directive ack waits for it.
+SLOW_WRITE_SECONDS = 1.0
 
 
 class StateFileError(Exception):
@@ -294,5 +297,11 @@ class StateStore:
             # The snapshot is taken here, on the loop, so it is consistent; encoding and I/O
             # run in a thread (acks are never mutated after creation, jobs are copies).
             snapshot = self._snapshot()
+            started = time.monotonic()
             await asyncio.to_thread(_encode_and_write, self._path, snapshot, self._cache)
+            took = time.monotonic() - started
+            if took >= SLOW_WRITE_SECONDS:
+                # Every ack waits for this write (acks are durable before they are sent): a
+                # directive that seems lost to the orchestrator is explained here.
+                log.warning("state file %s: the write took %.1f s (slow disk)", self._path, took)
             self._written = generation
