@@ -54,6 +54,19 @@ class AgentMetrics:
             ["kind", "backend", "emulated"],
             registry=r,
         )
+        self.transfer_seconds = Counter(
+            "timeslice_agent_transfer_seconds",
+            "Seconds of the directives that moved bytes: rate(bytes_moved) / "
+            "rate(transfer_seconds) is this node's bandwidth.",
+            ["kind", "backend", "emulated"],
+            registry=r,
+        )
+        self.transfer_rate = Gauge(
+            "timeslice_agent_last_transfer_bytes_per_second",
+            "Bandwidth of the last directive that moved bytes (modelled when emulated=true).",
+            ["kind", "backend", "emulated"],
+            registry=r,
+        )
         self.refused = Counter(
             "timeslice_agent_directives_refused",
             "Directives refused without acting, by reason (stale_epoch, backend, invalid).",
@@ -118,6 +131,10 @@ class AgentMetrics:
         self.directive_seconds.labels(kind, self._backend, self._emulated).observe(seconds)
         if nbytes:
             self.bytes_moved.labels(kind, self._backend, self._emulated).inc(nbytes)
+            if seconds > 0:
+                labels = (kind, self._backend, self._emulated)
+                self.transfer_seconds.labels(*labels).inc(seconds)
+                self.transfer_rate.labels(*labels).set(nbytes / seconds)
 
     def set_jobs(self, states: Iterable[JobState]) -> None:
         """Refresh the per-state job gauge from the current job table."""

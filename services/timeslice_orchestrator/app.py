@@ -41,6 +41,7 @@ from timeslice_orchestrator.cleanup import IdleGroupCleaner
 from timeslice_orchestrator.compat import CompatService
 from timeslice_orchestrator.config import OrchestratorConfig
 from timeslice_orchestrator.driver import DriverConfig, SwitchDriver
+from timeslice_orchestrator.group_metrics import GroupMetrics
 from timeslice_orchestrator.http import make_app
 from timeslice_orchestrator.hub import AgentHub
 from timeslice_orchestrator.limits import Quotas
@@ -93,6 +94,8 @@ class Orchestrator:
         self.keys = Keyspace(config.prefix)
         self.store = GroupStore(self.etcd, self.keys)
         self.mirror = Mirror(self.etcd, self.keys)
+        self._group_metrics = GroupMetrics(self.mirror, self.metrics.hold_seconds)
+        self.metrics.registry.register(self._group_metrics)
         # The replica cannot live without its mirror and its membership loop: either ending
         # is fatal. Losing the lease is not (see the module docstring).
         self._tasks = Supervisor(f"replica {config.replica_id}")
@@ -134,6 +137,7 @@ class Orchestrator:
         self._spawn(self.mirror.run(), "etcd-mirror")
         async with asyncio.timeout(SYNC_TIMEOUT):
             await self.mirror.synced.wait()
+        self._group_metrics.start()
         self._hub = hub = AgentHub(
             self.store, cfg.replica_id, cfg.agent_ttl, self.metrics, cfg.agent_liveness_timeout
         )
@@ -341,6 +345,7 @@ class Orchestrator:
 
     async def close(self) -> None:
         self._ready = False
+        self._group_metrics.stop()
         if self._locks is not None:
             self._locks.draining = True
         if self._membership is not None:

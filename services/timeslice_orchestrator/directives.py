@@ -24,13 +24,15 @@ from timeslice_orchestrator.relay import DirectiveRouter
 from timeslice_orchestrator.store.cache import Mirror
 from timeslice_orchestrator.store.etcd import StoreUnavailable
 from timeslice_orchestrator.store.records import NodeStep, Stored, SwitchRecord
-from timeslice_proto.timeslice.v1 import AckStatus, Directive, DirectiveKind
+from timeslice_proto.timeslice.v1 import AckStatus, Directive, DirectiveAck, DirectiveKind
 
 # How an agent words a refusal below its fence revision (timeslice_agent.executor).
 FENCE_REFUSAL = "this node was fenced out at revision"
 
 # Purposes whose directive acts on the step's evicted job (the others act on the restored one).
 _ON_EVICTED = ("evict", "rollback")
+# The switch phase a fan-out is, as timeslice_switch_phase_seconds names it.
+_PHASE_OF_PURPOSE = {"evict": "checkpoint"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,8 +83,13 @@ class DirectiveSender:
             f"timeslice.{purpose}",
             attributes={"timeslice.group": switch.record.group, "timeslice.nodes": len(steps)},
         ) as span:
+            started = time.monotonic()
             results = list(
                 await asyncio.gather(*(self._run_step(switch, kind, s, purpose) for s in steps))
+            )
+            phase = _PHASE_OF_PURPOSE.get(purpose, purpose)
+            self._metrics.switch_phase_seconds.labels(phase=phase).observe(
+                time.monotonic() - started
             )
             failed = [r.node for r in results if not r.ok]
             if failed:
@@ -130,6 +137,15 @@ class DirectiveSender:
                 span.set_status(StatusCode.ERROR, result.error)
             return result
 
+    def _observe(self, node: str, kind: str, round_trip: float, ack: DirectiveAck) -> None:
+        metrics = self._metrics
+        metrics.directive_seconds.labels(node=node, kind=kind).observe(round_trip)
+        if ack.bytes_moved > 0 and ack.elapsed_seconds > 0:
+            metrics.node_bytes_moved.labels(node=node, kind=kind).inc(ack.bytes_moved)
+            metrics.node_transfer_seconds.labels(node=node, kind=kind).inc(ack.elapsed_seconds)
+            rate = ack.bytes_moved / ack.elapsed_seconds
+            metrics.node_transfer_rate.labels(node=node, kind=kind).set(rate)
+
     async def _execute(self, node: str, directive: Directive, kind: DirectiveKind) -> NodeResult:
         started = time.monotonic()
         label = kind.name.lower()
@@ -167,6 +183,7 @@ class DirectiveSender:
                 node, False, str(exc), 0, time.monotonic() - started, unavailable=True
             )
         self._metrics.directives.labels(kind=label, status=ack.status.name.lower()).inc()
+        self._observe(node, label, time.monotonic() - started, ack)
         ok = ack.status == AckStatus.OK
         error = "" if ok else f"{ack.status.name.lower()}: {ack.error}"
         if ack.status == AckStatus.STALE_EPOCH and FENCE_REFUSAL in ack.error:

@@ -489,6 +489,7 @@ class SwitchDriver:
             error = SwitchFailed(SwitchPhase.RESTORE, failed)
             stats.last_error = f"{record.to_job}: {error}"
             fault = Fault(head, str(error)) if head is not None else None
+            stats.faults += fault is not None
             ended = self._wrote(
                 group,
                 await self._store.end_switch(
@@ -532,8 +533,12 @@ class SwitchDriver:
         stats.last_switch_seconds = elapsed
         if group in self._last_error:
             stats.last_error = self._last_error.pop(group)
+        committing = time.monotonic()
         epoch = await self._store.grant(
             self._auth, Grant(group, head, holder, resident, view.resident_revision, stats, switch)
+        )
+        self._metrics.switch_phase_seconds.labels(phase="commit").observe(
+            time.monotonic() - committing
         )
         self._wrote(group, epoch)
         if epoch is None:
@@ -575,6 +580,7 @@ class SwitchDriver:
         resident = view.residency()
         stats = view.stats
         stats.last_error = self._last_error.pop(group, "") or f"switch {record.switch_id} aborted"
+        stats.rollbacks += 1
         for step, result in zip(evictions, results, strict=True):
             if result.fenced:
                 continue  # said once, in last_error
@@ -620,6 +626,7 @@ class SwitchDriver:
         reason = f"switch to {record.to_job} failed {attempt} times: {view.stats.last_error}"
         stats = view.stats
         stats.last_error = reason
+        stats.faults += 1
         # Isolate the head: its Acquire fails with the reason, the others keep their places.
         await self._store.fault_waiter(group, self._auth, Fault(head, reason), stats)
         self._metrics.switches.labels(outcome="gave_up").inc()

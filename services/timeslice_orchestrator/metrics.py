@@ -40,6 +40,8 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        for reason in ("deadline", "silent"):  # exported at 0: alerts see a series from start
+            self.agents_fenced.labels(reason=reason)
         self.waiters = Gauge(
             "timeslice_waiters", "Acquire calls waiting on this replica", registry=r
         )
@@ -84,3 +86,45 @@ class Metrics:
             registry=r,
         )
         self.groups = Gauge("timeslice_groups", "Groups in this replica's mirror", registry=r)
+        # Per group: see group_metrics.py (a collector over the mirror, registered by the app).
+        self.hold_seconds = Histogram(
+            "timeslice_hold_seconds",
+            "Length of each hold, grant to release (every replica sees every hold)",
+            registry=r,
+            buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600),
+        )
+        self.switch_phase_seconds = Histogram(
+            "timeslice_switch_phase_seconds",
+            "Wall time of each phase of the switches this replica drove: checkpoint (every "
+            "node), restore (every node), rollback, commit (the etcd transaction)",
+            ["phase"],
+            registry=r,
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        )
+        # Per node, from the directives this replica sent and their acks.
+        self.directive_seconds = Histogram(
+            "timeslice_directive_seconds",
+            "Directive round trip, sent to ack, by node and kind",
+            ["node", "kind"],
+            registry=r,
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
+        )
+        self.node_bytes_moved = Counter(
+            "timeslice_node_moved_bytes",
+            "Bytes the node's agent reported moved, by kind (modelled by emulated backends)",
+            ["node", "kind"],
+            registry=r,
+        )
+        self.node_transfer_seconds = Counter(
+            "timeslice_node_transfer_seconds",
+            "Backend seconds of the directives that moved bytes, by node and kind: "
+            "rate(moved_bytes) / rate(transfer_seconds) is the node's bandwidth",
+            ["node", "kind"],
+            registry=r,
+        )
+        self.node_transfer_rate = Gauge(
+            "timeslice_node_last_transfer_bytes_per_second",
+            "Bandwidth of the node's last directive that moved bytes, by kind",
+            ["node", "kind"],
+            registry=r,
+        )

@@ -212,6 +212,12 @@ class Mirror:
         kv = self._kv(ref)
         return Stored.of(kv, self._decoded_record(ref, kv, HolderRecord)) if kv else None
 
+    def hold_epoch(self, group: str) -> int:
+        """The epoch of the group's hold (its key's create revision); 0 when free. Decodes
+        nothing: it runs on every change of every group."""
+        kv = self._kv(KeyRef(Kind.HOLDER, group))
+        return kv.create_revision if kv else 0
+
     def usage(self, group: str) -> Stored[UsageRecord] | None:
         """The group's usage ledger as last seen (None: nothing was ever released)."""
         ref = KeyRef(Kind.USAGE, group)

@@ -36,7 +36,13 @@ class _Record:
 
     @classmethod
     def _from_dict(cls, data: dict[str, Any]) -> Self:
-        return cls(**data)
+        # Fields a newer version added are left out: replicas of two versions share etcd
+        # during a rolling upgrade.
+        known = _FIELD_NAMES.get(cls)
+        if known is None:
+            fields = dataclasses.fields(cls)  # type: ignore[arg-type]  # every record is one
+            known = _FIELD_NAMES[cls] = frozenset(f.name for f in fields)
+        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 def _plain(obj: object) -> object:
@@ -52,6 +58,7 @@ def _plain(obj: object) -> object:
 
 
 _FIELDS: dict[type, tuple[str, ...]] = {}
+_FIELD_NAMES: dict[type, frozenset[str]] = {}
 _ENCODER = json.JSONEncoder(separators=(",", ":"), default=_plain)
 
 
@@ -219,6 +226,8 @@ class GroupStats(_Record):
     grants: int = 0
     last_error: str = ""
     last_switch_seconds: float = 0.0
+    rollbacks: int = 0  # switches that failed before the commit and were rolled back
+    faults: int = 0  # waiters given up on after their switch failed for good
 
 
 @dataclass(slots=True)
