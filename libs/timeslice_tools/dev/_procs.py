@@ -7,9 +7,9 @@ run in test fixtures, the CLI and the demo driver, never on a service's event lo
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import http.client
 import os
+import shutil
 import signal
 import socket
 import ssl
@@ -19,10 +19,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
-_PR_SET_PDEATHSIG = 1
 _LOG_TAIL_BYTES = 16_384
 
 
@@ -139,29 +138,24 @@ def http_status(
         return None
 
 
-def _pdeathsig_preexec() -> Callable[[], None] | None:
-    """A preexec hook asking Linux to SIGTERM the child when its parent dies.
+def _pdeathsig_prefix() -> list[str]:
+    """A command prefix asking Linux to SIGTERM the child when its parent dies.
 
     This keeps a test run that is killed -9 from leaking etcd or service processes. The signal
-    fires when the *thread* that forked exits, so it is only used from the main thread; children
-    started from worker threads (for example ``asyncio.to_thread``) rely on explicit stops.
+    fires when the *thread* that started the child exits, so it is only used from the main
+    thread; children started from worker threads (for example ``asyncio.to_thread``) rely on
+    explicit stops.
+
+    A prefix (util-linux ``setpriv --pdeathsig``), not a ``preexec_fn``: a preexec hook makes
+    ``subprocess`` fork instead of vfork, and a fork runs grpcio's fork handlers in the child,
+    whose restarted poller thread aborts once ``close_fds`` closed its epoll descriptor
+    (grpc/grpc#43055, grpcio 1.80 and later): the child died with SIGABRT before its exec, about
+    one start in ten while this process had gRPC channels open.
     """
     if sys.platform != "linux" or threading.current_thread() is not threading.main_thread():
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        prctl = libc.prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def hook() -> None:
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-        # The parent may have died between fork and prctl; then nobody would ever signal us.
-        if os.getppid() != parent:
-            os._exit(1)
-
-    return hook
+        return []
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", "--"] if setpriv else []
 
 
 def spawn(
@@ -181,14 +175,13 @@ def spawn(
         log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(argv)}\n".encode())
         log.flush()
         return subprocess.Popen(
-            argv,
+            [*_pdeathsig_prefix(), *argv],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
             cwd=cwd,
             start_new_session=True,
-            preexec_fn=_pdeathsig_preexec(),
         )
 
 
