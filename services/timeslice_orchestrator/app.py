@@ -43,10 +43,10 @@ from timeslice_orchestrator.config import OrchestratorConfig
 from timeslice_orchestrator.driver import DriverConfig, SwitchDriver
 from timeslice_orchestrator.http import make_app
 from timeslice_orchestrator.hub import AgentHub
-from timeslice_orchestrator.operations import NodeOperationsService
 from timeslice_orchestrator.limits import Quotas
 from timeslice_orchestrator.locks import LockService
 from timeslice_orchestrator.metrics import Metrics
+from timeslice_orchestrator.operations import NodeOperationsService
 from timeslice_orchestrator.relay import DirectiveRouter
 from timeslice_orchestrator.store.cache import Mirror
 from timeslice_orchestrator.store.etcd import EtcdClient, LeaseKeeper, StoreUnavailable, Txn
@@ -158,9 +158,7 @@ class Orchestrator:
         operations = NodeOperationsService(
             self.store, self.mirror, self.metrics, co_residency=cfg.co_residency
         )
-        self._server = strict_server(
-            [api, hub, compat, operations], cfg.limits.max_message_bytes
-        )
+        self._server = strict_server([api, hub, compat, operations], cfg.limits.max_message_bytes)
         # Per-connection token buckets: a flood from one client waits, or is refused, before
         # its requests are read, and other clients keep their latency (admission.py).
         admission.install(self._server, Admission.from_limits(cfg.limits, self.metrics))

@@ -45,10 +45,14 @@ from timeslice_orchestrator.store.records import (
     OperationState,
 )
 from timeslice_orchestrator.switch_plan import plan_operation
-from timeslice_proto.timeslice.v1 import GetNodeOperationRequest, NodeOperation
+from timeslice_proto.timeslice.v1 import (
+    GetNodeOperationRequest,
+    NodeOperation,
+    NodeOperationsBase,
+    StartOperationRequest,
+)
 from timeslice_proto.timeslice.v1 import OperationKind as WireKind
 from timeslice_proto.timeslice.v1 import OperationState as WireState
-from timeslice_proto.timeslice.v1 import NodeOperationsBase, StartOperationRequest
 
 log = logging.getLogger(__name__)
 
