@@ -639,8 +639,12 @@ class SnapshotAgentService:
                 Status.FAILED_PRECONDITION, OPERATOR_REFUSAL.format(what=what, harm=_HARM[what])
             )
         kind = OperationKind.SNAPSHOT if what == "snapshot" else OperationKind.RESTORE
-        # The orchestrator's status (FAILED_PRECONDITION with its reason, ...) goes back as is.
-        op = await self._operations.start(kind, job_id, known)
+        try:
+            op = await self._operations.start(kind, job_id, known)
+        except GRPCError as exc:
+            # The orchestrator's status (FAILED_PRECONDITION with its reason, ...) goes back
+            # as is, saying who refused.
+            raise GRPCError(exc.status, f"orchestrator: {exc.message}") from None
         log.info("llm-d operator %s of job %s: operation %s", what, job_id, op.operation_id)
         return op.operation_id
 
