@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable
+from pathlib import Path
 
 import pytest
 from grpclib.client import Channel
@@ -22,6 +23,9 @@ from tests.conftest import ClusterFactory
 from tests.faults.harness import journals
 from tests.integration.etcdview import snapshot
 from timeslice import AsyncTimeSliceClient, register
+from timeslice.tls import TlsFiles
+from timeslice_agent.config import Endpoint
+from timeslice_agent.operations import OrchestratorOperations
 from timeslice_proto.snapshot_agent.v1alpha1 import (
     GetOperationRequest,
     GetOperationResponse,
@@ -32,8 +36,9 @@ from timeslice_proto.snapshot_agent.v1alpha1 import (
     StatusRequest,
 )
 from timeslice_proto.snapshot_agent.v1alpha1 import JobState as LlmdJobState
-from timeslice_proto.timeslice.v1 import GroupStatus
+from timeslice_proto.timeslice.v1 import GroupStatus, OperationKind, OperationState
 from timeslice_tools.dev import _procs
+from timeslice_tools.dev.certs import CertPair, Pki
 from timeslice_tools.dev.cluster import LocalCluster
 
 GROUP = "g-ops"
@@ -83,8 +88,16 @@ async def _job_states(agent: SnapshotAgentServiceStub) -> dict[str, LlmdJobState
     return {j.job_id: j.state for j in status.job_statuses}
 
 
+def _as(cluster: LocalCluster, node: str, pair: CertPair, ca: Path) -> OrchestratorOperations:
+    """The agent's orchestrator client asking for ``node`` with ``pair``'s certificate."""
+    targets = [
+        Endpoint(host, int(port)) for host, port in (t.rsplit(":", 1) for t in cluster.targets)
+    ]
+    return OrchestratorOperations(node, targets, TlsFiles(str(ca), str(pair.cert), str(pair.key)))
+
+
 async def test_operator_snapshot_and_restore_go_through_the_orchestrator(
-    llmd: tuple[LocalCluster, Channel],
+    llmd: tuple[LocalCluster, Channel], session_pki: Pki
 ) -> None:
     cluster, channel = llmd
     agent = SnapshotAgentServiceStub(channel)
@@ -143,6 +156,24 @@ async def test_operator_snapshot_and_restore_go_through_the_orchestrator(
             assert status.holder_job_id == "" and status.switch is None
             assert _resident(status) == {}, status
             assert (await _job_states(agent))["b"] is LlmdJobState.SAVED
+
+            # NodeOperations itself: a node certificate asks only for its own node; a job's
+            # never. Refused, and nothing written.
+            before = await snapshot(cluster)
+            node1 = _as(cluster, NODE, session_pki.node("node-1"), session_pki.ca)
+            job = _as(cluster, NODE, session_pki.job("a"), session_pki.ca)
+            for call in (
+                node1.start(OperationKind.RESTORE, "b", GROUP),
+                node1.get(op),
+                job.start(OperationKind.RESTORE, "b", GROUP),
+            ):
+                assert (await _code(call))[0] is Status.PERMISSION_DENIED
+            # Another node's operation is not found from its own identity.
+            other = _as(cluster, "node-1", session_pki.node("node-1"), session_pki.ca)
+            assert (await _code(other.get(op)))[0] is Status.NOT_FOUND
+            mine = await _as(cluster, NODE, session_pki.node(NODE), session_pki.ca).get(op)
+            assert mine.state is OperationState.SUCCEEDED and mine.job_id == "b"
+            assert await snapshot(cluster) == before
 
             # a's state goes back on the free group without a grant; its acquire then moves
             # nothing.
