@@ -21,12 +21,19 @@ Everything here is thin over the agent's own parts (docs/llmd-agent.md):
   NVML works, each accelerator's memory.
 - **Snapshot / Restore** are answered ABORTED while the job is TRANSITIONING and
   FAILED_PRECONDITION in the wrong state (snapshot needs RUNNING, restore needs SAVED). In the
-  right state they are refused as well, FAILED_PRECONDITION: on this platform the orchestrator
+  right state the agent does not move the state itself: on this platform the orchestrator
   decides which job of a group holds the devices, and the agent moves device state only under
-  its fencing epoch. An operator checkpoint behind its back would leave the holder without its
-  state while the orchestrator still counts it as granted; an operator restore would put a
-  second job's state on devices another job holds. So no operation is ever started, and
-  **GetOperation** answers NOT_FOUND for every well-formed id.
+  its fencing epoch. It forwards the request to the orchestrator as this node
+  (``timeslice.v1.NodeOperations``, :mod:`timeslice_agent.operations`), which refuses it
+  (FAILED_PRECONDITION with the reason: the job holds the group, another job holds it and the
+  state does not fit beside it) or records an operation that the group's switch driver runs as
+  a fenced switch without a grant; the answer is its id.
+- **GetOperation** reads the operation back from the orchestrator: PENDING while it waits or
+  runs, COMPLETE with the bytes the checkpoint or restore moved, FAILED with the reason;
+  NOT_FOUND for an id the orchestrator does not know for this node.
+
+Without an orchestrator client (``operations`` None) Snapshot / Restore in the right state are
+refused FAILED_PRECONDITION and GetOperation answers NOT_FOUND, as before operations existed.
 """
 
 from __future__ import annotations
@@ -67,6 +74,7 @@ from timeslice_proto.snapshot_agent.v1alpha1 import (
     GetOperationRequest,
     GetOperationResponse,
     JobStatus,
+    OperationStatus,
     RestoreCommand,
     RestoreRequest,
     RestoreResponse,
@@ -80,7 +88,14 @@ from timeslice_proto.snapshot_agent.v1alpha1 import (
     WorkloadMessage,
 )
 from timeslice_proto.snapshot_agent.v1alpha1 import JobState as LlmdJobState
-from timeslice_proto.timeslice.v1 import CommandResult, HookKind, WorkerInfo
+from timeslice_proto.timeslice.v1 import (
+    CommandResult,
+    HookKind,
+    NodeOperation,
+    OperationKind,
+    OperationState,
+    WorkerInfo,
+)
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +132,15 @@ _HARM = {
     "granted",
     "restore": "put a job's state on devices that another job of the group may hold",
 }
+
+
+class Operations(Protocol):
+    """The orchestrator's NodeOperations, as this node (:class:`~timeslice_agent.operations.
+    OrchestratorOperations`); errors are the orchestrator's statuses (GRPCError)."""
+
+    async def start(self, kind: OperationKind, job_id: str, group_id: str) -> NodeOperation: ...
+
+    async def get(self, operation_id: str) -> NodeOperation: ...
 
 
 class AcceleratorMemory(Protocol):
@@ -341,6 +365,26 @@ def _validate_operator_request(job_id: str, group: str, config: BackendConfig | 
     _check_backend_config(config)
 
 
+def operation_response(op: NodeOperation, now: float | None = None) -> GetOperationResponse:
+    """The contract's view of an orchestrator operation: PENDING until it ends (waiting or
+    running), COMPLETE with the bytes its checkpoint or restore moved (parked in host memory
+    or brought back: the same bytes, so both counts), FAILED with the reason."""
+    end = op.finished_at if op.finished_at else (time.time() if now is None else now)
+    elapsed_ms = max(0, round((end - op.requested_at) * 1000))
+    if op.state is OperationState.SUCCEEDED:
+        return GetOperationResponse(
+            status=OperationStatus.COMPLETE,
+            storage_bytes=op.bytes_moved,
+            snapshot_device_bytes=op.bytes_moved,
+            elapsed_ms=elapsed_ms,
+        )
+    if op.state is OperationState.FAILED:
+        return GetOperationResponse(
+            status=OperationStatus.FAILED, elapsed_ms=elapsed_ms, error=op.error or "failed"
+        )
+    return GetOperationResponse(status=OperationStatus.PENDING, elapsed_ms=elapsed_ms)
+
+
 # ----- the services ----------------------------------------------------------------------------
 
 
@@ -356,7 +400,9 @@ class SnapshotAgentService:
     """``snapshot_agent.v1alpha1.SnapshotAgentService`` over the agent's registry and jobs.
 
     ``jobs`` returns the executor's job table; ``memory`` (None without NVML) gives the
-    accelerators' memory for Status; ``on_refused(reason)`` counts refused registrations.
+    accelerators' memory for Status; ``on_refused(reason)`` counts refused registrations;
+    ``operations`` forwards Snapshot / Restore / GetOperation to the orchestrator (None:
+    refused, as the module docstring says).
     """
 
     def __init__(
@@ -367,8 +413,10 @@ class SnapshotAgentService:
         memory: Callable[[], AcceleratorMemory | None] = lambda: None,
         own_pid: int | None = None,
         on_refused: Callable[[str], None] | None = None,
+        operations: Operations | None = None,
     ) -> None:
         self._registry = registry
+        self._operations = operations
         self._jobs = jobs
         self._memory = memory
         self._own_pid = os.getpid() if own_pid is None else own_pid
@@ -557,25 +605,48 @@ class SnapshotAgentService:
 
     # -- Snapshot / Restore / GetOperation -----------------------------------------------------
 
-    def _operator(self, what: str, job_id: str, needs: JobState) -> GRPCError:
+    def _check_state(self, what: str, job_id: str, group: str, needs: JobState) -> str:
+        """The job's group on this node, if it is in the state ``what`` needs; else the
+        contract's refusal (NOT_FOUND, ABORTED while TRANSITIONING, FAILED_PRECONDITION)."""
         job = self._jobs().get(job_id)
         state = job.state if job is not None else None
-        if state is None and self._registry.workers_of(job_id):
+        workers = self._registry.workers_of(job_id)
+        known = job.group_id if job is not None else (workers[0].group_id if workers else "")
+        if state is None and workers:
             state = JobState.IDLE  # registered; nothing moved yet (as Status says)
         if state is None:
-            return GRPCError(Status.NOT_FOUND, f"job {job_id} is not known on this node")
+            raise GRPCError(Status.NOT_FOUND, f"job {job_id} is not known on this node")
+        if group and group != known:
+            raise GRPCError(
+                Status.NOT_FOUND, f"job {job_id} is in group {known} on this node, not {group}"
+            )
         if state is JobState.TRANSITIONING:
-            return GRPCError(
+            raise GRPCError(
                 Status.ABORTED, f"job {job_id} is transitioning; try again when it settled"
             )
         if state is not needs:
-            return GRPCError(
+            raise GRPCError(
                 Status.FAILED_PRECONDITION,
                 f"{what} needs the job {needs.name}; job {job_id} is {state.name}",
             )
-        return GRPCError(
-            Status.FAILED_PRECONDITION, OPERATOR_REFUSAL.format(what=what, harm=_HARM[what])
-        )
+        return known
+
+    async def _operate(self, what: str, job_id: str, group: str, needs: JobState) -> str:
+        """Check the job here, then ask the orchestrator for the operation; its id."""
+        known = self._check_state(what, job_id, group, needs)
+        if self._operations is None:
+            raise GRPCError(
+                Status.FAILED_PRECONDITION, OPERATOR_REFUSAL.format(what=what, harm=_HARM[what])
+            )
+        kind = OperationKind.SNAPSHOT if what == "snapshot" else OperationKind.RESTORE
+        try:
+            op = await self._operations.start(kind, job_id, known)
+        except GRPCError as exc:
+            # The orchestrator's status (FAILED_PRECONDITION with its reason, ...) goes back
+            # as is, saying who refused.
+            raise GRPCError(exc.status, f"orchestrator: {exc.message}") from None
+        log.info("llm-d operator %s of job %s: operation %s", what, job_id, op.operation_id)
+        return op.operation_id
 
     async def snapshot(
         self, stream: grpclib.server.Stream[SnapshotRequest, SnapshotResponse]
@@ -586,7 +657,8 @@ class SnapshotAgentService:
             _validate_operator_request(request.job_id, request.group, request.backend_config)
         except TimeSliceError as exc:
             raise _status(exc) from None
-        raise self._operator("snapshot", request.job_id, JobState.RUNNING)
+        op = await self._operate("snapshot", request.job_id, request.group, JobState.RUNNING)
+        await stream.send_message(SnapshotResponse(operation_id=op))
 
     async def restore(self, stream: grpclib.server.Stream[RestoreRequest, RestoreResponse]) -> None:
         request = await stream.recv_message()
@@ -595,7 +667,8 @@ class SnapshotAgentService:
             _validate_operator_request(request.job_id, request.group, request.backend_config)
         except TimeSliceError as exc:
             raise _status(exc) from None
-        raise self._operator("restore", request.job_id, JobState.SAVED)
+        op = await self._operate("restore", request.job_id, request.group, JobState.SAVED)
+        await stream.send_message(RestoreResponse(operation_id=op))
 
     async def get_operation(
         self, stream: grpclib.server.Stream[GetOperationRequest, GetOperationResponse]
@@ -608,11 +681,13 @@ class SnapshotAgentService:
                 Status.INVALID_ARGUMENT,
                 f"operation_id must be 1 to {MAX_OPERATION_ID_LENGTH} printable characters",
             )
-        raise GRPCError(
-            Status.NOT_FOUND,
-            f"no operation {op[:64]!r}: this agent starts no operator snapshots or restores "
-            "(docs/llmd-agent.md)",
-        )
+        if self._operations is None:
+            raise GRPCError(
+                Status.NOT_FOUND,
+                f"no operation {op[:64]!r}: this agent starts no operator snapshots or restores "
+                "(docs/llmd-agent.md)",
+            )
+        await stream.send_message(operation_response(await self._operations.get(op)))
 
     def __mapping__(self) -> dict[str, grpclib.const.Handler]:
         unary = grpclib.const.Cardinality.UNARY_UNARY
@@ -682,5 +757,6 @@ __all__ = [
     "SnapshotAgentService",
     "holders_of",
     "loopback_peer",
+    "operation_response",
     "socket_inode",
 ]

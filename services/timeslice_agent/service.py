@@ -39,6 +39,7 @@ from timeslice_agent.nvml import (
     discover_devices,
     open_device_memory,
 )
+from timeslice_agent.operations import OrchestratorOperations
 from timeslice_agent.procs import identity_of
 from timeslice_agent.statefile import StateFileError, load_state
 from timeslice_agent.stream import OrchestratorLink
@@ -386,6 +387,8 @@ class Agent:
             lambda: self.executor.jobs,
             memory=self._accelerators,
             on_refused=self._on_registration_refused,
+            # Operator Snapshot / Restore go through the orchestrator, as this node.
+            operations=OrchestratorOperations(cfg.node, cfg.orchestrators, cfg.tls),
         )
         health = HealthService(self.backend.name, lambda: self.link.ready)
         server = strict_server([service, health], cfg.max_message_bytes)

@@ -47,6 +47,7 @@ from timeslice_orchestrator.hub import AgentHub
 from timeslice_orchestrator.limits import Quotas
 from timeslice_orchestrator.locks import LockService
 from timeslice_orchestrator.metrics import Metrics
+from timeslice_orchestrator.operations import NodeOperationsService
 from timeslice_orchestrator.relay import DirectiveRouter
 from timeslice_orchestrator.store.cache import Mirror
 from timeslice_orchestrator.store.etcd import EtcdClient, LeaseKeeper, StoreUnavailable, Txn
@@ -157,7 +158,11 @@ class Orchestrator:
             locks, self.store, self.mirror, self.metrics, tracer, quotas, self._tasks,
             cfg.compat_hold_ttl,
         )  # fmt: skip
-        self._server = strict_server([api, hub, compat], cfg.limits.max_message_bytes)
+        # Operator snapshot / restore asked by a node's agent (docs/llmd-agent.md).
+        operations = NodeOperationsService(
+            self.store, self.mirror, self.metrics, co_residency=cfg.co_residency
+        )
+        self._server = strict_server([api, hub, compat, operations], cfg.limits.max_message_bytes)
         # Per-connection token buckets: a flood from one client waits, or is refused, before
         # its requests are read, and other clients keep their latency (admission.py).
         admission.install(self._server, Admission.from_limits(cfg.limits, self.metrics))

@@ -3,6 +3,8 @@
 A group is **idle** when, in this replica's mirror, it has
 
 - no holder, no queue entry, no switch in progress, no driver claiming it, no fault record;
+- no operator operation record (each expires with its own lease, after its retention, so
+  GetOperation answers for that long);
 - no pinned members (an operator's pin is configuration, kept until unpinned);
 - no residency: no node is recorded as having any job's state on its devices;
 - no registered worker: no agent record lists a worker of the group;
@@ -58,6 +60,7 @@ def is_idle(view: GroupView, groups_with_workers: set[str]) -> bool:
         and view.switch is None
         and view.driver is None
         and not view.faults
+        and not view.operations
         and not view.static_members
         and not any(residency.values())
         and view.group not in groups_with_workers

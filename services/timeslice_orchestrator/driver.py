@@ -12,6 +12,9 @@ to bottom:
                                            by a driver that died)
     holder present, a node came back    -> catch-up: restore the holder on the nodes that
       without its state                    lack its state (a switch beside it, no grant)
+    operator operation pending, and a   -> run the oldest: a switch on its node that evicts
+      holder or no waiter                  (snapshot) or restores (restore) the job and ends
+                                           without a grant, writing the operation's outcome
     queue empty                         -> nothing to do
     holder present                      -> nothing to do (lazy: no data moves on yield), or
                                            prefetch the next waiter beside it if it fits
@@ -30,12 +33,19 @@ deadline) is fenced out (``docs/fencing.md``): the switch record lists it, it is
 more of the switch, its residency is unknown, and the switch completes on the nodes that
 answer, with the reason in the group's ``last_error``. No phase waits for it to come back.
 
+Operator operations (snapshot / restore of one job on one node, docs/llmd-agent.md) never
+interleave with a switch: one runs only when no switch record exists, and it is a switch
+record itself, so it is fenced and carried on after a driver crash like any switch. On a free
+group a waiter keeps priority (an acquire blocks a job; an operation is maintenance): the
+operation waits for the grant and is then decided against the group as it is.
+
 A pass never sleeps: it says what should happen next (:class:`Next`) and the work queue brings
 the group back at once, after a backoff, or when a retry is due.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import time
@@ -61,11 +71,14 @@ from timeslice_orchestrator.store.etcd import StoreUnavailable
 from timeslice_orchestrator.store.groups import Authority, Fault, Grant, GroupStore, new_switch_id
 from timeslice_orchestrator.store.records import (
     NodeStep,
+    OperationKind,
+    OperationRecord,
+    OperationState,
     Stored,
     SwitchPhase,
     SwitchRecord,
 )
-from timeslice_orchestrator.switch_plan import plan
+from timeslice_orchestrator.switch_plan import plan, plan_operation
 from timeslice_orchestrator.workqueue import KeyedBackoff, WorkQueue
 from timeslice_proto.timeslice.v1 import DirectiveKind
 
@@ -245,6 +258,9 @@ class SwitchDriver:
             caught_up = await self._catch_up(view)
             if caught_up is not None:
                 return caught_up
+        operation = view.pending_operation()
+        if operation is not None and (view.holder is not None or not view.queue):
+            return await self._operate(view, operation)
         if not view.queue:
             return Next.IDLE
         head = order(self._config.policy, view)[0]
@@ -332,15 +348,56 @@ class SwitchDriver:
             return Next.IDLE
         return await self._begin(view, head.job, head.revision, steps, attempt=1)
 
+    async def _operate(self, view: GroupView, operation: Stored[OperationRecord]) -> Next:
+        """Run an operator operation: decide it against the group as it is now, then close it
+        at once (nothing to move, or no longer allowed) or begin its switch."""
+        if not await self._drives(view):
+            return Next.IDLE
+        op = operation.record
+        steps = plan_operation(view, op, self._mirror.agents(), self._config.co_residency)
+        if isinstance(steps, str) or not steps:
+            failed = isinstance(steps, str)
+            outcome = dataclasses.replace(
+                op,
+                state=OperationState.FAILED if failed else OperationState.SUCCEEDED,
+                error=steps if isinstance(steps, str) else "",
+                finished_at=time.time(),
+            )
+            written = await self._store.finish_operation(self._auth, operation, outcome)
+            if self._wrote(view.group, written) is not None:
+                self._metrics.switches.labels(outcome="operation").inc()
+                log.info(
+                    "group %s: operation %s (%s of %s on %s) %s%s",
+                    view.group,
+                    op.operation_id,
+                    op.kind.value,
+                    op.job,
+                    op.node,
+                    outcome.state.value,
+                    f": {outcome.error}" if failed else " (nothing to move)",
+                )
+            return Next.AGAIN
+        # A restore's job is the switch's destination; a snapshot has none.
+        to_job = op.job if op.kind is OperationKind.RESTORE else ""
+        # Revision 0 names no queue entry: the switch ends without a grant.
+        return await self._begin(view, to_job, 0, steps, 1, operation)
+
     async def _begin(
-        self, view: GroupView, to_job: str, to_revision: int, steps: list[NodeStep], attempt: int
+        self,
+        view: GroupView,
+        to_job: str,
+        to_revision: int,
+        steps: list[NodeStep],
+        attempt: int,
+        operation: Stored[OperationRecord] | None = None,
     ) -> Next:
         """Write the switch record towards ``to_job``, then drive it.
 
         With the group free this is a switch (``to_revision``: the waiter's queue entry);
         beside a holder it is a prefetch of a waiter, or the catch-up of the holder itself
         (``to_revision``: its epoch), which move only what fits next to the hold and end
-        without a grant.
+        without a grant. With ``operation`` it carries out that operator operation (no
+        waiter: ``to_revision`` 0), beside the holder or on the free group, without a grant.
         """
         group = view.group
         record = SwitchRecord(
@@ -354,20 +411,33 @@ class SwitchDriver:
             started_at=time.time(),
             attempt=attempt,
             prefetch=view.holder is not None,
+            operation=operation.record.operation_id if operation is not None else "",
         )
-        # The record's create revision is the epoch of every directive of the switch.
-        if view.holder is None:
-            switch = await self._store.begin_switch(
-                group, self._auth, record, view.resident_revision
-            )
-        else:  # a prefetch: it runs beside the holder, which must not change meanwhile
-            switch = await self._store.begin_switch(
-                view.group, self._auth, record, view.resident_revision, view.holder.mod_revision
-            )
+        # The record's create revision is the epoch of every directive of the switch. Beside
+        # a holder (a prefetch, a catch-up, an operation) the holder must not change meanwhile.
+        switch = await self._store.begin_switch(
+            group,
+            self._auth,
+            record,
+            view.resident_revision,
+            view.holder.mod_revision if view.holder is not None else 0,
+            operation,
+        )
         if switch is None:
             return Next.AGAIN  # the group changed underneath; look again
         self._wrote(group, switch.mod_revision)
-        if view.holder is not None and view.holder.record.job == to_job:
+        if operation is not None:
+            op = operation.record
+            log.info(
+                "group %s: operation %s: %s of %s on %s, epoch %d",
+                group,
+                op.operation_id,
+                op.kind.value,
+                op.job,
+                op.node,
+                switch.create_revision,
+            )
+        elif view.holder is not None and view.holder.record.job == to_job:
             nodes = ", ".join(sorted({s.node for s in steps}))
             log.info("group %s: restoring holder %s on %s (catch-up)", group, to_job, nodes)
         elif view.holder is not None:
@@ -448,7 +518,10 @@ class SwitchDriver:
                 self._metrics.switches.labels(outcome="rolled_back").inc()
                 previous = self._last_error.get(record.group)
                 self._last_error[record.group] = f"{previous}; {error}" if previous else str(error)
-            moved = await self._store.update_switch(record.group, self._auth, switch, next_phase)
+            evicted = sum(r.bytes_moved for r in results if r.ok)
+            moved = await self._store.update_switch(
+                record.group, self._auth, switch, next_phase, evicted_bytes=evicted
+            )
             if moved is None:
                 return Next.AGAIN  # lost the driver role or raced: look again
             self._wrote(record.group, moved.mod_revision)
@@ -500,6 +573,7 @@ class SwitchDriver:
                     stats,
                     fault=fault,
                     resident_revision=view.resident_revision,
+                    operation=_outcome(view, record, restores, results, str(error)),
                 ),
             )
             if ended:
@@ -507,8 +581,9 @@ class SwitchDriver:
                 log.error("group %s: %s isolated: %s", group, record.to_job, error)
             return Next.AGAIN
         if record.prefetch or head is None:
-            # A prefetch ends here, and so does a switch whose waiter left: keep what the
-            # devices now hold, drop the record; the grant (in place) comes on its own.
+            # A prefetch ends here, and so does a switch whose waiter left, a catch-up and
+            # an operator operation (no waiter): keep what the devices now hold, drop the
+            # record (closing the operation with it); a grant (in place) comes on its own.
             ended = self._wrote(
                 group,
                 await self._store.end_switch(
@@ -518,10 +593,13 @@ class SwitchDriver:
                     resident,
                     stats,
                     resident_revision=view.resident_revision,
+                    operation=_outcome(view, record, restores, results),
                 ),
             )
             if ended:
                 outcome = "prefetched" if record.prefetch else "waiter_left"
+                if record.operation:
+                    outcome = "operation"
                 self._metrics.switches.labels(outcome=outcome).inc()
             return Next.AGAIN
         elapsed = max(time.monotonic() - started, time.time() - record.started_at)
@@ -593,7 +671,13 @@ class SwitchDriver:
                 # (which it then was). Left out, the next switch would not checkpoint it.
                 resident.place(step.node, step.evict)
         ended = await self._store.end_switch(
-            group, self._auth, switch, resident, stats, resident_revision=view.resident_revision
+            group,
+            self._auth,
+            switch,
+            resident,
+            stats,
+            resident_revision=view.resident_revision,
+            operation=_outcome(view, record, [], [], stats.last_error),
         )
         if not self._wrote(group, ended):
             return Next.AGAIN
@@ -609,6 +693,8 @@ class SwitchDriver:
         """Retry the waiter with a bounded backoff, then give up on it alone."""
         if record.prefetch:
             return Next.IDLE  # an optimisation that did not work out: the switch will do it
+        if record.operation:
+            return Next.AGAIN  # its outcome (failed) is written; operations are not retried
         key = (group, record.to_job, record.to_revision)
         retry = self._retries.get(key)
         attempt = max(retry.attempts if retry is not None else 0, record.attempt)
@@ -665,3 +751,41 @@ def _retrying(record: SwitchRecord, phase: str, results: Sequence[NodeResult]) -
         record.switch_id,
         unreachable,
     )
+
+
+def _outcome(
+    view: GroupView,
+    record: SwitchRecord,
+    restores: Sequence[NodeStep],
+    results: Sequence[NodeResult],
+    error: str = "",
+) -> Stored[OperationRecord] | None:
+    """The outcome of the operation ``record`` carries out, on its record's lease, for the
+    transaction that ends the switch; None when the switch carries none (or its record
+    expired: the switch still ends)."""
+    if not record.operation:
+        return None
+    stored = view.operations.get(record.operation)
+    if stored is None:
+        return None
+    op = stored.record
+    moved = 0
+    if not error and op.node in record.fenced:
+        error = f"node {op.node} was fenced out during the operation"
+    elif not error and op.kind is OperationKind.SNAPSHOT:
+        moved = record.evicted_bytes
+    elif not error:
+        mine = [r for s, r in zip(restores, results, strict=True) if s.node == op.node]
+        failed = [r for r in mine if not r.ok]
+        if failed:
+            error = f"restore on {op.node}: {failed[0].error}"
+        moved = sum(r.bytes_moved for r in mine if r.ok)
+    outcome = dataclasses.replace(
+        op,
+        state=OperationState.FAILED if error else OperationState.SUCCEEDED,
+        finished_at=time.time(),
+        bytes_moved=0 if error else moved,
+        error=error,
+        switch_id=record.switch_id,
+    )
+    return Stored(outcome, stored.create_revision, stored.mod_revision, stored.lease)

@@ -7,7 +7,12 @@ the switch record, and every node then acts on its own steps.
 from __future__ import annotations
 
 from timeslice_orchestrator.store.cache import GroupView
-from timeslice_orchestrator.store.records import AgentRecord, NodeStep
+from timeslice_orchestrator.store.records import (
+    AgentRecord,
+    NodeStep,
+    OperationKind,
+    OperationRecord,
+)
 
 
 def nodes_of(group: str, job: str, agents: dict[str, AgentRecord]) -> list[str]:
@@ -69,3 +74,48 @@ def _evictions(
     if free < agent.job_bytes(job):
         return list(on_device)  # it does not fit even so: clear the node
     return evict
+
+
+def plan_operation(
+    view: GroupView, op: OperationRecord, agents: dict[str, AgentRecord], co_residency: bool
+) -> list[NodeStep] | str:
+    """What an operator operation moves on its node, or why the group does not allow it now.
+
+    The same answer at the request (refused with the reason) and when the driver runs it
+    (failed with the reason): the group may have changed in between. An empty list is an
+    operation with nothing to move (the state is already where it was asked to be).
+
+    - **Snapshot** evicts the job on the node and restores nothing. Never the holder's: the
+      orchestrator counts the holder's state as on its devices while it holds.
+    - **Restore** brings the job back on the node without granting it. The holder's own
+      state (a catch-up), or any job's while the group is free (it then is resident without
+      holding; its next acquire is granted in place), may evict what else is there, as a
+      switch towards it would. Beside another job's hold it must fit next to the holder,
+      exactly as a prefetch: the holder's state never leaves.
+    """
+    node, job, group = op.node, op.job, op.group
+    agent = agents.get(node)
+    if agent is None:
+        return f"node {node} has no agent connected"
+    if job not in agent.jobs_of(group):
+        return f"job {job} has no registered worker of group {group} on node {node}"
+    holder = view.holder.record.job if view.holder is not None else ""
+    on_device = view.residency().nodes.get(node, [])
+    if op.kind is OperationKind.SNAPSHOT:
+        if holder == job:
+            return f"job {job} holds group {group}; yield first"
+        if job not in on_device:
+            return f"job {job}'s state is not on node {node}'s devices (nothing to snapshot)"
+        return [NodeStep(node=node, evict=job, restore="")]
+    if job in on_device:
+        return []
+    protect = holder if holder and holder != job else ""
+    evict = _evictions(on_device, job, agent, co_residency or bool(protect), protect)
+    if protect and protect in evict:
+        return (
+            f"group {group} is held by {protect} and job {job}'s state does not fit beside it "
+            f"on node {node}"
+        )
+    steps = [NodeStep(node=node, evict=other, restore="") for other in evict[:-1]]
+    steps.append(NodeStep(node=node, evict=evict[-1] if evict else "", restore=job))
+    return steps

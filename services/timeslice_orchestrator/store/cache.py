@@ -34,6 +34,8 @@ from timeslice_orchestrator.store.records import (
     GroupStats,
     HolderRecord,
     MembersRecord,
+    OperationRecord,
+    OperationState,
     QueuedJob,
     QueueRecord,
     RelayRecord,
@@ -58,6 +60,7 @@ _R = TypeVar(
     UsageRecord,
     QueueRecord,
     FaultRecord,
+    OperationRecord,
 )
 
 __all__ = [
@@ -95,6 +98,15 @@ class GroupView:
     usage: Stored[UsageRecord] | None = None
     stats_revision: int = 0  # mod revisions of the stats and members keys (0: absent)
     members_revision: int = 0
+    # Operator operations (snapshot / restore) by id, oldest request first.
+    operations: dict[str, Stored[OperationRecord]] = field(default_factory=dict)
+
+    def pending_operation(self) -> Stored[OperationRecord] | None:
+        """The oldest operation not begun yet (the driver runs them one at a time, in order)."""
+        return next(
+            (o for o in self.operations.values() if o.record.state is OperationState.PENDING),
+            None,
+        )
 
     def queued(self, job: str) -> QueuedJob | None:
         return next((q for q in self.queue if q.job == job), None)
@@ -160,6 +172,8 @@ class Mirror:
         self._holder_of: dict[str, str] = {}
         # Who owns which session, queue entry and hold, counted for the quotas.
         self._owners = OwnerIndex()
+        # Operator operations: id -> group, so GetOperation finds one by its id alone.
+        self._operations: dict[str, str] = {}
         self.revision = 0
         self.synced = asyncio.Event()
         self._conditions: dict[str, asyncio.Condition] = {}
@@ -270,27 +284,57 @@ class Mirror:
             out.append(RelayPost(ref.name, ref.directive, posted))
         return out
 
+    def operation(self, operation_id: str) -> Stored[OperationRecord] | None:
+        """An operator operation by id, wherever its group; None when unknown or expired."""
+        group = self._operations.get(operation_id)
+        if group is None:
+            return None
+        ref = KeyRef(Kind.OPERATION, group, operation_id)
+        kv = self._kv(ref)
+        if kv is None:
+            return None
+        try:
+            return Stored.of(kv, self._decoded_record(ref, kv, OperationRecord))
+        except CorruptRecord:
+            log.exception("ignoring corrupt operation record %s/%s", group, operation_id)
+            return None
+
+    def _pending(self, ref: KeyRef, kv: KeyValue) -> bool:
+        """Whether an operation key is one the driver has still to begin (decoded once per
+        write; only groups with operations pay for it)."""
+        try:
+            record = self._decoded_record(ref, kv, OperationRecord)
+        except CorruptRecord:
+            return False
+        return record.state is OperationState.PENDING
+
     def held_by(self, session_id: str) -> list[str]:
         """The groups whose hold belongs to the session, as last seen."""
         return sorted(self._held.get(session_id, ()))
 
     def idle(self, group: str) -> bool:
-        """No switch record and nobody queued. Decodes nothing, so looking at every group of
-        a large deployment (at start, on a re-list) is cheap."""
-        for ref in self._topics.get(group_topic(group), ()):
+        """No switch record, nobody queued and no pending operation. Decodes nothing but
+        operation records, so looking at every group of a large deployment (at start, on a
+        re-list) is cheap."""
+        for ref, kv in self._topics.get(group_topic(group), {}).items():
             if ref.kind is Kind.QUEUE or ref.kind is Kind.SWITCH:
+                return False
+            if ref.kind is Kind.OPERATION and self._pending(ref, kv):
                 return False
         return True
 
     def needs_driver(self, group: str) -> bool:
-        """A switch record, a waiter, or a residency written after the hold began: the last
-        is a node that came back (after a fence, a lost lease) and may lack the holder's
-        state. Every grant writes the hold and the residency in one transaction, so on the
-        hot path they share a revision. Decodes nothing, like :meth:`idle`."""
+        """A switch record, a waiter, a pending operator operation, or a residency written
+        after the hold began: the last is a node that came back (after a fence, a lost lease)
+        and may lack the holder's state. Every grant writes the hold and the residency in one
+        transaction, so on the hot path they share a revision. Decodes nothing but operation
+        records, like :meth:`idle`."""
         hold = resident = 0
         for ref, kv in self._topics.get(group_topic(group), {}).items():
             kind = ref.kind
             if kind is Kind.QUEUE or kind is Kind.SWITCH:
+                return True
+            if kind is Kind.OPERATION and self._pending(ref, kv):
                 return True
             if kind is Kind.HOLDER:
                 hold = kv.mod_revision
@@ -319,6 +363,7 @@ class Mirror:
         driver_lease = 0
         queue: list[QueuedJob] = []
         faults: dict[str, Stored[FaultRecord]] = {}
+        operations: list[Stored[OperationRecord]] = []
         stats = GroupStats()
         members: list[str] = []
         usage: Stored[UsageRecord] | None = None
@@ -349,7 +394,10 @@ class Mirror:
                     queue.append(QueuedJob(ref.name, entry))
                 case Kind.FAULT:
                     faults[ref.name] = Stored.of(kv, decoded(ref, kv, FaultRecord))
+                case Kind.OPERATION:
+                    operations.append(Stored.of(kv, decoded(ref, kv, OperationRecord)))
         queue.sort(key=lambda q: q.revision)
+        operations.sort(key=lambda o: o.create_revision)
         return GroupView(
             group,
             self.revision,
@@ -366,6 +414,7 @@ class Mirror:
             usage,
             stats_revision,
             members_revision,
+            {o.record.operation_id: o for o in operations},
         )
 
     def _decoded_record(self, ref: KeyRef, kv: KeyValue, kind: type[_R]) -> _R:
@@ -383,10 +432,14 @@ class Mirror:
             self._owners.stored(ref, self._owner_of(ref, kv))
         if ref.kind is Kind.HOLDER:
             self._hold(ref.group, kv)
+        elif ref.kind is Kind.OPERATION:
+            self._operations[ref.name] = ref.group
 
     def _drop(self, ref: KeyRef) -> None:
         if ref.kind is Kind.HOLDER:
             self._unhold(ref.group)
+        elif ref.kind is Kind.OPERATION and self._operations.get(ref.name) == ref.group:
+            del self._operations[ref.name]
         keys = self._topics.get(ref.topic)
         if keys is None:
             return
@@ -515,6 +568,7 @@ class Mirror:
         group, keys = "", {}
         holders: list[tuple[str, KeyValue]] = []
         owned: list[tuple[KeyRef, KeyValue]] = []  # sessions, entries and holds: the quotas
+        operations: dict[str, str] = {}
         async with contextlib.aclosing(self._etcd.pages(self._keys.root)) as pages:
             async for at, page in pages:
                 revision = at
@@ -530,6 +584,8 @@ class Mirror:
                         holders.append((ref.group, kv))
                     if ref.kind in _OWNED:
                         owned.append((ref, kv))
+                    elif ref.kind is Kind.OPERATION:
+                        operations[ref.name] = ref.group
                     if not ref.group or ref.group != group:
                         keys = topics.setdefault(ref.topic, {})
                         group = ref.group
@@ -538,6 +594,7 @@ class Mirror:
                     keys[ref] = kv
         old = set(self._topics)
         self._topics, self._groups = topics, groups
+        self._operations = operations
         self._decoded = {}
         self._held, self._holder_of = {}, {}
         for held, kv in holders:

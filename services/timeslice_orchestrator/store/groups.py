@@ -5,7 +5,8 @@ A thin facade over one class per concept, so callers hold one object:
 * :mod:`.sessions` - client sessions (one lease each);
 * :mod:`.queue` - enqueue, withdraw and release (Acquire and Yield);
 * :mod:`.switches` - the driver key, switch records, grants, giving up on a waiter;
-* :mod:`.members` - pinned members, agent records, residency reports.
+* :mod:`.members` - pinned members, agent records, residency reports;
+* :mod:`.operations` - operator snapshot / restore requests and their outcomes.
 
 Each method is one etcd transaction (or a read then one transaction) whose compares carry the
 whole authority for the change: a stale replica's write fails its compare instead of landing.
@@ -15,6 +16,7 @@ Directives relayed between replicas have their own store, :class:`.relay.RelaySt
 from __future__ import annotations
 
 from timeslice_orchestrator.store.members import MemberStore
+from timeslice_orchestrator.store.operations import OperationStore, new_operation_id
 from timeslice_orchestrator.store.queue import (
     Enqueued,
     EnqueueRequest,
@@ -41,10 +43,12 @@ __all__ = [
     "GroupStore",
     "Hold",
     "lease_of",
+    "new_operation_id",
     "new_switch_id",
     "session_id_of",
 ]
 
 
-class GroupStore(SessionStore, QueueStore, SwitchStore, MemberStore):
-    """Sessions, queues and holds, switches and membership over one etcd client."""
+class GroupStore(SessionStore, QueueStore, SwitchStore, MemberStore, OperationStore):
+    """Sessions, queues and holds, switches, membership and operator operations over one
+    etcd client."""

@@ -22,6 +22,8 @@ split back into its parts.
     groups/<group>/usage               accelerator time per job
     groups/<group>/stats               counters and the last error
     groups/<group>/faulted/<job>       why a waiter was given up on, attached to its session
+    groups/<group>/operations/<id>     an operator snapshot / restore of one job on one node,
+                                       attached to its own lease (the retention)
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class Kind(enum.Enum):
     USAGE = "usage"
     STATS = "stats"
     FAULT = "faulted"
+    OPERATION = "operations"
     OTHER = "other"  # a key of a group this version does not know: it still makes the group exist
 
 
@@ -64,7 +67,12 @@ _SINGLE = {
     )
 }
 # The keys a group has one of per job, by their folder under ``groups/<group>/``.
-_PER_JOB = {Kind.QUEUE.value: Kind.QUEUE, Kind.FAULT.value: Kind.FAULT}
+# (An operation's key is named by its id, not a job: the same shape.)
+_PER_JOB = {
+    Kind.QUEUE.value: Kind.QUEUE,
+    Kind.FAULT.value: Kind.FAULT,
+    Kind.OPERATION.value: Kind.OPERATION,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +81,7 @@ class KeyRef:
 
     kind: Kind
     group: str = ""  # the group of a ``groups/`` key
-    name: str = ""  # session ID, node, or the job of a queue entry or fault record
+    name: str = ""  # session ID, node, the job of a queue entry or fault record, operation ID
     directive: str = ""  # the directive ID of a relay key
 
     @property
@@ -185,3 +193,6 @@ class Keyspace:
 
     def fault(self, group: str, job: str) -> bytes:
         return self._k("groups", group, "faulted", job)
+
+    def operation(self, group: str, operation_id: str) -> bytes:
+        return self._k("groups", group, "operations", operation_id)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any, Generic, Self, TypeVar
 
@@ -154,6 +155,11 @@ class SwitchRecord(_Record):
     # Nodes fenced out during this switch: never sent another directive of it, whatever
     # driver carries it on; their residency is unknown until their next hello.
     fenced: list[str] = field(default_factory=list)
+    # The operator operation (snapshot / restore) this switch runs: it ends without a grant
+    # and writes the operation's outcome in the transaction that closes it ("" if none).
+    operation: str = ""
+    # Device bytes the CHECKPOINT phase moved (kept across a driver crash for the outcome).
+    evicted_bytes: int = 0
 
     @classmethod
     def _from_dict(cls, data: dict[str, Any]) -> Self:
@@ -165,6 +171,58 @@ class SwitchRecord(_Record):
     @property
     def from_jobs(self) -> list[str]:
         return sorted({s.evict for s in self.steps if s.evict})
+
+
+class OperationKind(enum.Enum):
+    SNAPSHOT = "snapshot"  # checkpoint the job on the node, restore nothing
+    RESTORE = "restore"  # restore the job on the node, grant nothing
+
+
+class OperationState(enum.Enum):
+    PENDING = "pending"  # recorded; runs when the group has no switch in flight
+    RUNNING = "running"  # its switch record is written
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+    @property
+    def done(self) -> bool:
+        return self in (OperationState.SUCCEEDED, OperationState.FAILED)
+
+
+@dataclass(slots=True)
+class OperationRecord(_Record):
+    """An operator snapshot or restore of one job on one node of a group.
+
+    Written PENDING by the node's request, RUNNING with the switch record that carries it out,
+    SUCCEEDED or FAILED in the transaction that closes that switch (or at once, when there is
+    nothing to move or the group no longer allows it). It lives on its own lease: it expires
+    ``retention`` seconds after the request, whatever its state.
+    """
+
+    operation_id: str
+    kind: OperationKind
+    group: str
+    job: str
+    node: str
+    requested_at: float
+    state: OperationState = OperationState.PENDING
+    finished_at: float = 0.0
+    bytes_moved: int = 0  # device bytes the job's checkpoint (snapshot) or restore moved
+    error: str = ""
+    switch_id: str = ""
+
+    @classmethod
+    def _from_dict(cls, data: dict[str, Any]) -> Self:
+        data = dict(data)
+        data["kind"] = OperationKind(data["kind"])
+        data["state"] = OperationState(data["state"])
+        return cls(**data)
+
+    @property
+    def elapsed_seconds(self) -> float:
+        """From the request to the outcome (to now while it is not finished)."""
+        end = self.finished_at if self.state.done else time.time()
+        return max(0.0, end - self.requested_at)
 
 
 @dataclass(slots=True)

@@ -26,11 +26,15 @@ from timeslice_orchestrator.store.etcd import (
     absent,
     created_at,
     modified_at,
+    present,
 )
+from timeslice_orchestrator.store.keys import Keyspace
 from timeslice_orchestrator.store.records import (
     FaultRecord,
     GroupStats,
     HolderRecord,
+    OperationRecord,
+    OperationState,
     QueuedJob,
     ResidentRecord,
     Stored,
@@ -95,7 +99,20 @@ class SwitchStore(StoreBase):
         return bool(current) and current[0].lease == auth.lease
 
     def _driving(self, group: str, auth: Authority) -> Compare:
-        return Compare(self.keys.driver(group), CompareTarget.LEASE, CompareOp.EQUAL, auth.lease)
+        return self.driving(self.keys, group, auth)
+
+    @staticmethod
+    def driving(keys: Keyspace, group: str, auth: Authority) -> Compare:
+        """The compare every driver write carries: ``auth``'s lease holds the driver key."""
+        return Compare(keys.driver(group), CompareTarget.LEASE, CompareOp.EQUAL, auth.lease)
+
+    def _close_operation(self, group: str, outcome: Stored[OperationRecord] | None) -> list[Op]:
+        """Write an operation's outcome, if its record is still there (it may have expired:
+        that must not keep the switch from closing)."""
+        if outcome is None:
+            return []
+        key = self.keys.operation(group, outcome.record.operation_id)
+        return [Txn([present(key)], [Put(key, outcome.record.encode(), lease=outcome.lease)])]
 
     async def grant(self, auth: Authority | None, grant: Grant) -> int | None:
         """Commit point: resident, holder (with a new epoch) and queue change in one txn.
@@ -140,36 +157,51 @@ class SwitchStore(StoreBase):
         record: SwitchRecord,
         resident_revision: int,
         holder_revision: int = 0,
+        operation: Stored[OperationRecord] | None = None,
     ) -> Stored[SwitchRecord] | None:
         """Write the switch record; its create revision is the epoch of every directive.
 
         A switch needs the group free (``holder_revision`` 0); a prefetch runs beside the
-        holder it names by revision, and never touches that holder's state.
+        holder it names by revision, and never touches that holder's state. With
+        ``operation`` (PENDING, as read) the switch carries out that operator operation,
+        which becomes RUNNING in the same transaction.
         """
         k = self.keys
-        result = await self.etcd.txn(
-            Txn(
-                [
-                    self._driving(group, auth),
-                    absent(k.switch(group)),
-                    modified_at(k.holder(group), holder_revision),
-                    modified_at(k.resident(group), resident_revision),
-                ],
-                [Put(k.switch(group), record.encode()), Get(k.switch(group))],
+        compare = [
+            self._driving(group, auth),
+            absent(k.switch(group)),
+            modified_at(k.holder(group), holder_revision),
+            modified_at(k.resident(group), resident_revision),
+        ]
+        ops: list[Op] = [Put(k.switch(group), record.encode()), Get(k.switch(group))]
+        if operation is not None:
+            key = k.operation(group, operation.record.operation_id)
+            running = dataclasses.replace(
+                operation.record, state=OperationState.RUNNING, switch_id=record.switch_id
             )
-        )
+            compare.append(modified_at(key, operation.mod_revision))
+            ops.append(Put(key, running.encode(), lease=operation.lease))
+        result = await self.etcd.txn(Txn(compare, ops))
         if not result.succeeded:
             return None
         return Stored.of(result.reads[0][0], record)
 
     async def update_switch(
-        self, group: str, auth: Authority, switch: Stored[SwitchRecord], phase: SwitchPhase
+        self,
+        group: str,
+        auth: Authority,
+        switch: Stored[SwitchRecord],
+        phase: SwitchPhase,
+        evicted_bytes: int | None = None,
     ) -> Stored[SwitchRecord] | None:
-        """Move the switch to ``phase``; None if it changed or this replica no longer drives."""
+        """Move the switch to ``phase`` (noting the bytes its checkpoints moved, if given);
+        None if it changed or this replica no longer drives."""
         k = self.keys
         # A new record: the one read may be shared with the mirror, which must not change
         # under it.
         record = dataclasses.replace(switch.record, phase=phase)
+        if evicted_bytes is not None:
+            record.evicted_bytes = evicted_bytes
         result = await self.etcd.txn(
             Txn(
                 [self._driving(group, auth), modified_at(k.switch(group), switch.mod_revision)],
@@ -189,20 +221,25 @@ class SwitchStore(StoreBase):
         stats: GroupStats,
         fault: Fault | None = None,
         resident_revision: int | None = None,
+        operation: Stored[OperationRecord] | None = None,
     ) -> int | None:
-        """Close a switch without a grant (aborted, or the waiter left mid-switch).
+        """Close a switch without a grant (aborted, the waiter left mid-switch, a prefetch,
+        a catch-up, or an operator operation).
 
         Returns the revision of the write, or None if a compare failed.
 
         With ``fault``, the waiter whose switch failed for good is given up on as well. With
         ``resident_revision`` (that of the residency ``resident`` was computed from), it fails
-        if the residency changed since: a node fenced out meanwhile stays unknown.
+        if the residency changed since: a node fenced out meanwhile stays unknown. With
+        ``operation`` (its outcome, on its lease), the operation the switch carried out is
+        closed in the same transaction, so its outcome and the residency never disagree.
         """
         k = self.keys
         ops: list[Op] = [
             Delete(k.switch(group)),
             Put(k.resident(group), resident.encode()),
             Put(k.stats(group), stats.encode()),
+            *self._close_operation(group, operation),
         ]
         if fault is not None:
             ops += self._give_up(group, fault)

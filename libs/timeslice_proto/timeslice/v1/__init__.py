@@ -22,6 +22,7 @@ __all__ = (
     "DirectiveKind",
     "FaultedJob",
     "GetGroupStatusRequest",
+    "GetNodeOperationRequest",
     "GroupEpoch",
     "GroupEvent",
     "GroupStatus",
@@ -35,12 +36,18 @@ __all__ = (
     "KeepAliveResponse",
     "ListGroupsRequest",
     "ListGroupsResponse",
+    "NodeOperation",
+    "NodeOperationsBase",
+    "NodeOperationsStub",
     "NodeResidency",
     "OpenSessionRequest",
     "OpenSessionResponse",
+    "OperationKind",
+    "OperationState",
     "OrchestratorMessage",
     "QueueEntry",
     "SetGroupMembersRequest",
+    "StartOperationRequest",
     "SwitchPhase",
     "SwitchStatus",
     "TimeSliceBase",
@@ -262,6 +269,77 @@ class JobState(betterproto2.Enum):
             "JOB_STATE_TRANSITIONING": 3,
             "JOB_STATE_SAVED": 4,
             "JOB_STATE_FAULTED": 5,
+        }
+
+
+class OperationKind(betterproto2.Enum):
+    UNSPECIFIED = 0
+
+    SNAPSHOT = 1
+    """
+    checkpoint the job on the node; restore nothing
+    """
+
+    RESTORE = 2
+    """
+    restore the job on the node; grant nothing
+    """
+
+    @classmethod
+    def betterproto_value_to_renamed_proto_names(cls) -> dict[int, str]:
+        return {
+            0: "OPERATION_KIND_UNSPECIFIED",
+            1: "OPERATION_KIND_SNAPSHOT",
+            2: "OPERATION_KIND_RESTORE",
+        }
+
+    @classmethod
+    def betterproto_renamed_proto_names_to_value(cls) -> dict[str, int]:
+        return {
+            "OPERATION_KIND_UNSPECIFIED": 0,
+            "OPERATION_KIND_SNAPSHOT": 1,
+            "OPERATION_KIND_RESTORE": 2,
+        }
+
+
+class OperationState(betterproto2.Enum):
+    UNSPECIFIED = 0
+
+    PENDING = 1
+    """
+    recorded; the driver runs it when no switch is in flight
+    """
+
+    RUNNING = 2
+    """
+    its switch record is written: directives are out
+    """
+
+    SUCCEEDED = 3
+
+    FAILED = 4
+    """
+    error says why
+    """
+
+    @classmethod
+    def betterproto_value_to_renamed_proto_names(cls) -> dict[int, str]:
+        return {
+            0: "OPERATION_STATE_UNSPECIFIED",
+            1: "OPERATION_STATE_PENDING",
+            2: "OPERATION_STATE_RUNNING",
+            3: "OPERATION_STATE_SUCCEEDED",
+            4: "OPERATION_STATE_FAILED",
+        }
+
+    @classmethod
+    def betterproto_renamed_proto_names_to_value(cls) -> dict[str, int]:
+        return {
+            "OPERATION_STATE_UNSPECIFIED": 0,
+            "OPERATION_STATE_PENDING": 1,
+            "OPERATION_STATE_RUNNING": 2,
+            "OPERATION_STATE_SUCCEEDED": 3,
+            "OPERATION_STATE_FAILED": 4,
         }
 
 
@@ -585,6 +663,21 @@ default_message_pool.register_message(
 
 
 @dataclass(eq=False, repr=False)
+class GetNodeOperationRequest(betterproto2.Message):
+    node: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    the asking node; with TLS it must be the certificate's
+    """
+
+    operation_id: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+
+
+default_message_pool.register_message(
+    "timeslice.v1", "GetNodeOperationRequest", GetNodeOperationRequest
+)
+
+
+@dataclass(eq=False, repr=False)
 class GroupEpoch(betterproto2.Message):
     group_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
 
@@ -770,6 +863,45 @@ default_message_pool.register_message("timeslice.v1", "ListGroupsResponse", List
 
 
 @dataclass(eq=False, repr=False)
+class NodeOperation(betterproto2.Message):
+    operation_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    kind: "OperationKind" = betterproto2.field(
+        2, betterproto2.TYPE_ENUM, default_factory=lambda: OperationKind(0)
+    )
+
+    job_id: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+
+    group_id: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
+
+    node: "str" = betterproto2.field(5, betterproto2.TYPE_STRING)
+
+    state: "OperationState" = betterproto2.field(
+        6, betterproto2.TYPE_ENUM, default_factory=lambda: OperationState(0)
+    )
+
+    requested_at: "float" = betterproto2.field(7, betterproto2.TYPE_DOUBLE)
+    """
+    unix seconds
+    """
+
+    finished_at: "float" = betterproto2.field(8, betterproto2.TYPE_DOUBLE)
+    """
+    unix seconds; 0 while not finished
+    """
+
+    bytes_moved: "int" = betterproto2.field(9, betterproto2.TYPE_UINT64)
+    """
+    device bytes the job's checkpoint or restore moved
+    """
+
+    error: "str" = betterproto2.field(10, betterproto2.TYPE_STRING)
+
+
+default_message_pool.register_message("timeslice.v1", "NodeOperation", NodeOperation)
+
+
+@dataclass(eq=False, repr=False)
 class NodeResidency(betterproto2.Message):
     node: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
 
@@ -871,6 +1003,24 @@ class SetGroupMembersRequest(betterproto2.Message):
 
 default_message_pool.register_message(
     "timeslice.v1", "SetGroupMembersRequest", SetGroupMembersRequest
+)
+
+
+@dataclass(eq=False, repr=False)
+class StartOperationRequest(betterproto2.Message):
+    node: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    job_id: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+
+    group_id: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+
+    kind: "OperationKind" = betterproto2.field(
+        4, betterproto2.TYPE_ENUM, default_factory=lambda: OperationKind(0)
+    )
+
+
+default_message_pool.register_message(
+    "timeslice.v1", "StartOperationRequest", StartOperationRequest
 )
 
 
@@ -1040,6 +1190,58 @@ class AgentHubStub(betterproto2_grpclib.ServiceStub):
             metadata=metadata,
         ):
             yield response
+
+
+class NodeOperationsStub(betterproto2_grpclib.ServiceStub):
+    """
+    Operator snapshot / restore of one job on one node, asked for by that node's agent (for
+    the llm-d snapshot agent API, docs/llmd-agent.md) and run by the group's switch driver as a
+    fenced switch without a grant. With mutual TLS a node certificate may ask only about its
+    own node; an operator certificate about any.
+    """
+
+    async def start_operation(
+        self,
+        message: "StartOperationRequest",
+        *,
+        timeout: "float | None" = None,
+        deadline: "Deadline | None" = None,
+        metadata: "MetadataLike | None" = None,
+    ) -> "NodeOperation":
+        """
+        Records a PENDING operation, or refuses it (FAILED_PRECONDITION with the reason: the
+        job holds the group, another job holds it and the state does not fit beside it, ...).
+        """
+
+        return await self._unary_unary(
+            "/timeslice.v1.NodeOperations/StartOperation",
+            message,
+            NodeOperation,
+            timeout=timeout,
+            deadline=deadline,
+            metadata=metadata,
+        )
+
+    async def get_operation(
+        self,
+        message: "GetNodeOperationRequest",
+        *,
+        timeout: "float | None" = None,
+        deadline: "Deadline | None" = None,
+        metadata: "MetadataLike | None" = None,
+    ) -> "NodeOperation":
+        """
+        An operation's state; NOT_FOUND when the id is unknown (or its record expired).
+        """
+
+        return await self._unary_unary(
+            "/timeslice.v1.NodeOperations/GetOperation",
+            message,
+            NodeOperation,
+            timeout=timeout,
+            deadline=deadline,
+            metadata=metadata,
+        )
 
 
 class TimeSliceStub(betterproto2_grpclib.ServiceStub):
@@ -1317,6 +1519,62 @@ class AgentHubBase(betterproto2_grpclib.ServiceBase):
                 grpclib.const.Cardinality.STREAM_STREAM,
                 AgentMessage,
                 OrchestratorMessage,
+            ),
+        }
+
+
+class NodeOperationsBase(betterproto2_grpclib.ServiceBase):
+    """
+    Operator snapshot / restore of one job on one node, asked for by that node's agent (for
+    the llm-d snapshot agent API, docs/llmd-agent.md) and run by the group's switch driver as a
+    fenced switch without a grant. With mutual TLS a node certificate may ask only about its
+    own node; an operator certificate about any.
+    """
+
+    async def start_operation(self, message: "StartOperationRequest") -> "NodeOperation":
+        """
+        Records a PENDING operation, or refuses it (FAILED_PRECONDITION with the reason: the
+        job holds the group, another job holds it and the state does not fit beside it, ...).
+        """
+
+        raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
+
+    async def get_operation(self, message: "GetNodeOperationRequest") -> "NodeOperation":
+        """
+        An operation's state; NOT_FOUND when the id is unknown (or its record expired).
+        """
+
+        raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
+
+    async def __rpc_start_operation(
+        self, stream: "grpclib.server.Stream[StartOperationRequest, NodeOperation]"
+    ) -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        response = await self.start_operation(request)
+        await stream.send_message(response)
+
+    async def __rpc_get_operation(
+        self, stream: "grpclib.server.Stream[GetNodeOperationRequest, NodeOperation]"
+    ) -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        response = await self.get_operation(request)
+        await stream.send_message(response)
+
+    def __mapping__(self) -> "dict[str, grpclib.const.Handler]":
+        return {
+            "/timeslice.v1.NodeOperations/StartOperation": grpclib.const.Handler(
+                self.__rpc_start_operation,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                StartOperationRequest,
+                NodeOperation,
+            ),
+            "/timeslice.v1.NodeOperations/GetOperation": grpclib.const.Handler(
+                self.__rpc_get_operation,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                GetNodeOperationRequest,
+                NodeOperation,
             ),
         }
 
