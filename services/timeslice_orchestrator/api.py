@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpclib
 import grpclib.server
 from grpclib.const import Handler, Status
-from opentelemetry.trace import Span, SpanKind, StatusCode, Tracer
+from opentelemetry.trace import Span, Tracer
 
 from timeslice import AcquireStage
 from timeslice.errors import ErrorKind, TimeSliceError
@@ -26,8 +26,8 @@ from timeslice_orchestrator.authz import Authorizer, peer_of
 from timeslice_orchestrator.limits import Limits, Quotas
 from timeslice_orchestrator.locks import LockService, Progress
 from timeslice_orchestrator.metrics import Metrics
+from timeslice_orchestrator.rpc import Call, served
 from timeslice_orchestrator.store.cache import GroupView, Mirror, group_topic
-from timeslice_orchestrator.store.etcd import StoreError
 from timeslice_proto.timeslice.v1 import (
     AcquireEvent,
     AcquireRequest,
@@ -92,38 +92,17 @@ class TimeSliceService(TimeSliceBase):
             )
         return mapping
 
-    @contextlib.contextmanager
-    def _call(self, method: str, group: str = "", job: str = "", peer: str = "") -> Iterator[Span]:
-        """One server span per RPC (OpenTelemetry gRPC conventions) and typed errors out."""
-        attributes: dict[str, str | int] = {
-            "rpc.system": "grpc",
-            "rpc.service": _SERVICE,
-            "rpc.method": method,
-        }
-        if group:
-            attributes["timeslice.group"] = group
-        if job:
-            attributes["timeslice.job"] = job
-        with self._tracer.start_as_current_span(
-            f"{_SERVICE}/{method}",
-            kind=SpanKind.SERVER,
-            attributes=attributes,
-            record_exception=False,
-            set_status_on_exception=False,
-        ) as span:
-            try:
-                yield span
-            except TimeSliceError as exc:
-                self._metrics.rpc_errors.labels(kind=exc.kind.value).inc()
-                if exc.kind in _REFUSALS:
-                    self._authz.refused(method, _REFUSALS[exc.kind], peer)
-                _failed(span, exc.status, exc.wire_message())
-                raise grpclib.GRPCError(exc.status, exc.wire_message()) from exc
-            except StoreError as exc:
-                self._metrics.rpc_errors.labels(kind="unavailable").inc()
-                _failed(span, Status.UNAVAILABLE, str(exc))
-                raise grpclib.GRPCError(Status.UNAVAILABLE, f"[unavailable] {exc}") from exc
-            span.set_attribute("rpc.grpc.status_code", Status.OK.value)
+    def _call(
+        self, method: str, group: str = "", job: str = "", peer: str = ""
+    ) -> contextlib.AbstractContextManager[Span]:
+        """The RPC's server span; typed errors out, refusals counted by the authorizer."""
+
+        def refused(exc: TimeSliceError) -> None:
+            if exc.kind in _REFUSALS:
+                self._authz.refused(method, _REFUSALS[exc.kind], peer)
+
+        call = Call(_SERVICE, method, group, job)
+        return served(call, self._tracer, self._metrics, on_error=refused)
 
     async def open_session(self, message: OpenSessionRequest) -> OpenSessionResponse:
         with self._call("OpenSession", job=message.job_id):
@@ -279,11 +258,6 @@ _REFUSALS = {
     ErrorKind.UNAUTHENTICATED: "session secret missing or wrong",
     ErrorKind.PERMISSION_DENIED: "acting for another job or session",
 }
-
-
-def _failed(span: Span, status: Status, message: str) -> None:
-    span.set_attribute("rpc.grpc.status_code", status.value)
-    span.set_status(StatusCode.ERROR, message)
 
 
 def _event(step: Progress) -> AcquireEvent:

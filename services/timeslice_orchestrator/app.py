@@ -160,7 +160,7 @@ class Orchestrator:
         )  # fmt: skip
         # Operator snapshot / restore asked by a node's agent (docs/llmd-agent.md).
         operations = NodeOperationsService(
-            self.store, self.mirror, self.metrics, co_residency=cfg.co_residency
+            self.store, self.mirror, self.metrics, co_residency=cfg.co_residency, tracer=tracer
         )
         self._server = strict_server([api, hub, compat, operations], cfg.limits.max_message_bytes)
         # Per-connection token buckets: a flood from one client waits, or is refused, before

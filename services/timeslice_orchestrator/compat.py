@@ -30,7 +30,6 @@ import hashlib
 import logging
 import secrets
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -39,7 +38,7 @@ import grpclib
 import grpclib.server
 from grpclib.const import Handler, Status
 from grpclib.protocol import Connection
-from opentelemetry.trace import Span, SpanKind, StatusCode, Tracer
+from opentelemetry.trace import Span, Tracer
 
 from timeslice import AcquireStage
 from timeslice.errors import (
@@ -59,6 +58,7 @@ from timeslice_orchestrator.authz import secret_hash
 from timeslice_orchestrator.limits import Quotas
 from timeslice_orchestrator.locks import LockService, Progress
 from timeslice_orchestrator.metrics import Metrics
+from timeslice_orchestrator.rpc import Call, served
 from timeslice_orchestrator.store.cache import GroupView, Mirror
 from timeslice_orchestrator.store.etcd import StoreError
 from timeslice_orchestrator.store.groups import GroupStore
@@ -144,38 +144,11 @@ class CompatService(TimeSliceOrchestratorServiceBase):
             )
         return mapping
 
-    @contextlib.contextmanager
-    def _call(self, method: str, group: str = "", job: str = "") -> Iterator[Span]:
+    def _call(
+        self, method: str, group: str = "", job: str = ""
+    ) -> contextlib.AbstractContextManager[Span]:
         """One server span per RPC and typed errors out, as timeslice.v1's handlers do."""
-        attributes: dict[str, str | int] = {
-            "rpc.system": "grpc",
-            "rpc.service": SERVICE,
-            "rpc.method": method,
-        }
-        if group:
-            attributes["timeslice.group"] = group
-        if job:
-            attributes["timeslice.job"] = job
-        with self._tracer.start_as_current_span(
-            f"{SERVICE}/{method}",
-            kind=SpanKind.SERVER,
-            attributes=attributes,
-            record_exception=False,
-            set_status_on_exception=False,
-        ) as span:
-            try:
-                yield span
-            except TimeSliceError as exc:
-                self._metrics.rpc_errors.labels(kind=exc.kind.value).inc()
-                # The reference answers UNAVAILABLE for a faulted group.
-                status = Status.UNAVAILABLE if isinstance(exc, GroupFaulted) else exc.status
-                _failed(span, status, exc.wire_message())
-                raise grpclib.GRPCError(status, exc.wire_message()) from exc
-            except StoreError as exc:
-                self._metrics.rpc_errors.labels(kind="unavailable").inc()
-                _failed(span, Status.UNAVAILABLE, str(exc))
-                raise grpclib.GRPCError(Status.UNAVAILABLE, f"[unavailable] {exc}") from exc
-            span.set_attribute("rpc.grpc.status_code", Status.OK.value)
+        return served(Call(SERVICE, method, group, job), self._tracer, self._metrics, _status_of)
 
     # -- RPCs -----------------------------------------------------------------------------
 
@@ -380,9 +353,9 @@ class CompatService(TimeSliceOrchestratorServiceBase):
             del self._by_connection[key]
 
 
-def _failed(span: Span, status: Status, message: str) -> None:
-    span.set_attribute("rpc.grpc.status_code", status.value)
-    span.set_status(StatusCode.ERROR, message)
+def _status_of(exc: TimeSliceError) -> Status:
+    # The reference answers UNAVAILABLE for a faulted group.
+    return Status.UNAVAILABLE if isinstance(exc, GroupFaulted) else exc.status
 
 
 def _timestamp(seconds: float) -> datetime | None:

@@ -17,13 +17,11 @@ the agent stream itself.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Iterator
 
-import grpclib
-from grpclib.const import Status
+from opentelemetry import trace
+from opentelemetry.trace import Tracer
 
 from timeslice.errors import (
     FailedPrecondition,
@@ -31,13 +29,12 @@ from timeslice.errors import (
     NotFound,
     PermissionDenied,
     ResourceExhausted,
-    TimeSliceError,
 )
 from timeslice.ids import validate_group_id, validate_job_id, validate_node
 from timeslice_orchestrator import identity
 from timeslice_orchestrator.metrics import Metrics
+from timeslice_orchestrator.rpc import Call, served
 from timeslice_orchestrator.store.cache import MIRROR_LAG_TIMEOUT, Mirror
-from timeslice_orchestrator.store.etcd import StoreError
 from timeslice_orchestrator.store.groups import GroupStore, new_operation_id
 from timeslice_orchestrator.store.records import (
     OperationKind,
@@ -55,6 +52,8 @@ from timeslice_proto.timeslice.v1 import OperationKind as WireKind
 from timeslice_proto.timeslice.v1 import OperationState as WireState
 
 log = logging.getLogger(__name__)
+
+SERVICE = "timeslice.v1.NodeOperations"
 
 OPERATION_RETENTION_SECONDS = 3600
 """How long an operation record is kept after its request (its lease's TTL), whatever its state."""
@@ -97,17 +96,6 @@ def _check_node(node: str, what: str) -> None:
     raise PermissionDenied(f"{what}: the client certificate {who} may not act for node {node!r}")
 
 
-@contextlib.contextmanager
-def _typed() -> Iterator[None]:
-    """Typed errors become their gRPC status; an etcd outage is UNAVAILABLE."""
-    try:
-        yield
-    except TimeSliceError as exc:
-        raise grpclib.GRPCError(exc.status, exc.wire_message()) from exc
-    except StoreError as exc:
-        raise grpclib.GRPCError(Status.UNAVAILABLE, f"[unavailable] {exc}") from exc
-
-
 class NodeOperationsService(NodeOperationsBase):
     """``timeslice.v1.NodeOperations``: thin handlers over the store and the mirror."""
 
@@ -120,7 +108,9 @@ class NodeOperationsService(NodeOperationsBase):
         co_residency: bool = False,
         retention: int = OPERATION_RETENTION_SECONDS,
         max_pending: int = MAX_PENDING_OPERATIONS,
+        tracer: Tracer | None = None,
     ) -> None:
+        self._tracer = tracer or trace.NoOpTracer()
         self._store = store
         self._mirror = mirror
         self._metrics = metrics
@@ -130,7 +120,8 @@ class NodeOperationsService(NodeOperationsBase):
 
     async def start_operation(self, message: StartOperationRequest) -> NodeOperation:
         """Check the request against the group now, then record it PENDING for the driver."""
-        with _typed():
+        call = Call(SERVICE, "StartOperation", message.group_id, message.job_id)
+        with served(call, self._tracer, self._metrics):
             return await self._start(message)
 
     async def _start(self, message: StartOperationRequest) -> NodeOperation:
@@ -179,7 +170,7 @@ class NodeOperationsService(NodeOperationsBase):
 
     async def get_operation(self, message: GetNodeOperationRequest) -> NodeOperation:
         """The operation as last written; NOT_FOUND when unknown, expired or another node's."""
-        with _typed():
+        with served(Call(SERVICE, "GetOperation"), self._tracer, self._metrics):
             node = validate_node(message.node)
             op_id = message.operation_id
             if not op_id or len(op_id) > MAX_OPERATION_ID_LENGTH or not op_id.isprintable():
