@@ -174,8 +174,10 @@ async def test_client_fails_over_by_dns_name(etcd3: EtcdCluster) -> None:
         start = await etcd.put(prefix + b"start", b"")
         watched = _Watched()
         watcher = asyncio.create_task(_mirror(etcd, prefix, start + 1, watched))
-        lease = await etcd.grant_lease(3)
-        keeper = LeaseKeeper(etcd, lease, 3)
+        # The replicas' default TTL: a refresh that hangs on the paused member, then an
+        # election if that member led, must both fit in it.
+        lease = await etcd.grant_lease(5)
+        keeper = LeaseKeeper(etcd, lease, 5)
         keeping = asyncio.create_task(keeper.run())
         written: list[bytes] = []
         writer = asyncio.create_task(_writes(etcd, key, 10**9, written))
