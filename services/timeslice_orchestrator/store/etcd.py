@@ -429,6 +429,9 @@ class _Member:
         self.lease = pb_grpc.LeaseStub(self.channel)
         self.watch = pb_grpc.WatchStub(self.channel)
         self.failed_until = 0.0  # time.monotonic() before which another member is preferred
+        # Set (and replaced) when the member fails: its watches move at once, not when the
+        # connection's keepalive gives up on it.
+        self.failed = asyncio.Event()
 
     def __repr__(self) -> str:
         return f"_Member({self.endpoint})"
@@ -528,6 +531,8 @@ class EtcdClient:
             return
         first = member.failed_until <= time.monotonic()
         member.failed_until = time.monotonic() + MEMBER_PENALTY
+        member.failed.set()
+        member.failed = asyncio.Event()
         if self._members[self._current] is member:
             self._current = (self._current + 1) % len(self._members)
         if first:
@@ -830,6 +835,8 @@ class EtcdClient:
         )
         member = self._pick()
         call = member.watch.Watch(metadata=REQUIRE_LEADER)
+        abandoned = asyncio.Event()
+        watchdog = asyncio.ensure_future(_abandon(member.failed, call, abandoned))
         try:
             await call.write(request)
             created = False
@@ -871,8 +878,23 @@ class EtcdClient:
             raise StoreUnavailable(
                 f"watch stream on {member.endpoint} failed: {exc.code().name}"
             ) from exc
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if abandoned.is_set() and (task is None or task.cancelling() == 0):
+                raise StoreUnavailable(
+                    f"etcd member {member.endpoint} failed: the watch moves to another"
+                ) from None
+            raise
         finally:
+            watchdog.cancel()
             call.cancel()
+
+
+async def _abandon(failed: asyncio.Event, call: Any, abandoned: asyncio.Event) -> None:
+    """Cancel a watch call once its member has failed (another call found it unanswering)."""
+    await failed.wait()
+    abandoned.set()
+    call.cancel()
 
 
 class LeaseKeeper:
