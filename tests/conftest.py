@@ -100,7 +100,8 @@ def cluster_factory(
     TLS unless the test passes ``tls=False``: the cluster uses ``session_pki`` and the TLS
     etcd (or, with ``etcd_endpoint=None``, a private TLS etcd), so the session's clients
     reach it as they are. A plaintext cluster shares the plaintext etcd; its clients need
-    ``cluster.client_env`` or ``insecure=True``.
+    ``cluster.client_env`` or ``insecure=True``. ``etcd_members=3`` gives the cluster its own
+    3-member etcd (``cluster.etcd_cluster``), every member named to each replica.
     """
     clusters: list[LocalCluster] = []
 
@@ -108,6 +109,8 @@ def cluster_factory(
         tls = kwargs.setdefault("tls", session_pki)
         if tls is True:  # the session's CA: its clients and its TLS etcd trust it
             tls = kwargs["tls"] = session_pki
+        if kwargs.get("etcd_members", 1) > 1:
+            kwargs.setdefault("etcd_endpoint", None)  # its own etcd cluster
         if "etcd_endpoint" not in kwargs:
             etcd = "tls_etcd_server" if tls else "etcd_server"
             server = request.getfixturevalue(etcd)

@@ -54,6 +54,13 @@ def register(commands: Commands) -> None:
     cluster.add_argument("--agents", type=count(0), default=1, help="node agents")
     cluster.add_argument("--backend", choices=BACKENDS, default="sim")
     cluster.add_argument("--etcd", help="use this etcd (HOST:PORT[,...]) instead of starting one")
+    cluster.add_argument(
+        "--etcd-members",
+        type=count(1),
+        default=1,
+        help="members of the etcd started here (3: a highly available cluster on loopback; "
+        "every replica is given all of them)",
+    )
     cluster.add_argument("--prefix", help="etcd key prefix (default /timeslice/dev-<random>)")
     cluster.add_argument("--session-ttl", type=positive_float, default=10.0)
     cluster.add_argument(
@@ -143,6 +150,8 @@ def cmd_dev_certs(args: argparse.Namespace) -> int:
 def cmd_dev_cluster(args: argparse.Namespace) -> int:
     """``timeslice dev cluster``."""
     etcd = parse_etcd(args.etcd) if args.etcd is not None else None
+    if etcd is not None and args.etcd_members > 1:
+        raise InvalidArgument("--etcd-members starts an etcd here: it does not go with --etcd")
     shutting_down = False
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -163,6 +172,7 @@ def cmd_dev_cluster(args: argparse.Namespace) -> int:
             session_ttl=args.session_ttl,
             base_dir=args.base_dir,
             tls=Pki(args.certs) if args.certs is not None else args.tls,
+            etcd_members=args.etcd_members,
         )
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from None

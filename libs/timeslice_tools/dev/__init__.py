@@ -10,6 +10,13 @@ runs (``python -m timeslice_orchestrator`` / ``python -m timeslice_agent``) on l
 """
 
 from timeslice_tools.dev.cluster import ClusterError, LocalCluster
-from timeslice_tools.dev.etcd import EtcdError, EtcdServer, find_etcd_binary
+from timeslice_tools.dev.etcd import EtcdCluster, EtcdError, EtcdServer, find_etcd_binary
 
-__all__ = ["ClusterError", "EtcdError", "EtcdServer", "LocalCluster", "find_etcd_binary"]
+__all__ = [
+    "ClusterError",
+    "EtcdCluster",
+    "EtcdError",
+    "EtcdServer",
+    "LocalCluster",
+    "find_etcd_binary",
+]

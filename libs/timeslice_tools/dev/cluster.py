@@ -34,7 +34,7 @@ from timeslice.tls import CA_ENV, CERT_ENV, INSECURE_ENV, KEY_ENV, TlsFiles
 from timeslice_agent.config import BackendKind
 from timeslice_tools.dev import _procs
 from timeslice_tools.dev.certs import Pki
-from timeslice_tools.dev.etcd import EtcdServer
+from timeslice_tools.dev.etcd import EtcdCluster, EtcdServer
 
 __all__ = ["Backend", "ClientTls", "ClusterError", "LocalCluster", "ServiceProcess"]
 
@@ -103,6 +103,9 @@ class LocalCluster:
             ``app`` lets workers move their own state, ``cuda`` checkpoints GPU processes).
         etcd_endpoint: ``HOST:PORT[,HOST:PORT]`` of an etcd to use; None starts a private one in
             ``base_dir/etcd`` (stopped with the cluster).
+        etcd_members: how many members the private etcd has (1: :attr:`etcd`, a single
+            :class:`EtcdServer`; more: :attr:`etcd_cluster`, an :class:`EtcdCluster` whose
+            every member each replica is given).
         prefix: the etcd key prefix; default ``/timeslice/dev-<random>`` so clusters sharing an
             etcd never see each other.
         session_ttl, replica_ttl: passed to the orchestrators (``replica_ttl`` None: their default).
@@ -140,7 +143,12 @@ class LocalCluster:
         env: Mapping[str, str] | None = None,
         ready_timeout: float = 30.0,
         tls: bool | Pki = False,
+        etcd_members: int = 1,
     ) -> None:
+        if etcd_members < 1:
+            raise ValueError(f"etcd_members must be at least 1, got {etcd_members}")
+        if etcd_members > 1 and etcd_endpoint is not None:
+            raise ValueError("etcd_members starts a private etcd: give no etcd_endpoint with it")
         if replicas < 1:
             raise ValueError(f"replicas must be at least 1, got {replicas}")
         if agents < 0:
@@ -178,6 +186,8 @@ class LocalCluster:
             tls if isinstance(tls, Pki) else (Pki(self._base_dir / "tls") if tls else None)
         )
         self._etcd: EtcdServer | None = None
+        self._etcd_members = etcd_members
+        self._etcd_cluster: EtcdCluster | None = None
         self._replicas = [self._new_replica(i) for i in range(replicas)]
         self._agents = {f"node-{i}": self._new_agent(f"node-{i}") for i in range(agents)}
         self._socket_dir, self._owns_socket_dir = self._choose_socket_dir()
@@ -228,14 +238,34 @@ class LocalCluster:
     def etcd_endpoint(self) -> str:
         if self._given_etcd is not None:
             return self._given_etcd
+        if self._etcd_cluster is not None:
+            return self._etcd_cluster.endpoint
         if self._etcd is None:
             raise ClusterError("the cluster's etcd is not started yet")
         return self._etcd.endpoint
 
     @property
     def etcd(self) -> EtcdServer | None:
-        """The private etcd (None when ``etcd_endpoint`` was given)."""
+        """The private single-member etcd (None when ``etcd_endpoint`` was given, or with
+        several members: see :attr:`etcd_cluster`)."""
         return self._etcd
+
+    @property
+    def etcd_cluster(self) -> EtcdCluster | None:
+        """The private etcd of several members (``etcd_members`` > 1), else None."""
+        return self._etcd_cluster
+
+    def _etcd_processes(self) -> dict[str, subprocess.Popen[bytes]]:
+        """The private etcd's processes: ``etcd``, or ``etcd-0``.. per member."""
+        if self._etcd is not None and self._etcd.process is not None:
+            return {"etcd": self._etcd.process}
+        if self._etcd_cluster is None:
+            return {}
+        return {
+            f"etcd-{i}": m.process
+            for i, m in enumerate(self._etcd_cluster.members)
+            if m.process is not None
+        }
 
     @property
     def pki(self) -> Pki | None:
@@ -308,10 +338,10 @@ class LocalCluster:
 
     @property
     def processes(self) -> dict[str, subprocess.Popen[bytes]]:
-        """Live-or-exited process handles by name (``r0``.., ``node-0``.., and ``etcd``)."""
+        """Live-or-exited process handles by name (``r0``.., ``node-0``.., and ``etcd``, or
+        ``etcd-0``.. for each member of a private etcd cluster)."""
         out = {name: s.popen for name, s in self.services.items() if s.popen is not None}
-        if self._etcd is not None and self._etcd.process is not None:
-            out["etcd"] = self._etcd.process
+        out.update(self._etcd_processes())
         return out
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -332,7 +362,12 @@ class LocalCluster:
                 f.write(self._operator_token + "\n")
             if self._pki is not None and not self._pki.ca.exists():
                 self._pki = Pki.create(self._pki.directory, nodes=list(self._agents))
-            if self._given_etcd is None:
+            if self._given_etcd is None and self._etcd_members > 1:
+                self._etcd_cluster = EtcdCluster(
+                    self._etcd_members, self._base_dir / "etcd", tls=self._pki
+                )
+                self._etcd_cluster.start()
+            elif self._given_etcd is None:
                 self._etcd = EtcdServer(self._base_dir / "etcd", tls=self._pki)
                 self._etcd.start()
             self._start_batch(self._replicas)
@@ -360,6 +395,8 @@ class LocalCluster:
         _procs.terminate_all([r.popen for r in self._replicas if r.popen is not None], grace=grace)
         if self._etcd is not None:
             self._etcd.stop(grace=grace)
+        if self._etcd_cluster is not None:
+            self._etcd_cluster.stop(grace=grace)
         if self._owns_socket_dir:
             shutil.rmtree(self._socket_dir, ignore_errors=True)
         if self._owns_base_dir:
@@ -386,14 +423,17 @@ class LocalCluster:
                 code = service.popen.poll()
                 if code is not None:
                     out[name] = code
-        if self._etcd is not None and self._etcd.process is not None:
-            code = self._etcd.process.poll()
+        for name, process in self._etcd_processes().items():
+            code = process.poll()
             if code is not None:
-                out["etcd"] = code
+                out[name] = code
         return out
 
     def log_tail(self, name: str, max_lines: int = 40) -> str:
-        """The end of a service's log (``r0``, ``node-0``, or ``etcd``)."""
+        """The end of a service's log (``r0``, ``node-0``, ``etcd``, or ``etcd-0``..)."""
+        if name.startswith("etcd-") and self._etcd_cluster is not None:
+            member = self._etcd_cluster.members[int(name.removeprefix("etcd-"))]
+            return _procs.log_tail(member.log_path, max_lines)
         if name == "etcd":
             if self._etcd is None:
                 raise KeyError("this cluster uses an external etcd")

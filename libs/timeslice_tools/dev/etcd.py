@@ -1,4 +1,5 @@
-"""Start a throw-away single-member etcd server on loopback.
+"""Start a throw-away etcd on loopback: one member (:class:`EtcdServer`) or a cluster of
+several (:class:`EtcdCluster`).
 
 Used by the tests of every component, by :class:`timeslice_tools.dev.cluster.LocalCluster`, by
 ``timeslice dev cluster`` and by the demo. It is synchronous so that plain pytest fixtures can use
@@ -8,6 +9,10 @@ Example::
 
     with EtcdServer() as etcd:
         print(etcd.endpoint)   # "127.0.0.1:PORT", what --etcd takes
+
+    with EtcdCluster(3) as etcd:
+        print(etcd.endpoint)   # "127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3"
+        etcd.kill(etcd.wait_for_leader())   # kill -9 the leader, for fault tests
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import ssl
 import subprocess
 import sys
@@ -33,7 +39,7 @@ from aetcd.rpc import rpc_pb2_grpc as pb_grpc
 from timeslice_tools.dev import _procs
 from timeslice_tools.dev.certs import ETCD_USER, Pki
 
-__all__ = ["EtcdError", "EtcdServer", "find_etcd_binary"]
+__all__ = ["EtcdCluster", "EtcdError", "EtcdServer", "find_etcd_binary"]
 
 ETCD_BIN_ENV = "TIMESLICE_ETCD_BIN"
 SYSTEM_ETCD = Path("/usr/bin/etcd")  # Debian's etcd-server package
@@ -43,6 +49,10 @@ _HEALTH_POLL_SECONDS = 0.02
 _PORT_RETRIES = 3
 # What the etcd user of the replicas (``timeslice``) may read and write when auth is on.
 DEFAULT_AUTH_PREFIX = "/timeslice/"
+# Raft timing of a several-member cluster: elections on loopback, on a loaded machine, without
+# flapping (etcd's defaults are 100 ms and 1000 ms too).
+CLUSTER_HEARTBEAT_MS = 100
+CLUSTER_ELECTION_MS = 1000
 
 
 class EtcdError(RuntimeError):
@@ -116,7 +126,9 @@ class EtcdServer:
     ``data_dir`` (a temporary directory when not given, removed by :meth:`close`) holds the etcd
     data under ``data_dir/etcd`` and the server log in ``data_dir/etcd.log``. Ports are chosen at
     construction so :attr:`endpoint` is known before :meth:`start`; a restart keeps them.
-    Fast elections (10 ms heartbeat, 100 ms election timeout) suit loopback only.
+    Fast elections (10 ms heartbeat, 100 ms election timeout) suit a single member on
+    loopback only; members of an :class:`EtcdCluster` use ``heartbeat_ms``/``election_ms``
+    and fixed ports (``ports``), and ``initial_cluster`` names every member.
     """
 
     def __init__(
@@ -128,8 +140,19 @@ class EtcdServer:
         start_timeout: float = 20.0,
         tls: Pki | None = None,
         auth_prefix: str = DEFAULT_AUTH_PREFIX,
+        ports: tuple[int, int] | None = None,
+        initial_cluster: str | None = None,
+        cluster_token: str | None = None,
+        heartbeat_ms: int = 10,
+        election_ms: int = 100,
+        manage_auth: bool = True,
     ) -> None:
         self._tls = tls
+        self._initial_cluster = initial_cluster
+        self._cluster_token = cluster_token
+        self._heartbeat_ms = heartbeat_ms
+        self._election_ms = election_ms
+        self._manage_auth = manage_auth
         self._auth_prefix = auth_prefix
         self._binary = Path(binary) if binary is not None else find_etcd_binary()
         self._owns_dir = data_dir is None
@@ -138,7 +161,8 @@ class EtcdServer:
         )
         self._name = name
         self._start_timeout = start_timeout
-        self._client_port, self._peer_port = _procs.free_ports(2)
+        self._fixed_ports = ports is not None
+        self._client_port, self._peer_port = ports if ports is not None else _procs.free_ports(2)
         self._proc: subprocess.Popen[bytes] | None = None
         self._started_once = False
 
@@ -162,6 +186,10 @@ class EtcdServer:
     @property
     def peer_url(self) -> str:
         return f"http://127.0.0.1:{self._peer_port}"
+
+    @property
+    def name(self) -> str:
+        return self._name
 
     @property
     def client_port(self) -> int:
@@ -199,20 +227,15 @@ class EtcdServer:
         Raises :class:`EtcdError` with the tail of the log when it does not become healthy.
         Starting a running server is an error; use :meth:`restart`.
         """
-        if self.is_running():
-            raise EtcdError(f"etcd is already running at {self.endpoint}")
-        self._dir.mkdir(parents=True, exist_ok=True)
-        # etcd warns about (and some versions refuse) group/world-readable data directories.
-        (self._dir / "etcd").mkdir(mode=0o700, exist_ok=True)
         # After a first successful start the ports are part of the server's identity (clients
         # and restarts rely on them), so only the very first start may move to other ports.
-        retries_left = 0 if self._started_once else _PORT_RETRIES - 1
+        retries_left = 0 if self._started_once or self._fixed_ports else _PORT_RETRIES - 1
         while True:
-            offset = _procs.log_size(self.log_path)
-            self._proc = _procs.spawn(self._argv(), self.log_path)
+            offset = self.launch()
             try:
                 self._wait_healthy()
             except EtcdError:
+                assert self._proc is not None
                 _procs.kill(self._proc)
                 if retries_left > 0 and _procs.address_in_use(
                     _procs.log_since(self.log_path, offset)
@@ -222,9 +245,47 @@ class EtcdServer:
                     continue
                 raise
             self._started_once = True
-            if self._tls is not None:
+            if self._tls is not None and self._manage_auth:
                 self._enable_auth(self._tls)
             return self
+
+    def launch(self) -> int:
+        """Spawn etcd without waiting for it (members of a cluster start together: none is
+        healthy before a quorum runs). Returns the log offset its output starts at."""
+        if self.is_running():
+            raise EtcdError(f"etcd is already running at {self.endpoint}")
+        self._dir.mkdir(parents=True, exist_ok=True)
+        # etcd warns about (and some versions refuse) group/world-readable data directories.
+        (self._dir / "etcd").mkdir(mode=0o700, exist_ok=True)
+        offset = _procs.log_size(self.log_path)
+        self._proc = _procs.spawn(self._argv(), self.log_path)
+        return offset
+
+    def wait_healthy(self) -> None:
+        """Wait until ``/health`` says ``true``; EtcdError with the log tail when it does not
+        within ``start_timeout``. The start counts as done (the ports are kept from now)."""
+        self._wait_healthy()
+        self._started_once = True
+
+    def pause(self) -> None:
+        """SIGSTOP etcd: a member that keeps its connections open and answers nothing."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT a paused etcd."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGCONT)
+
+    def status(self, timeout: float = 1.0) -> tuple[int, int] | None:
+        """This member's id and the id of the leader it knows (0: none), or None when it does
+        not answer within ``timeout``."""
+        try:
+            with self._channel() as channel:
+                resp = pb_grpc.MaintenanceStub(channel).Status(pb.StatusRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return None
+        return int(resp.header.member_id), int(resp.leader)
 
     def stop(self, grace: float = 5.0) -> None:
         """SIGTERM etcd; SIGKILL it if it has not exited after ``grace`` seconds. Idempotent."""
@@ -275,16 +336,18 @@ class EtcdServer:
             "--advertise-client-urls", self.client_url,
             "--listen-peer-urls", self.peer_url,
             "--initial-advertise-peer-urls", self.peer_url,
-            "--initial-cluster", f"{self._name}={self.peer_url}",
+            "--initial-cluster", self._initial_cluster or f"{self._name}={self.peer_url}",
             "--initial-cluster-state", "new",
-            "--heartbeat-interval", "10",
-            "--election-timeout", "100",
+            "--heartbeat-interval", str(self._heartbeat_ms),
+            "--election-timeout", str(self._election_ms),
             "--log-level", "warn",
             # Keep the history bounded in long runs (soaks, benchmarks); the orchestrator's
             # mirror re-lists if a watch ever falls behind a compaction.
             "--auto-compaction-mode", "periodic",
             "--auto-compaction-retention", "5m",
         ]  # fmt: skip
+        if self._cluster_token is not None:
+            argv += ["--initial-cluster-token", self._cluster_token]
         if self._tls is None:
             return argv
         # Clients must show a certificate from our CA; with auth on, its CN is the user.
@@ -296,11 +359,22 @@ class EtcdServer:
             "--trusted-ca-file", str(self._tls.ca),
         ]  # fmt: skip
 
+    def _channel(self) -> grpc.Channel:
+        """A channel to this member: as root with TLS, plaintext otherwise."""
+        if self._tls is None:
+            return grpc.insecure_channel(self.endpoint)
+        return self._root_channel(self._tls)
+
     def _root_channel(self, tls: Pki) -> grpc.Channel:
         creds = grpc.ssl_channel_credentials(
             tls.ca.read_bytes(), tls.etcd_root.key.read_bytes(), tls.etcd_root.cert.read_bytes()
         )
         return grpc.secure_channel(self.endpoint, creds)
+
+    def enable_auth(self) -> None:
+        """Turn auth on (a cluster does it through one member once every member is up)."""
+        if self._tls is not None:
+            self._enable_auth(self._tls)
 
     def _enable_auth(self, tls: Pki) -> None:
         """Turn etcd's auth on, once per data directory: ``root`` (certificate CN ``root``)
@@ -386,3 +460,205 @@ class EtcdServer:
                     f"{_procs.log_tail(self.log_path)}"
                 )
             time.sleep(_HEALTH_POLL_SECONDS)
+
+
+class EtcdCluster:
+    """``members`` etcd members on free loopback ports, one cluster; member ``i`` keeps its
+    data and log in ``data_dir/member-i``.
+
+    Every member starts at once (none is healthy before a quorum runs). With ``tls`` every
+    member serves the same certificates and auth is turned on once, through the first member.
+    Fault tests use :meth:`kill`, :meth:`start_member` (on the member's data), :meth:`pause`,
+    :meth:`resume` and :meth:`wait_for_leader`. Raft timing defaults to etcd's own (100 ms
+    heartbeat, 1000 ms election timeout), which a loaded machine does not make flap.
+    """
+
+    def __init__(
+        self,
+        members: int = 3,
+        data_dir: Path | str | None = None,
+        *,
+        binary: Path | str | None = None,
+        start_timeout: float = 30.0,
+        tls: Pki | None = None,
+        auth_prefix: str = DEFAULT_AUTH_PREFIX,
+        heartbeat_ms: int = CLUSTER_HEARTBEAT_MS,
+        election_ms: int = CLUSTER_ELECTION_MS,
+    ) -> None:
+        if members < 1:
+            raise ValueError(f"an etcd cluster needs at least one member, got {members}")
+        self._owns_dir = data_dir is None
+        self._dir = (
+            Path(tempfile.mkdtemp(prefix="timeslice-etcd-")) if data_dir is None else Path(data_dir)
+        )
+        self._binary = Path(binary) if binary is not None else find_etcd_binary()
+        self._count = members
+        self._start_timeout = start_timeout
+        self._auth_prefix = auth_prefix
+        self._heartbeat_ms = heartbeat_ms
+        self._tls = tls
+        self._election_ms = election_ms
+        self._token = f"timeslice-{secrets.token_hex(4)}"
+        self.members = self._new_members()
+
+    def _new_members(self) -> list[EtcdServer]:
+        ports = _procs.free_ports(2 * self._count)
+        names = [f"member-{i}" for i in range(self._count)]
+        peers = ",".join(
+            f"{name}=http://127.0.0.1:{ports[2 * i + 1]}" for i, name in enumerate(names)
+        )
+        tls = self._tls
+        return [
+            EtcdServer(
+                self._dir / name,
+                binary=self._binary,
+                name=name,
+                start_timeout=self._start_timeout,
+                tls=tls,
+                auth_prefix=self._auth_prefix,
+                ports=(ports[2 * i], ports[2 * i + 1]),
+                initial_cluster=peers,
+                cluster_token=self._token,
+                heartbeat_ms=self._heartbeat_ms,
+                election_ms=self._election_ms,
+                manage_auth=False,
+            )
+            for i, name in enumerate(names)
+        ]
+
+    # -- addresses ---------------------------------------------------------------------------
+
+    @property
+    def endpoints(self) -> list[str]:
+        """Each member's ``127.0.0.1:PORT``, in member order."""
+        return [m.endpoint for m in self.members]
+
+    @property
+    def endpoint(self) -> str:
+        """Every member's address, comma-joined: what ``--etcd`` takes."""
+        return ",".join(self.endpoints)
+
+    @property
+    def tls(self) -> Pki | None:
+        return self._tls
+
+    @property
+    def election_timeout(self) -> float:
+        """etcd's election timeout, in seconds."""
+        return self._election_ms / 1000
+
+    @property
+    def data_dir(self) -> Path:
+        return self._dir
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> EtcdCluster:
+        """Start every member and wait until each is healthy (a leader is elected); with TLS,
+        turn auth on. A start that fails because a port was taken moves to fresh ports."""
+        retries_left = _PORT_RETRIES - 1
+        while True:
+            offsets = [m.launch() for m in self.members]
+            try:
+                for member in self.members:
+                    member.wait_healthy()
+            except EtcdError:
+                logs = [
+                    _procs.log_since(m.log_path, o)
+                    for m, o in zip(self.members, offsets, strict=True)
+                ]
+                self.stop()
+                if retries_left > 0 and any(_procs.address_in_use(text) for text in logs):
+                    retries_left -= 1
+                    for member in self.members:
+                        shutil.rmtree(member.data_dir, ignore_errors=True)
+                    self.members = self._new_members()
+                    continue
+                raise
+            break
+        if self._tls is not None:
+            self.members[0].enable_auth()
+        return self
+
+    def stop(self, grace: float = 5.0) -> None:
+        """SIGTERM every member (SIGKILL after ``grace``); a paused one is resumed first."""
+        for member in self.members:
+            member.resume()
+        _procs.terminate_all([m.process for m in self.members if m.process is not None], grace)
+
+    def close(self) -> None:
+        self.stop()
+        if self._owns_dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> EtcdCluster:
+        if not any(m.is_running() for m in self.members):
+            self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        running = sum(m.is_running() for m in self.members)
+        return f"EtcdCluster({self.endpoint}, {running}/{len(self.members)} running)"
+
+    # -- fault injection ---------------------------------------------------------------------
+
+    def kill(self, index: int) -> None:
+        """SIGKILL member ``index``; its data stays for :meth:`start_member`."""
+        self.members[index].kill()
+
+    def stop_member(self, index: int, grace: float = 5.0) -> None:
+        self.members[index].stop(grace)
+
+    def start_member(self, index: int, *, wait: bool = True) -> None:
+        """Start member ``index`` again on its ports and data. ``wait``: until it is healthy
+        (which needs a quorum: bringing back one of two lost members, say)."""
+        member = self.members[index]
+        member.launch()
+        if wait:
+            member.wait_healthy()
+
+    def pause(self, index: int) -> None:
+        """SIGSTOP member ``index`` (a partition that keeps its connections open)."""
+        self.members[index].pause()
+
+    def resume(self, index: int) -> None:
+        self.members[index].resume()
+
+    def leader(self, timeout: float = 1.0) -> int | None:
+        """The index of the member the running members agree leads, or None."""
+        ids: dict[int, int] = {}
+        leaders: set[int] = set()
+        for i, member in enumerate(self.members):
+            if not member.is_running():
+                continue
+            answer = member.status(timeout)
+            if answer is None:
+                continue
+            ids[answer[0]] = i
+            leaders.add(answer[1])
+        if len(leaders) != 1:
+            return None
+        return ids.get(leaders.pop())
+
+    def wait_for_leader(self, timeout: float = 30.0, *, not_: int | None = None) -> int:
+        """The index of the leader once there is one (other than ``not_``); EtcdError after
+        ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            leader = self.leader()
+            if leader is not None and leader != not_:
+                return leader
+            if time.monotonic() >= deadline:
+                raise EtcdError(f"no etcd leader within {timeout:g} s: {self!r}")
+            time.sleep(0.05)
+
+    def compact(self, revision: int) -> None:
+        self.members[0].compact(revision)

@@ -4,6 +4,11 @@ aetcd's own high-level client is untyped, has no TLS, no re-watch and a lock we 
 (DESIGN.md section 8); we use its protocol stubs and keep the behaviour we rely on here:
 transactions with typed compares and operations, leases with a supervised keepalive, and watch
 streams that the caller resumes from the last revision it saw.
+
+With several endpoints (members of one etcd cluster) the client keeps one channel per member
+and sends every call to one current member; a member that fails (unreachable, no answer
+within the deadline, or no leader) is set aside for a while and the next one takes over.
+See :class:`EtcdClient`.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import asyncio
 import contextlib
 import enum
 import logging
+import random
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -239,6 +246,14 @@ def _op_to_pb(op: Op) -> pb.RequestOp:
     return pb.RequestOp(request_txn=_txn_to_pb(op))
 
 
+def _reads_only(txn: Txn) -> bool:
+    """The transaction writes nothing, whichever branch runs: it may be sent again."""
+    return all(
+        isinstance(op, Get) or (isinstance(op, Txn) and _reads_only(op))
+        for op in (*txn.success, *txn.failure)
+    )
+
+
 def _txn_to_pb(txn: Txn) -> pb.TxnRequest:
     return pb.TxnRequest(
         compare=[c.to_pb() for c in txn.compare],
@@ -255,10 +270,11 @@ class _LeaseStream:
     etcd Go client keeps its streams open, and so do we. Refreshes of the lease take turns.
     """
 
-    def __init__(self, stub: pb_grpc.LeaseStub, lease_id: int) -> None:
+    def __init__(self, member: _Member, lease_id: int) -> None:
         self.lease_id = lease_id
+        self.member = member  # the etcd member the stream goes to
         self.expires_at = 0.0  # loop time past which the lease is gone unless refreshed
-        self._call = stub.LeaseKeepAlive()
+        self._call = member.lease.LeaseKeepAlive(metadata=REQUIRE_LEADER)
         self._turn = asyncio.Lock()
         self.used = False  # a refresh went through it: it may have broken since
 
@@ -315,6 +331,9 @@ MAX_RECEIVE_BYTES = 64 * 1024 * 1024
 
 
 _CHANNEL_OPTIONS: list[tuple[str, int | str]] = [
+    # A member that stops answering (a paused process keeps its TCP connection open) is found
+    # by these pings: its connection closes within about 8 s and the streams on it fail over.
+    # etcd refuses pings more often than every 5 s (--grpc-keepalive-min-time).
     ("grpc.keepalive_time_ms", 5000),
     ("grpc.keepalive_timeout_ms", 3000),
     ("grpc.keepalive_permit_without_calls", 1),
@@ -324,6 +343,28 @@ _CHANNEL_OPTIONS: list[tuple[str, int | str]] = [
 # After a certificate rotation the previous channel keeps serving the streams it carries
 # (watches, lease keepalives) this long; then it closes and they resume on the new channel.
 OLD_CHANNEL_GRACE = 30.0
+# Sent with every call and stream: a member without a leader (cut off from the others)
+# refuses calls at once and cancels its watches, instead of serving stale reads or silence.
+REQUIRE_LEADER: tuple[tuple[str, str], ...] = (("hasleader", "true"),)
+# How long a member that failed is passed over while another one is available.
+MEMBER_PENALTY = 5.0
+# A call that may be retried on another member gives its first try this share of its deadline.
+FIRST_TRY_SHARE = 0.6
+# Pause before trying again when every member failed a moment ago (an election, say).
+ALL_FAILED_PAUSE = 0.1
+
+# Failures of one member rather than of the request: the call is sent elsewhere next time.
+_MEMBER_FAULTS = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# UNAVAILABLE details meaning the request was never carried out: safe to send again even when
+# it writes. Anything else (a timeout, a connection lost mid-call) may have been applied.
+_NOT_APPLIED = (
+    "no leader",  # the hasleader check, before the request is looked at
+    "failed to connect",
+    "connection refused",
+    "connect failed",
+    "dns resolution failed",
+    "name resolution",
+)
 
 
 def _credentials(tls: TlsFiles) -> grpc.ChannelCredentials:
@@ -339,15 +380,84 @@ def _credentials(tls: TlsFiles) -> grpc.ChannelCredentials:
     return grpc.ssl_channel_credentials(ca, key, cert)
 
 
-class EtcdClient:
-    """One gRPC channel to an etcd cluster; endpoints are tried in order on failure.
+def parse_endpoints(endpoints: Sequence[str]) -> list[str]:
+    """``HOST:PORT`` targets from ``--etcd`` values: each item may hold several, comma-separated,
+    with or without ``http://`` / ``https://`` (etcd's URL form); hosts are IP addresses or DNS
+    names (``[::1]:2379`` for IPv6). Raises ValueError naming what is wrong."""
+    out: list[str] = []
+    for item in endpoints:
+        for part in item.split(","):
+            text = part.strip()
+            for scheme in ("http://", "https://"):
+                text = text.removeprefix(scheme)
+            text = text.rstrip("/")
+            if not text:
+                continue
+            host, sep, port = text.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"etcd endpoint {part.strip()!r} is not HOST:PORT")
+            if ":" in host and not (host.startswith("[") and host.endswith("]")):
+                raise ValueError(f"etcd endpoint {part.strip()!r}: write IPv6 as [ADDRESS]:PORT")
+            out.append(f"{host}:{int(port)}")
+    if not out:
+        raise ValueError("at least one etcd endpoint is required")
+    return out
 
-    With ``tls`` the channel verifies etcd against ``tls.ca`` and presents ``tls.cert``
-    (etcd started with ``--client-cert-auth`` takes the user from its CN). grpc fixes a
-    channel's credentials for its life, so :meth:`refresh_tls` (called periodically) opens a
-    new channel when the files change: new calls use it at once; streams on the old one
-    (watches, keepalives) move over when it closes :data:`OLD_CHANNEL_GRACE` later, as after
-    any broken stream.
+
+def _not_applied(exc: grpc.aio.AioRpcError) -> bool:
+    details = (exc.details() or "").lower()
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and any(s in details for s in _NOT_APPLIED)
+
+
+class _Member:
+    """One etcd member: its channel, the stubs over it, and until when it is passed over."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        credentials: grpc.ChannelCredentials | None,
+        options: list[tuple[str, int | str]],
+    ) -> None:
+        self.endpoint = endpoint
+        # A plain HOST:PORT target: grpc resolves DNS names itself, and with TLS checks the
+        # member's certificate against that host name (or IP address).
+        if credentials is None:
+            self.channel = grpc.aio.insecure_channel(endpoint, options=options)
+        else:
+            self.channel = grpc.aio.secure_channel(endpoint, credentials, options=options)
+        self.kv = pb_grpc.KVStub(self.channel)
+        self.lease = pb_grpc.LeaseStub(self.channel)
+        self.watch = pb_grpc.WatchStub(self.channel)
+        self.failed_until = 0.0  # time.monotonic() before which another member is preferred
+        # Set (and replaced) when the member fails: its watches move at once, not when the
+        # connection's keepalive gives up on it.
+        self.failed = asyncio.Event()
+
+    def __repr__(self) -> str:
+        return f"_Member({self.endpoint})"
+
+
+class EtcdClient:
+    """A client of one etcd cluster: one gRPC channel per member, calls go to a current one.
+
+    ``endpoints`` are the members' ``HOST:PORT`` (IP addresses or DNS names; an item may
+    hold several, comma-separated). Every call goes to the current member; when it fails as a
+    member does (UNAVAILABLE: down, no leader, connection lost; or no answer within the
+    deadline: a paused process), that member is passed over for :data:`MEMBER_PENALTY`
+    seconds and the next one becomes current. A read is tried again on the next member within
+    the same deadline; a write only when the member surely did not carry it out (no leader,
+    no connection), since a write that timed out may have been applied. Watches and lease
+    keepalive streams move to the next member when theirs breaks: the caller resumes a watch
+    from its last revision + 1, which every member serves alike (one revision history), and
+    a lease outlives the loss of a member (etcd's leader keeps it; a new leader renews every
+    lease for a full TTL).
+
+    With ``tls`` the channels verify each member against ``tls.ca`` and its host name, and
+    present ``tls.cert`` (etcd started with ``--client-cert-auth`` takes the user from its
+    CN). grpc fixes a channel's credentials for its life, so :meth:`refresh_tls` (called
+    periodically) opens new channels when the files change: new calls use them at once;
+    streams on the old ones (watches, keepalives) move over when those close
+    :data:`OLD_CHANNEL_GRACE` later, as after any broken stream.
     """
 
     def __init__(
@@ -358,40 +468,87 @@ class EtcdClient:
         max_receive_bytes: int = MAX_RECEIVE_BYTES,
         tls: TlsFiles | None = None,
     ) -> None:
-        if not endpoints:
-            raise ValueError("at least one etcd endpoint is required")
-        self._endpoints = list(endpoints)
+        self._endpoints = parse_endpoints(endpoints)
         self._timeout = timeout
         self._max_receive_bytes = max_receive_bytes
         self._tls = tls
         self._tls_stamp = tls.stamp() if tls is not None else ()
         self._retiring: list[tuple[float, grpc.aio.Channel]] = []
+        self._members: list[_Member] = []
+        # Replicas start on different members, so one member's loss touches only some.
+        self._current = random.randrange(len(self._endpoints))
         # Read once at construction, before the replica serves anything; reloads read in a
         # thread (refresh_tls).
-        self._open_channel(_credentials(tls) if tls is not None else None)
+        self._open_channels(_credentials(tls) if tls is not None else None)
         self._keepalives: dict[int, _LeaseStream] = {}
         self._swept_at = 0.0
 
-    def _open_channel(self, credentials: grpc.ChannelCredentials | None) -> None:
-        # With several endpoints, grpc's default policy (pick_first) uses the first one that
-        # answers and moves on to the next when it fails; calls are not spread over them.
-        target = (
-            self._endpoints[0] if len(self._endpoints) == 1 else "ipv4:" + ",".join(self._endpoints)
-        )
+    def _open_channels(self, credentials: grpc.ChannelCredentials | None) -> None:
         options = [*_CHANNEL_OPTIONS, ("grpc.max_receive_message_length", self._max_receive_bytes)]
-        if credentials is None:
-            self._channel = grpc.aio.insecure_channel(target, options=options)
-        else:
-            if len(self._endpoints) > 1:
-                # An ipv4: target has no host name to check the certificate against.
-                options.append(("grpc.ssl_target_name_override", "localhost"))
-            self._channel = grpc.aio.secure_channel(target, credentials, options=options)
-        self._kv = pb_grpc.KVStub(self._channel)
-        self._lease = pb_grpc.LeaseStub(self._channel)
-        self._watch = pb_grpc.WatchStub(self._channel)
+        old = {m.endpoint: m.failed_until for m in self._members}
+        self._members = [_Member(e, credentials, options) for e in self._endpoints]
+        for member in self._members:
+            member.failed_until = old.get(member.endpoint, 0.0)
+
+    # The current member's channel and stubs (tests look at them).
+    @property
+    def _channel(self) -> grpc.aio.Channel:
+        return self._members[self._current].channel
+
+    @property
+    def _kv(self) -> pb_grpc.KVStub:
+        return self._members[self._current].kv
+
+    @property
+    def _lease(self) -> pb_grpc.LeaseStub:
+        return self._members[self._current].lease
+
+    @property
+    def _watch(self) -> pb_grpc.WatchStub:
+        return self._members[self._current].watch
+
+    @property
+    def current_endpoint(self) -> str:
+        """The member calls go to now."""
+        return self._members[self._current].endpoint
+
+    def _pick(self) -> _Member:
+        """The current member, or the next one not passed over (or, when every member failed
+        lately, the one that failed longest ago), which becomes current."""
+        now = time.monotonic()
+        count = len(self._members)
+        for step in range(count):
+            index = (self._current + step) % count
+            if self._members[index].failed_until <= now:
+                self._current = index
+                return self._members[index]
+        self._current = min(range(count), key=lambda i: self._members[i].failed_until)
+        return self._members[self._current]
+
+    def _failed(self, member: _Member, why: object) -> None:
+        """``member`` failed as a member does: pass it over for a while."""
+        if len(self._members) == 1:
+            return
+        first = member.failed_until <= time.monotonic()
+        member.failed_until = time.monotonic() + MEMBER_PENALTY
+        member.failed.set()
+        member.failed = asyncio.Event()
+        if self._members[self._current] is member:
+            self._current = (self._current + 1) % len(self._members)
+        if first:
+            log.warning(
+                "etcd member %s failed (%s); using %s",
+                member.endpoint,
+                why,
+                self._pick().endpoint,
+            )
+
+    def _all_failed(self) -> bool:
+        now = time.monotonic()
+        return all(m.failed_until > now for m in self._members)
 
     async def refresh_tls(self) -> bool:
-        """Switch to a new channel if the TLS files changed; True when it did.
+        """Switch to new channels if the TLS files changed; True when it did.
 
         Also closes channels retired more than :data:`OLD_CHANNEL_GRACE` ago. A change whose
         files do not load yet (a certificate written before its key) is retried next time.
@@ -411,14 +568,19 @@ class EtcdClient:
             log.warning("etcd TLS files changed but do not load yet: %s", exc)
             return False
         self._tls_stamp = stamp
-        self._retiring.append((now + OLD_CHANNEL_GRACE, self._channel))
-        self._open_channel(credentials)
+        self._retiring.extend((now + OLD_CHANNEL_GRACE, m.channel) for m in self._members)
+        self._open_channels(credentials)
         log.info("etcd TLS certificate reloaded from %s", ", ".join(self._tls.paths()))
         return True
 
     @property
     def endpoints(self) -> list[str]:
         return list(self._endpoints)
+
+    @property
+    def timeout(self) -> float:
+        """The deadline of each call, in seconds."""
+        return self._timeout
 
     async def close(self) -> None:
         for stream in self._keepalives.values():
@@ -427,26 +589,53 @@ class EtcdClient:
         for _, old in self._retiring:
             await old.close()
         self._retiring.clear()
-        await self._channel.close()
+        for member in self._members:
+            await member.channel.close()
 
-    async def _call(self, coro: object) -> object:
-        """Await a stream step within the client's timeout, errors made typed."""
+    async def _call(self, coro: object, timeout: float | None = None) -> object:
+        """Await a stream step within ``timeout`` (the client's by default), errors typed."""
+        limit = self._timeout if timeout is None else timeout
         try:
-            return await asyncio.wait_for(coro, self._timeout)  # type: ignore[arg-type]
+            return await asyncio.wait_for(coro, limit)  # type: ignore[arg-type]
         except TimeoutError as exc:
-            raise StoreUnavailable(f"etcd did not answer within {self._timeout} s") from exc
+            raise StoreUnavailable(f"etcd did not answer within {limit:g} s") from exc
         except grpc.aio.AioRpcError as exc:
-            raise _typed(exc, self._timeout) from exc
+            raise _typed(exc, limit) from exc
 
-    async def _unary(self, method: object, request: object) -> Any:
-        """One unary call; its deadline is gRPC's own, which costs no extra task."""
+    async def _attempts(self, stub: str, method: str, request: object, *, read: bool) -> Any:
+        """One unary call, on the current member and, if it fails as a member does, on the
+        next (a read: always, within the deadline; a write: when it surely did not apply).
+
+        The deadline is gRPC's own, which costs no extra task. Raises the last
+        AioRpcError (the caller types it)."""
+        deadline = time.monotonic() + self._timeout
+        while True:
+            member = self._pick()
+            remaining = deadline - time.monotonic()
+            may_retry = read and len(self._members) > 1
+            per_try = remaining * FIRST_TRY_SHARE if may_retry else remaining
+            try:
+                call = getattr(getattr(member, stub), method)
+                return await call(request, timeout=max(per_try, 0.001), metadata=REQUIRE_LEADER)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in _MEMBER_FAULTS:
+                    raise
+                self._failed(member, f"{exc.code().name}: {exc.details()}")
+                if len(self._members) == 1 or not (read or _not_applied(exc)):
+                    raise
+                if self._all_failed():
+                    await asyncio.sleep(min(ALL_FAILED_PAUSE, deadline - time.monotonic()))
+                if deadline - time.monotonic() < 0.01:
+                    raise
+
+    async def _unary(self, stub: str, method: str, request: object, *, read: bool) -> Any:
         try:
-            return await method(request, timeout=self._timeout)  # type: ignore[operator]
+            return await self._attempts(stub, method, request, read=read)
         except grpc.aio.AioRpcError as exc:
             raise _typed(exc, self._timeout) from exc
 
     async def get(self, key: bytes) -> KeyValue | None:
-        resp = await self._unary(self._kv.Range, pb.RangeRequest(key=key))
+        resp = await self._unary("kv", "Range", pb.RangeRequest(key=key), read=True)
         kvs = resp.kvs
         return _kv(kvs[0]) if kvs else None
 
@@ -521,21 +710,23 @@ class EtcdClient:
 
     async def _page(self, key: bytes, end: bytes, limit: int, revision: int) -> Any:
         request = pb.RangeRequest(key=key, range_end=end, limit=limit, revision=revision)
-        return await self._kv.Range(request, timeout=self._timeout)
+        return await self._attempts("kv", "Range", request, read=True)
 
     async def put(self, key: bytes, value: bytes, *, lease: int = 0) -> int:
-        resp = await self._unary(self._kv.Put, pb.PutRequest(key=key, value=value, lease=lease))
+        resp = await self._unary(
+            "kv", "Put", pb.PutRequest(key=key, value=value, lease=lease), read=False
+        )
         return int(resp.header.revision)
 
     async def delete(self, key: bytes, *, prefix: bool = False) -> int:
         req = pb.DeleteRangeRequest(key=key)
         if prefix:
             req.range_end = prefix_end(key)
-        resp = await self._unary(self._kv.DeleteRange, req)
+        resp = await self._unary("kv", "DeleteRange", req, read=False)
         return int(resp.deleted)
 
     async def txn(self, txn: Txn) -> TxnResult:
-        resp = await self._unary(self._kv.Txn, _txn_to_pb(txn))
+        resp = await self._unary("kv", "Txn", _txn_to_pb(txn), read=_reads_only(txn))
         result = TxnResult(
             succeeded=bool(resp.succeeded),
             revision=int(resp.header.revision),
@@ -547,40 +738,50 @@ class EtcdClient:
 
     async def compact(self, revision: int) -> None:
         """Drop history before ``revision`` (operators and tests; etcd usually auto-compacts)."""
-        await self._unary(self._kv.Compact, pb.CompactionRequest(revision=revision, physical=True))
+        await self._unary(
+            "kv", "Compact", pb.CompactionRequest(revision=revision, physical=True), read=True
+        )
 
     async def grant_lease(self, ttl: int) -> int:
-        resp = await self._unary(self._lease.LeaseGrant, pb.LeaseGrantRequest(TTL=ttl))
+        resp = await self._unary("lease", "LeaseGrant", pb.LeaseGrantRequest(TTL=ttl), read=False)
         return int(resp.ID)
 
     async def revoke_lease(self, lease_id: int) -> None:
         self._drop_stream(lease_id)
         try:
-            await self._unary(self._lease.LeaseRevoke, pb.LeaseRevokeRequest(ID=lease_id))
+            # Revoking twice is harmless: the second one finds the lease gone.
+            await self._unary("lease", "LeaseRevoke", pb.LeaseRevokeRequest(ID=lease_id), read=True)
         except LeaseExpired:
             pass
 
-    async def keepalive_once(self, lease_id: int) -> int:
+    async def keepalive_once(self, lease_id: int, *, timeout: float | None = None) -> int:
         """Refresh a lease once; returns the TTL granted, raises LeaseExpired if it is gone.
 
         Every refresh of a lease goes over the one keepalive stream this client keeps for it
         (opened on the first refresh, closed when the lease is revoked, expires, or is no
         longer refreshed here). A stream found broken is replaced once, so the first refresh
-        after etcd comes back succeeds, as a fresh stream would.
+        after etcd comes back succeeds, as a fresh stream would. A stream that fails or does
+        not answer within ``timeout`` (the client's by default) sets its member aside, so the
+        next refresh goes to another member.
         """
         loop = asyncio.get_running_loop()
         self._sweep(loop.time())
         while True:
             stream = self._keepalives.get(lease_id)
             if stream is None:
-                stream = self._keepalives[lease_id] = _LeaseStream(self._lease, lease_id)
+                stream = self._keepalives[lease_id] = _LeaseStream(self._pick(), lease_id)
             reused = stream.used
             try:
-                ttl = await self._call(stream.refresh())
-            except _StreamBroken:
+                ttl = await self._call(stream.refresh(), timeout)
+            except _StreamBroken as exc:
                 self._drop_stream(lease_id, stream)
+                self._failed(stream.member, exc)
                 if reused:
                     continue  # it broke while idle: try once on a fresh stream
+                raise
+            except StoreUnavailable as exc:
+                self._drop_stream(lease_id, stream)
+                self._failed(stream.member, exc)
                 raise
             except BaseException:
                 # A timeout or a cancellation leaves a reply in flight: never reuse the stream.
@@ -612,7 +813,7 @@ class EtcdClient:
     async def lease_ttl(self, lease_id: int) -> int:
         """Remaining TTL of a lease, -1 if it does not exist."""
         resp = await self._unary(
-            self._lease.LeaseTimeToLive, pb.LeaseTimeToLiveRequest(ID=lease_id)
+            "lease", "LeaseTimeToLive", pb.LeaseTimeToLiveRequest(ID=lease_id), read=True
         )
         return int(resp.TTL)
 
@@ -632,16 +833,36 @@ class EtcdClient:
                 progress_notify=True,
             )
         )
-        call = self._watch.Watch()
+        member = self._pick()
+        call = member.watch.Watch(metadata=REQUIRE_LEADER)
+        abandoned = asyncio.Event()
+        watchdog = asyncio.ensure_future(_abandon(member.failed, call, abandoned))
         try:
             await call.write(request)
+            created = False
             while True:
-                resp = await call.read()
+                if created:
+                    resp = await call.read()
+                else:
+                    # A member that does not even confirm the watch (paused, say) is left now
+                    # rather than when the connection's keepalive gives up on it.
+                    try:
+                        resp = await asyncio.wait_for(call.read(), self._timeout)
+                    except TimeoutError:
+                        self._failed(member, "no answer to a watch request")
+                        raise StoreUnavailable(
+                            f"etcd {member.endpoint} did not start a watch within "
+                            f"{self._timeout:g} s"
+                        ) from None
+                    created = True
                 if resp is grpc.aio.EOF:
-                    raise StoreUnavailable("etcd closed the watch stream")
+                    self._failed(member, "watch stream closed")
+                    raise StoreUnavailable(f"etcd {member.endpoint} closed the watch stream")
                 if resp.compact_revision:
                     raise WatchCompacted(int(resp.compact_revision))
                 if resp.canceled:
+                    # A member that lost its leader cancels the watches that require one.
+                    self._failed(member, f"watch cancelled: {resp.cancel_reason}")
                     raise StoreUnavailable(f"watch cancelled by etcd: {resp.cancel_reason}")
                 if resp.created and not resp.events:
                     # Its header revision is etcd's current one, not how far this watch has
@@ -652,9 +873,28 @@ class EtcdClient:
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise WatchTooLarge(f"a watch response was too large: {exc.details()}") from exc
-            raise StoreUnavailable(f"watch stream failed: {exc.code().name}") from exc
+            if exc.code() in _MEMBER_FAULTS:
+                self._failed(member, f"watch: {exc.code().name}: {exc.details()}")
+            raise StoreUnavailable(
+                f"watch stream on {member.endpoint} failed: {exc.code().name}"
+            ) from exc
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if abandoned.is_set() and (task is None or task.cancelling() == 0):
+                raise StoreUnavailable(
+                    f"etcd member {member.endpoint} failed: the watch moves to another"
+                ) from None
+            raise
         finally:
+            watchdog.cancel()
             call.cancel()
+
+
+async def _abandon(failed: asyncio.Event, call: Any, abandoned: asyncio.Event) -> None:
+    """Cancel a watch call once its member has failed (another call found it unanswering)."""
+    await failed.wait()
+    abandoned.set()
+    call.cancel()
 
 
 class LeaseKeeper:
@@ -683,9 +923,12 @@ class LeaseKeeper:
     async def _refresh_until_lost(self) -> None:
         loop = asyncio.get_running_loop()
         last_ok = loop.time()
+        # A refresh stuck on a member that stopped answering must leave time to refresh
+        # through another member before the TTL runs out.
+        timeout = max(0.5, min(self._etcd.timeout, self.ttl / 3))
         while not self.lost.is_set():
             try:
-                await self._etcd.keepalive_once(self.lease_id)
+                await self._etcd.keepalive_once(self.lease_id, timeout=timeout)
                 last_ok = loop.time()
                 self.failing = False
             except LeaseExpired:
