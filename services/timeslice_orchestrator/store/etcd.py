@@ -27,6 +27,7 @@ import grpc
 from aetcd.rpc import rpc_pb2 as pb
 from aetcd.rpc import rpc_pb2_grpc as pb_grpc
 
+from timeslice.targets import parse_targets
 from timeslice.tls import TlsFiles
 
 log = logging.getLogger(__name__)
@@ -383,25 +384,20 @@ def _credentials(tls: TlsFiles) -> grpc.ChannelCredentials:
 def parse_endpoints(endpoints: Sequence[str]) -> list[str]:
     """``HOST:PORT`` targets from ``--etcd`` values: each item may hold several, comma-separated,
     with or without ``http://`` / ``https://`` (etcd's URL form); hosts are IP addresses or DNS
-    names (``[::1]:2379`` for IPv6). Raises ValueError naming what is wrong."""
-    out: list[str] = []
-    for item in endpoints:
-        for part in item.split(","):
-            text = part.strip()
-            for scheme in ("http://", "https://"):
-                text = text.removeprefix(scheme)
-            text = text.rstrip("/")
-            if not text:
-                continue
-            host, sep, port = text.rpartition(":")
-            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"etcd endpoint {part.strip()!r} is not HOST:PORT")
-            if ":" in host and not (host.startswith("[") and host.endswith("]")):
-                raise ValueError(f"etcd endpoint {part.strip()!r}: write IPv6 as [ADDRESS]:PORT")
-            out.append(f"{host}:{int(port)}")
-    if not out:
-        raise ValueError("at least one etcd endpoint is required")
-    return out
+    names (``[::1]:2379`` for IPv6), parsed by the project's one address parser.
+
+    Raises:
+        InvalidArgument (a ValueError): naming what is wrong.
+    """
+    items = [
+        part.strip().removeprefix("http://").removeprefix("https://").rstrip("/")
+        for item in endpoints
+        for part in item.split(",")
+    ]
+    addresses = parse_targets(
+        [i for i in items if i], default_port=None, unix=False, what="etcd endpoint"
+    )
+    return [str(a) for a in addresses]
 
 
 def _not_applied(exc: grpc.aio.AioRpcError) -> bool:
