@@ -75,6 +75,25 @@ class TlsFiles:
     def paths(self) -> tuple[str, ...]:
         return tuple(p for p in (self.ca, self.cert, self.key) if p is not None)
 
+    def check(self) -> None:
+        """Load the files once (blocking): a service refuses to start on a missing,
+        unreadable or malformed file instead of retrying with it for ever.
+
+        Raises:
+            InvalidArgument: naming the file, or the files, and why.
+        """
+        for path in self.paths():
+            try:
+                with open(path, "rb"):
+                    pass
+            except OSError as exc:
+                raise InvalidArgument(f"TLS file {path}: {exc.strerror or exc}") from None
+        try:
+            client_context(self)
+        except (ssl.SSLError, OSError, ValueError) as exc:
+            files = ", ".join(self.paths())
+            raise InvalidArgument(f"TLS files {files} do not load: {exc}") from None
+
     def stamp(self) -> tuple[tuple[int, int, int], ...]:
         """What changes when a file is rewritten or replaced (a rename, as Kubernetes does)."""
         out = []

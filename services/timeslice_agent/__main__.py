@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 from prometheus_client import disable_created_metrics
 
+from timeslice.errors import TimeSliceError
 from timeslice_agent.backends import Backend, BackendUnavailable, create_backend
 from timeslice_agent.config import AgentConfig, BackendKind, parse_config
 from timeslice_agent.service import Agent
@@ -59,6 +60,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse options, configure logging, run the agent."""
     config = parse_config(argv)
     configure_logging(config)
+    if config.tls is not None:
+        try:
+            config.tls.check()
+        except TimeSliceError as exc:
+            print(f"timeslice-agent: error: {exc.message}", file=sys.stderr)
+            return 2
     try:
         backend = create_backend(config)
     except BackendUnavailable as exc:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from timeslice.argv import OneLineParser
 from timeslice.errors import InvalidArgument
 from timeslice.ids import validate_node
 from timeslice.targets import parse_address
@@ -237,8 +238,8 @@ def _env_name(option: str) -> str:
 
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     """The argparse parser; defaults come from ``environ`` where set."""
-    parser = argparse.ArgumentParser(
-        prog="python -m timeslice_agent",
+    parser = OneLineParser(
+        prog="timeslice agent",
         description="timeslice snapshot agent (one per node). Every option may also be set "
         f"with the environment variable {ENV_PREFIX}<OPTION_NAME>.",
     )

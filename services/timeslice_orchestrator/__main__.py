@@ -7,8 +7,10 @@ import gc
 import logging
 import sys
 
+from timeslice.errors import TimeSliceError
 from timeslice_orchestrator.app import serve
 from timeslice_orchestrator.config import parse_args
+from timeslice_orchestrator.store.etcd import StoreError
 
 # Objects allocated before a young-generation collection. A replica allocates a few hundred
 # short-lived objects per call, almost none of them in reference cycles; at Python's default
@@ -19,6 +21,12 @@ GC_YOUNG_THRESHOLD = 20_000
 
 def main() -> None:
     config = parse_args()
+    for files in (config.tls, config.etcd_tls):
+        if files is not None:
+            try:
+                files.check()
+            except TimeSliceError as exc:
+                sys.exit(f"timeslice orchestrator: error: {exc.message}")
     gc.set_threshold(GC_YOUNG_THRESHOLD, 10, 10)
     logging.basicConfig(
         level=logging.INFO,
@@ -35,7 +43,12 @@ def main() -> None:
             runner = uvloop.run
         except ImportError:
             pass
-    sys.exit(runner(serve(config)))  # type: ignore[operator]
+    try:
+        code = runner(serve(config))  # type: ignore[operator]
+    except (StoreError, TimeoutError, OSError) as exc:
+        # Start-up gave up (etcd unreachable for --start-timeout, an address in use): one line.
+        sys.exit(f"timeslice orchestrator: error: cannot start: {exc or type(exc).__name__}")
+    sys.exit(code)
 
 
 if __name__ == "__main__":

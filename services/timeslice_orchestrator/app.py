@@ -59,7 +59,6 @@ from timeslice_orchestrator.tls import TlsListener
 
 log = logging.getLogger(__name__)
 
-SYNC_TIMEOUT = 30.0
 CLOSE_SECONDS = 5.0
 # How far behind etcd the mirror may be when a term starts: longer, and the rejoin is retried.
 REJOIN_CATCH_UP = 10.0
@@ -136,8 +135,14 @@ class Orchestrator:
         cfg = self.config
         lease = await self._grant_lease()
         self._spawn(self.mirror.run(), "etcd-mirror")
-        async with asyncio.timeout(SYNC_TIMEOUT):
-            await self.mirror.synced.wait()
+        try:
+            async with asyncio.timeout(cfg.start_timeout):
+                await self.mirror.synced.wait()
+        except TimeoutError:
+            raise StoreUnavailable(
+                f"etcd at {','.join(cfg.etcd)} did not complete a first read of "
+                f"{cfg.prefix} within {cfg.start_timeout:g} s"
+            ) from None
         self._group_metrics.start()
         self._hub = hub = AgentHub(
             self.store, cfg.replica_id, cfg.agent_ttl, self.metrics, cfg.agent_liveness_timeout
@@ -227,7 +232,7 @@ class Orchestrator:
                 log.exception("reloading the etcd TLS certificate failed")
 
     async def _grant_lease(self) -> int:
-        deadline = asyncio.get_running_loop().time() + SYNC_TIMEOUT
+        deadline = asyncio.get_running_loop().time() + self.config.start_timeout
         while True:
             try:
                 return await self.etcd.grant_lease(self.config.replica_ttl)

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from timeslice.argv import OneLineParser
 from timeslice.targets import HostPort, parse_address
 from timeslice.tls import TlsFiles
 from timeslice_orchestrator.identity import IdentityRules, JobSource
@@ -63,6 +64,9 @@ class OrchestratorConfig:
     identity: IdentityRules = field(default_factory=IdentityRules)
     insecure: bool = False
     limits: Limits = field(default_factory=Limits)
+    start_timeout: float = 30.0
+    """How long start-up waits for etcd (its lease, then its first full read) before the
+    process gives up with one line; a supervisor (systemd, Kubernetes) restarts it."""
     compat_hold_ttl: int = 10
     """TTL of the implicit sessions of v1alpha1 (llm-d) clients: how long a hold outlives
     its client's connection at most (docs/migrating-from-llm-d.md)."""
@@ -94,7 +98,7 @@ def _env_flag(name: str, *, legacy_name: bool = True) -> bool:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
-    p = argparse.ArgumentParser(prog="timeslice orchestrator", description=__doc__)
+    p = OneLineParser(prog="timeslice orchestrator", description=__doc__)
     p.add_argument("--listen", default=_env("LISTEN", "0.0.0.0:50051"), help="gRPC HOST:PORT")
     p.add_argument("--http", default=_env("HTTP", "0.0.0.0:8080"), help="health/metrics HOST:PORT")
     p.add_argument(
@@ -117,6 +121,12 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         type=int,
         default=_env("SESSION_TTL", "10"),
         help="default client session lease TTL, seconds",
+    )
+    p.add_argument(
+        "--start-timeout",
+        type=float,
+        default=_env("START_TIMEOUT", "30", legacy_name=False),
+        help="seconds start-up waits for etcd before giving up (default 30)",
     )
     p.add_argument(
         "--compat-hold-ttl",
@@ -222,6 +232,8 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         p.error(str(exc))
     if a.session_ttl < 1 or a.replica_ttl < 1 or a.agent_ttl < 1 or a.compat_hold_ttl < 1:
         p.error("TTLs must be at least 1 second")
+    if not 0 < a.start_timeout <= 3600:
+        p.error("--start-timeout must be between 0 and 3600 seconds")
     if a.agent_liveness_timeout < 0 or a.agent_liveness_timeout > 3600:
         p.error("--agent-liveness-timeout must be between 0 and 3600 seconds")
     try:
@@ -268,6 +280,7 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         insecure=a.insecure,
         limits=_limits(p, a),
         compat_hold_ttl=a.compat_hold_ttl,
+        start_timeout=a.start_timeout,
     )
 
 

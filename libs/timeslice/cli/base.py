@@ -81,8 +81,8 @@ class Parser(argparse.ArgumentParser):
     """argparse with our error format (``error: invalid_argument: ...``, exit 2)."""
 
     def error(self, message: str) -> NoReturn:
-        self.print_usage(sys.stderr)
-        fail(InvalidArgument(message))
+        # One line, as every entry point fails at start (timeslice.argv).
+        fail(InvalidArgument(f"{message} (see {self.prog} --help)"))
 
 
 class Commands:
