@@ -20,6 +20,7 @@ from timeslice.tls import TlsFiles
 from timeslice_orchestrator.identity import IdentityRules, JobSource
 from timeslice_orchestrator.limits import Limits
 from timeslice_orchestrator.policy import Policy
+from timeslice_orchestrator.store.etcd import parse_endpoints
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +233,10 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         p.error(str(exc))
     if a.session_ttl < 1 or a.replica_ttl < 1 or a.agent_ttl < 1 or a.compat_hold_ttl < 1:
         p.error("TTLs must be at least 1 second")
+    try:
+        etcd = parse_endpoints([a.etcd])
+    except ValueError as exc:
+        p.error(str(exc))
     if not 0 < a.start_timeout <= 3600:
         p.error("--start-timeout must be between 0 and 3600 seconds")
     if a.agent_liveness_timeout < 0 or a.agent_liveness_timeout > 3600:
@@ -261,7 +266,7 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
     return OrchestratorConfig(
         listen=listen,
         http=http,
-        etcd=[e.strip() for e in a.etcd.split(",") if e.strip()],
+        etcd=etcd,
         prefix=a.prefix.rstrip("/"),
         replica_id=replica_id,
         session_ttl=a.session_ttl,

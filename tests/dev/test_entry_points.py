@@ -65,11 +65,9 @@ def test_orchestrator_refuses_bad_flags_in_one_line(
 def test_orchestrator_refuses_missing_certificate_files(tmp_path: Path, session_pki: Pki) -> None:
     pair = session_pki.orchestrator
     missing = tmp_path / "gone.key"
-    args = orchestrator_args(
-        tmp_path,
-        "--tls-ca", str(session_pki.ca), "--tls-cert", str(pair.cert), "--tls-key", str(missing),
-        "--etcd-ca", str(session_pki.ca), "--etcd-cert", str(pair.cert), "--etcd-key", str(pair.key),
-    )  # fmt: skip
+    tls = ["--tls-ca", str(session_pki.ca), "--tls-cert", str(pair.cert), "--tls-key", str(missing)]
+    etcd = ["--etcd-ca", str(session_pki.ca), "--etcd-cert", str(pair.cert)]
+    args = orchestrator_args(tmp_path, *tls, *etcd, "--etcd-key", str(pair.key))
     code, lines = run(args)
     assert code == 1
     one_line(lines, "timeslice orchestrator: error:", str(missing), "No such file")
@@ -120,13 +118,9 @@ def test_agent_refuses_bad_flags_in_one_line(
 def test_agent_refuses_missing_certificate_files(tmp_path: Path, session_pki: Pki) -> None:
     node = session_pki.node("entry")
     missing = tmp_path / "gone.crt"
-    code, lines = run(
-        [
-            *AGENT, "--orchestrator", "127.0.0.1:1", "--node", "entry",
-            "--worker-socket", str(tmp_path / "w.sock"),
-            "--tls-ca", str(session_pki.ca), "--tls-cert", str(missing), "--tls-key", str(node.key),
-        ]  # fmt: skip
-    )
+    args = [*AGENT, "--orchestrator", "127.0.0.1:1", "--node", "entry"]
+    args += ["--worker-socket", str(tmp_path / "w.sock"), "--tls-ca", str(session_pki.ca)]
+    code, lines = run([*args, "--tls-cert", str(missing), "--tls-key", str(node.key)])
     assert code == 2
     one_line(lines, "timeslice-agent: error:", str(missing))
 
