@@ -397,8 +397,8 @@ class Dashboard:
             ended = True
         return ended
 
-    def sample(self) -> None:
-        """Add the duty cycle of the busiest groups now to the chart's history."""
+    def _point(self) -> tuple[float, dict[str, float]]:
+        """The duty cycle of the busiest groups now (the hold tracker's figures)."""
         now = self._clock()
         tracker = self._tracker
         tracker.expire(now)
@@ -406,8 +406,11 @@ class Dashboard:
             ((tracker.duty_cycle(g, now), g) for g in tracker.groups()),
             key=lambda item: (-item[0], item[1]),
         )[: self.config.chart_groups]
-        point = (self._wall(), {g: round(d, 4) for d, g in duty})
-        self.history.append(point)
+        return self._wall(), {g: round(d, 4) for d, g in duty}
+
+    def sample(self) -> None:
+        """Add the duty cycle of the busiest groups now to the chart's history."""
+        self.history.append(self._point())
         for stream in self._streams:
             stream.duty = True
             stream.wake.set()
@@ -481,7 +484,9 @@ class Dashboard:
         }
 
     def _history_json(self) -> list[dict[str, Any]]:
-        return [{"t": t, "duty": duty} for t, duty in self.history]
+        # Plus a point for now, so a page opened between two samples draws up to now.
+        points = [*self.history, self._point()]
+        return [{"t": t, "duty": duty} for t, duty in points]
 
     def _acked(self) -> set[str]:
         """Directive ids answered in the relay (directives to another replica's agents)."""
