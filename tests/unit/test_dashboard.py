@@ -208,6 +208,7 @@ async def test_a_malformed_query_string_is_refused_and_changes_nothing(
     served: tuple[FakeMirror, Dashboard, TestServer, CollectorRegistry], query: str
 ) -> None:
     _, dash, server, registry = served
+
     def state() -> tuple[object, ...]:
         snap = dash.snapshot()
         # Only the clock moves: the time now, and the chart's point for now.

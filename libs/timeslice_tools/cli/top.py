@@ -8,8 +8,10 @@ is followed with a ``WatchGroup`` stream, so a change shows as soon as the repli
 sees it. The screen is redrawn with plain ANSI escapes, at most every ``--interval`` seconds;
 ``--once`` prints one frame and exits. Ctrl-C exits cleanly (status 0).
 
-Switch durations are what this terminal saw: a switch is timed from its ``started_at`` to the
-first status without it (the web page shows the driver's own figure).
+"Recent switches" are the hand-overs this terminal saw (a new holder, or one more switch in
+the group's count). A switch's duration is timed from its ``started_at`` to the first status
+without it, ``?`` when no data moved or the switch came and went between two statuses (the web
+page shows the driver's own figure).
 """
 
 from __future__ import annotations
@@ -196,23 +198,27 @@ class Top:
         self.omitted = 0
         self.changed = asyncio.Event()
         self._watches: dict[str, asyncio.Task[None]] = {}
+        self._last_holder: dict[str, str] = {}
 
     def note(self, status: GroupStatus, now: float) -> None:
-        """A new status of a group: keep it, and note a switch that ended."""
-        before = self.statuses.get(status.group_id)
-        self.statuses[status.group_id] = status
-        if before is not None and status.switches > before.switches:
+        """A new status of a group: keep it, and note a hand-over (a new holder) or a switch."""
+        group = status.group_id
+        before = self.statuses.get(group)
+        self.statuses[group] = status
+        last = self._last_holder.get(group, "")
+        if status.holder_job_id:
+            self._last_holder[group] = status.holder_job_id
+        if before is None:
+            return
+        switched = status.switches > before.switches
+        handed = bool(status.holder_job_id) and status.holder_job_id != last and bool(last)
+        if switched or handed:
             seconds = None
             if before.switch is not None and before.switch.started_at > 0:
                 seconds = max(0.0, now - before.switch.started_at)
+            from_job = before.switch.from_job_id if before.switch is not None else last
             self.recent.appendleft(
-                RecentSwitch(
-                    status.group_id,
-                    before.switch.from_job_id if before.switch else before.holder_job_id,
-                    status.holder_job_id,
-                    seconds,
-                    now,
-                )
+                RecentSwitch(group, from_job, status.holder_job_id, seconds, now)
             )
         self.changed.set()
 
