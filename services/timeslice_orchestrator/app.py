@@ -40,6 +40,7 @@ from timeslice_orchestrator.authz import Authorizer, load_operator_token
 from timeslice_orchestrator.cleanup import IdleGroupCleaner
 from timeslice_orchestrator.compat import CompatService
 from timeslice_orchestrator.config import OrchestratorConfig
+from timeslice_orchestrator.dashboard import Dashboard
 from timeslice_orchestrator.driver import DriverConfig, SwitchDriver
 from timeslice_orchestrator.group_metrics import GroupMetrics
 from timeslice_orchestrator.http import make_app
@@ -96,6 +97,14 @@ class Orchestrator:
         self.mirror = Mirror(self.etcd, self.keys)
         self._group_metrics = GroupMetrics(self.mirror, self.metrics.hold_seconds)
         self.metrics.registry.register(self._group_metrics)
+        # The dashboard shows the hold tracker's figures (the same as /metrics), not its own.
+        self.dashboard = Dashboard(
+            self.mirror,
+            self._group_metrics.tracker,
+            config.dashboard,
+            replica=config.replica_id,
+            registry=self.metrics.registry,
+        )
         # The replica cannot live without its mirror and its membership loop: either ending
         # is fatal. Losing the lease is not (see the module docstring).
         self._tasks = Supervisor(f"replica {config.replica_id}")
@@ -144,6 +153,9 @@ class Orchestrator:
                 f"{cfg.prefix} within {cfg.start_timeout:g} s"
             ) from None
         self._group_metrics.start()
+        self.dashboard.start()  # after the tracker's listener: it reads the tracker
+        # Not critical: the page's chart stops moving, nothing else does.
+        self._tasks.spawn(self.dashboard.run(), "dashboard-sampler", kind="dashboard")
         self._hub = hub = AgentHub(
             self.store, cfg.replica_id, cfg.agent_ttl, self.metrics, cfg.agent_liveness_timeout
         )
@@ -177,7 +189,11 @@ class Orchestrator:
             )
             self._spawn(cleaner.run(), "idle-group-cleanup")
         await self._listen(self._server)
-        self._runner = web.AppRunner(make_app(self.metrics, self.ready), access_log=None)
+        self._runner = web.AppRunner(
+            make_app(self.metrics, self.ready, self.dashboard),
+            access_log=None,
+            shutdown_timeout=CLOSE_SECONDS,
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, cfg.http.host, cfg.http.port)
         await site.start()
@@ -356,6 +372,7 @@ class Orchestrator:
     async def close(self) -> None:
         self._ready = False
         self._group_metrics.stop()
+        self.dashboard.stop()
         if self._locks is not None:
             self._locks.draining = True
         if self._membership is not None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from timeslice.argv import OneLineParser
 from timeslice.targets import HostPort, parse_address
 from timeslice.tls import TlsFiles
+from timeslice_orchestrator.dashboard import DashboardConfig
 from timeslice_orchestrator.identity import IdentityRules, JobSource
 from timeslice_orchestrator.limits import Limits
 from timeslice_orchestrator.policy import Policy
@@ -68,6 +69,8 @@ class OrchestratorConfig:
     start_timeout: float = 30.0
     """How long start-up waits for etcd (its lease, then its first full read) before the
     process gives up with one line; a supervisor (systemd, Kubernetes) restarts it."""
+    dashboard: DashboardConfig = field(default_factory=DashboardConfig)
+    """Limits of the dashboard on the HTTP port (docs/dashboard.md)."""
     compat_hold_ttl: int = 10
     """TTL of the implicit sessions of v1alpha1 (llm-d) clients: how long a hold outlives
     its client's connection at most (docs/migrating-from-llm-d.md)."""
@@ -101,7 +104,24 @@ def _env_flag(name: str, *, legacy_name: bool = True) -> bool:
 def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
     p = OneLineParser(prog="timeslice orchestrator", description=__doc__)
     p.add_argument("--listen", default=_env("LISTEN", "0.0.0.0:50051"), help="gRPC HOST:PORT")
-    p.add_argument("--http", default=_env("HTTP", "0.0.0.0:8080"), help="health/metrics HOST:PORT")
+    p.add_argument(
+        "--http",
+        default=_env("HTTP", "0.0.0.0:8080"),
+        help="health, metrics and dashboard HOST:PORT (plaintext, unauthenticated: bind it to "
+        "a trusted network)",
+    )
+    p.add_argument(
+        "--dashboard-max-streams",
+        type=int,
+        default=_env("DASHBOARD_MAX_STREAMS", "256", legacy_name=False),
+        help="dashboard event streams open at once; more get 503 (0: the page cannot stream)",
+    )
+    p.add_argument(
+        "--dashboard-stuck-seconds",
+        type=float,
+        default=_env("DASHBOARD_STUCK_SECONDS", "10", legacy_name=False),
+        help="a dashboard stream whose write takes longer (its browser stopped reading) is dropped",
+    )
     p.add_argument(
         "--etcd",
         default=_env("ETCD", "127.0.0.1:2379"),
@@ -231,6 +251,12 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         listen, http = Address.parse(a.listen), Address.parse(a.http)
     except ValueError as exc:
         p.error(str(exc))
+    try:
+        dashboard = DashboardConfig(
+            max_streams=a.dashboard_max_streams, stuck_seconds=a.dashboard_stuck_seconds
+        )
+    except ValueError as exc:
+        p.error(f"--dashboard-*: {exc}")
     if a.session_ttl < 1 or a.replica_ttl < 1 or a.agent_ttl < 1 or a.compat_hold_ttl < 1:
         p.error("TTLs must be at least 1 second")
     try:
@@ -286,6 +312,7 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         limits=_limits(p, a),
         compat_hold_ttl=a.compat_hold_ttl,
         start_timeout=a.start_timeout,
+        dashboard=dashboard,
     )
 
 

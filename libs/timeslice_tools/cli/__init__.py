@@ -6,6 +6,7 @@
     timeslice orchestrator ARGS...        # exec python -m timeslice_orchestrator ARGS
     timeslice agent ARGS...               # exec python -m timeslice_agent ARGS
     timeslice groups | status | plan | acquire | yield | members ...   # see timeslice.cli
+    timeslice top [--once] [--target T]   # every group, live (timeslice_tools.cli.top)
 
 The operator commands live in the SDK (:mod:`timeslice.cli`), which a job installs; this
 package adds :mod:`~timeslice_tools.cli.dev` and :mod:`~timeslice_tools.cli.services`, which
@@ -22,7 +23,7 @@ from timeslice.cli import COMMANDS as OPERATOR_COMMANDS
 from timeslice.cli import format_group_line, format_status, parse_targets, status_view
 from timeslice.cli.base import Parser, Register, run
 from timeslice.cli.base import build_parser as _build_parser
-from timeslice_tools.cli import dev, services
+from timeslice_tools.cli import dev, services, top
 from timeslice_tools.cli.dev import parse_etcd
 
 __all__ = [
@@ -36,7 +37,12 @@ __all__ = [
     "status_view",
 ]
 
-COMMANDS: tuple[Register, ...] = (dev.register, services.register, *OPERATOR_COMMANDS)
+COMMANDS: tuple[Register, ...] = (
+    dev.register,
+    services.register,
+    *OPERATOR_COMMANDS,
+    top.register,
+)
 """Every command group of ``timeslice``, in the order ``--help`` lists them."""
 
 

@@ -1,0 +1,688 @@
+"""The live dashboard on the HTTP port: ``/`` (the page), ``/events`` (SSE), ``/state`` (JSON).
+
+Everything shown comes from this replica's mirror (every replica mirrors every group, so the
+page works behind any of them) and from the :class:`~.holds.HoldTracker` that feeds the
+``/metrics`` duty cycle: nothing here reads etcd, and no figure is computed twice.
+
+A stream is a server-sent event stream. What it owes its browser is kept as a *set* of the
+group names that changed since its last write (plus two flags), never as a list of messages:
+a burst of a thousand changes to one group costs one entry, and the state sent is the group's
+latest when the write happens. The set is bounded by the groups a stream shows; past that it
+collapses into "send a new snapshot". Writes are spaced by at least ``min_interval``, and a
+write that does not finish within ``stuck_seconds`` (the browser stopped reading, and the
+socket's buffers are full) drops the stream: a stuck browser holds at most the kernel's socket
+buffers and aiohttp's write buffer, then nothing. At most ``max_streams`` streams are open at
+once; the next gets 503.
+
+The page is a constant (``dashboard.html``, package data) with inline script and style allowed
+by hash in a strict Content-Security-Policy; it puts every name into the document as text
+(``textContent``), never as markup, so a group or job called ``<script>`` shows as such.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import importlib.resources
+import json
+import logging
+import re
+import time
+import urllib.parse
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from timeslice_orchestrator.holds import HoldTracker
+from timeslice_orchestrator.store.cache import GroupView, RelayPost
+from timeslice_orchestrator.store.records import AgentRecord
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "DEFAULT_MAX_STREAMS",
+    "PAGE",
+    "Dashboard",
+    "DashboardConfig",
+    "MirrorView",
+    "SwitchEnd",
+    "content_security_policy",
+    "parse_query",
+]
+
+DEFAULT_MAX_STREAMS = 256
+_GROUP_PREFIX = "group:"
+_AGENTS_TOPIC = "agent"
+# Query strings: only these keys, each at most once, values checked (see parse_query).
+_QUERY_KEYS = frozenset({"group"})
+_MAX_QUERY = 1024
+_BAD_PERCENT = re.compile(r"%(?![0-9A-Fa-f]{2})")
+_GROUP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,252}")
+
+
+class MirrorView(Protocol):
+    """What the dashboard reads of the replica's :class:`~.store.cache.Mirror`."""
+
+    revision: int
+
+    def group_names(self) -> list[str]: ...
+    def has_group(self, group: str) -> bool: ...
+    def group(self, group: str) -> GroupView: ...
+    def agents(self) -> dict[str, AgentRecord]: ...
+    def relays(self) -> list[RelayPost]: ...
+    def add_listener(self, listener: Callable[[set[str]], None]) -> None: ...
+    def remove_listener(self, listener: Callable[[set[str]], None]) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DashboardConfig:
+    """Limits of the dashboard; see the module docstring."""
+
+    max_streams: int = DEFAULT_MAX_STREAMS
+    """Event streams open at once; one more gets 503 (``--dashboard-max-streams``)."""
+    stuck_seconds: float = 10.0
+    """A write to a stream that takes longer drops the stream (``--dashboard-stuck-seconds``)."""
+    min_interval: float = 0.2
+    """Writes to one stream are at least this far apart (changes in between coalesce)."""
+    ping_seconds: float = 15.0
+    """A comment line after this long without a write: proxies keep the stream open, and a
+    gone browser is noticed."""
+    max_groups: int = 200
+    """Groups one page shows at most (busiest first); the rest are counted, not sent."""
+    max_queue: int = 20
+    """Waiters listed per group (the queue's length is always sent)."""
+    recent_switches: int = 30
+    """Switch ends kept for the "recent switches" list."""
+    sample_seconds: float = 5.0
+    """How often the duty cycle chart gets a point."""
+    history_seconds: float = 600.0
+    """How far back the chart goes."""
+    chart_groups: int = 8
+    """Groups the chart draws at most (highest duty cycle first)."""
+
+    def __post_init__(self) -> None:
+        if self.max_streams < 0:
+            raise ValueError("max_streams must not be negative")
+        if self.stuck_seconds <= 0 or self.min_interval < 0 or self.sample_seconds <= 0:
+            raise ValueError("stuck_seconds and sample_seconds must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchEnd:
+    """A switch seen to end in the mirror: the group's stats counted one more."""
+
+    group: str
+    from_job: str
+    to_job: str
+    outcome: str  # "committed" | "rolled_back"
+    seconds: float
+    at: float  # wall clock, when this replica saw it
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "group": self.group,
+            "from": self.from_job,
+            "to": self.to_job,
+            "outcome": self.outcome,
+            "seconds": round(self.seconds, 4),
+            "at": self.at,
+        }
+
+
+@dataclass(slots=True)
+class _Seen:
+    """What the dashboard last saw of a group: enough to tell that a switch ended."""
+
+    switches: int
+    rollbacks: int
+    holder: str
+    switch_from: str
+    switch_to: str
+    queued: bool
+
+
+@dataclass(eq=False, slots=True)
+class _Stream:
+    """One open event stream and what it still owes its browser (bounded: see module doc)."""
+
+    only: str | None  # ?group=NAME: this group alone
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    dirty: set[str] = field(default_factory=set)
+    resync: bool = False
+    recent: bool = False
+    duty: bool = False
+    closed: bool = False
+
+
+def _load_page() -> bytes:
+    return (
+        importlib.resources.files("timeslice_orchestrator").joinpath("dashboard.html").read_bytes()
+    )
+
+
+PAGE = _load_page()
+"""The page served at ``/``: one self-contained HTML document (no external resources)."""
+
+
+def _hashes(tag: str) -> list[str]:
+    """CSP source hashes of every inline ``<tag>`` element of :data:`PAGE`."""
+    text = PAGE.decode()
+    found = re.findall(rf"<{tag}>(.*?)</{tag}>", text, flags=re.S)
+    return [
+        "'sha256-" + base64.b64encode(hashlib.sha256(body.encode()).digest()).decode() + "'"
+        for body in found
+    ]
+
+
+def content_security_policy() -> str:
+    """The page's policy: its own inline script and style (by hash), the event stream on the
+    same origin, and nothing else (no other script, frame, form, image or plugin)."""
+    return "; ".join(
+        [
+            "default-src 'none'",
+            f"script-src {' '.join(_hashes('script'))}",
+            f"style-src {' '.join(_hashes('style'))}",
+            "connect-src 'self'",
+            "img-src 'self' data:",
+            "base-uri 'none'",
+            "form-action 'none'",
+            "frame-ancestors 'none'",
+        ]
+    )
+
+
+_CSP = content_security_policy()
+_PAGE_HEADERS = {
+    "Content-Type": "text/html; charset=utf-8",
+    "Content-Security-Policy": _CSP,
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+
+
+def parse_query(query_string: str) -> dict[str, str]:
+    """The dashboard's query parameters, strictly: ``group=NAME`` at most, nothing else.
+
+    Raises:
+        ValueError: anything else (unknown or repeated keys, bad percent escapes, bytes that
+            are not UTF-8, a group name that is not a valid id, an overlong query).
+    """
+    if len(query_string) > _MAX_QUERY:
+        raise ValueError(f"query string longer than {_MAX_QUERY} characters")
+    if not query_string:
+        return {}
+    if _BAD_PERCENT.search(query_string):
+        raise ValueError("malformed percent escape in the query string")
+    pairs = urllib.parse.parse_qsl(
+        query_string,
+        keep_blank_values=True,
+        strict_parsing=True,
+        encoding="utf-8",
+        errors="strict",
+        max_num_fields=len(_QUERY_KEYS),
+    )
+    out: dict[str, str] = {}
+    for key, value in pairs:
+        if key not in _QUERY_KEYS:
+            raise ValueError(f"unknown query parameter {key!r}")
+        if key in out:
+            raise ValueError(f"query parameter {key!r} given twice")
+        out[key] = value
+    group = out.get("group")
+    if group is not None and (".." in group or not _GROUP_NAME.fullmatch(group)):
+        raise ValueError("group= is not a valid group id")
+    return out
+
+
+class Dashboard:
+    """The dashboard's state (recent switches, duty cycle history) and its HTTP handlers.
+
+    :meth:`on_change` is a mirror listener (registered by :meth:`start` after the hold
+    tracker's, so the tracker is current when it runs); :meth:`sample` adds a point to the
+    chart and is called every ``sample_seconds`` by :meth:`run` (a supervised task).
+    """
+
+    def __init__(
+        self,
+        mirror: MirrorView,
+        tracker: HoldTracker,
+        config: DashboardConfig | None = None,
+        *,
+        replica: str = "",
+        registry: CollectorRegistry | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config or DashboardConfig()
+        self._mirror = mirror
+        self._tracker = tracker
+        self._replica = replica
+        self._clock = clock
+        self._wall = wall
+        self._streams: set[_Stream] = set()
+        self._seen: dict[str, _Seen] = {}
+        self.recent: deque[SwitchEnd] = deque(maxlen=self.config.recent_switches)
+        samples = max(1, int(self.config.history_seconds / self.config.sample_seconds))
+        self.history: deque[tuple[float, dict[str, float]]] = deque(maxlen=samples)
+        self._started = False
+        self.streams_gauge = Gauge(
+            "timeslice_dashboard_streams", "Dashboard event streams open", registry=registry
+        )
+        self.refused = Counter(
+            "timeslice_dashboard_refused",
+            "Dashboard requests refused, by reason",
+            ["reason"],
+            registry=registry,
+        )
+        self.dropped = Counter(
+            "timeslice_dashboard_streams_dropped",
+            "Event streams dropped because their browser stopped reading",
+            registry=registry,
+        )
+
+    @property
+    def streams(self) -> int:
+        """Event streams open now."""
+        return len(self._streams)
+
+    # -- feeding --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Remember the groups as they are (no switch ends for what happened before), then
+        follow every change."""
+        for group in self._mirror.group_names():
+            self._seen[group] = self._seen_of(self._mirror.group(group))
+        self._mirror.add_listener(self.on_change)
+        self._started = True
+        self.sample()
+
+    def stop(self) -> None:
+        """Stop following the mirror and end every stream (their handlers return)."""
+        if self._started:
+            self._mirror.remove_listener(self.on_change)
+            self._started = False
+        self.close_streams()
+
+    def close_streams(self) -> None:
+        """Ask every stream to end (shutdown: aiohttp waits for its handlers)."""
+        for stream in self._streams:
+            stream.closed = True
+            stream.wake.set()
+
+    async def run(self) -> None:
+        """Sample the duty cycle every ``sample_seconds``, for ever."""
+        while True:
+            await asyncio.sleep(self.config.sample_seconds)
+            self.sample()
+
+    @staticmethod
+    def _seen_of(view: GroupView) -> _Seen:
+        switch = view.switch.record if view.switch is not None else None
+        return _Seen(
+            switches=view.stats.switches,
+            rollbacks=view.stats.rollbacks,
+            holder=view.holder.record.job if view.holder is not None else "",
+            switch_from=",".join(switch.from_jobs) if switch is not None else "",
+            switch_to=switch.to_job if switch is not None else "",
+            queued=bool(view.queue),
+        )
+
+    def on_change(self, topics: set[str]) -> None:
+        """Mirror listener: note switch ends, mark the changed groups for every stream."""
+        groups: list[str] = []
+        agents = False
+        for topic in topics:
+            if topic.startswith(_GROUP_PREFIX):
+                groups.append(topic[len(_GROUP_PREFIX) :])
+            elif topic == _AGENTS_TOPIC:
+                agents = True
+        ended = False
+        for group in groups:
+            ended |= self._observe(group)
+        if not self._streams:
+            return
+        for stream in self._streams:
+            if agents:
+                # A node (dis)connected: which nodes a group has may change, for any group.
+                stream.resync = True
+            elif stream.only is None:
+                stream.dirty.update(groups)
+            elif stream.only in groups:
+                stream.dirty.add(stream.only)
+            if len(stream.dirty) > self.config.max_groups:
+                stream.dirty.clear()  # bounded: send a snapshot instead
+                stream.resync = True
+            stream.recent |= ended
+            if stream.dirty or stream.resync or stream.recent:
+                stream.wake.set()
+
+    def _observe(self, group: str) -> bool:
+        """Whether ``group``'s stats show a switch that ended since the last look."""
+        if not self._mirror.has_group(group):
+            self._seen.pop(group, None)
+            return False
+        view = self._mirror.group(group)
+        now = self._seen_of(view)
+        before = self._seen.get(group)
+        self._seen[group] = now
+        if before is None:
+            return False
+        ended = False
+        from_job = before.switch_from or before.holder
+        to_job = before.switch_to or now.holder
+        if now.switches > before.switches:
+            # The stats record carries the last switch's duration (the driver's commit).
+            self.recent.appendleft(
+                SwitchEnd(
+                    group,
+                    from_job,
+                    to_job,
+                    "committed",
+                    view.stats.last_switch_seconds,
+                    self._wall(),
+                )
+            )
+            ended = True
+        if now.rollbacks > before.rollbacks:
+            self.recent.appendleft(
+                SwitchEnd(group, from_job, before.switch_to, "rolled_back", 0.0, self._wall())
+            )
+            ended = True
+        return ended
+
+    def _point(self) -> tuple[float, dict[str, float]]:
+        """The duty cycle of the busiest groups now (the hold tracker's figures)."""
+        now = self._clock()
+        tracker = self._tracker
+        tracker.expire(now)
+        duty = sorted(
+            ((tracker.duty_cycle(g, now), g) for g in tracker.groups()),
+            key=lambda item: (-item[0], item[1]),
+        )[: self.config.chart_groups]
+        return self._wall(), {g: round(d, 4) for d, g in duty}
+
+    def sample(self) -> None:
+        """Add the duty cycle of the busiest groups now to the chart's history."""
+        self.history.append(self._point())
+        for stream in self._streams:
+            stream.duty = True
+            stream.wake.set()
+
+    # -- what is sent ---------------------------------------------------------------------
+
+    def _chosen(self, only: str | None) -> tuple[list[str], int]:
+        """The groups a page shows (busiest first, then by name) and how many it leaves out."""
+        mirror = self._mirror
+        if only is not None:
+            return ([only] if mirror.has_group(only) else []), 0
+        names = mirror.group_names()
+        busy = {g for g, s in self._seen.items() if s.holder or s.switch_to or s.queued}
+        first = [g for g in names if g in busy]
+        rest = [g for g in names if g not in busy]
+        chosen = (first + rest)[: self.config.max_groups]
+        return chosen, len(names) - len(chosen)
+
+    def group_json(
+        self, view: GroupView, agents: dict[str, AgentRecord], acked: set[str]
+    ) -> dict[str, Any]:
+        """One group as the page (and ``timeslice status``) shows it."""
+        now = self._clock()
+        resident = view.residency().nodes
+        nodes = sorted(
+            set(resident)
+            | set(view.static_members)
+            | {n for n, a in agents.items() if any(w.group == view.group for w in a.workers)}
+        )
+        holder = view.holder.record if view.holder is not None else None
+        out: dict[str, Any] = {
+            "name": view.group,
+            "holder": holder.job if holder else None,
+            "epoch": view.holder.create_revision if view.holder is not None else 0,
+            "held_since": holder.granted_at if holder else 0.0,
+            "queue": [q.job for q in view.queue[: self.config.max_queue]],
+            "queue_length": len(view.queue),
+            "nodes": [
+                {"node": n, "jobs": list(resident.get(n, [])), "connected": n in agents}
+                for n in nodes
+            ],
+            "switch": None,
+            "switches": view.stats.switches,
+            "grants": view.stats.grants,
+            "rollbacks": view.stats.rollbacks,
+            "faults": view.stats.faults,
+            "last_switch_seconds": round(view.stats.last_switch_seconds, 4),
+            "last_error": view.stats.last_error,
+            "faulted": sorted(view.faults),
+            "driver": view.driver or "",
+            "duty": round(self._tracker.duty_cycle(view.group, now), 4),
+        }
+        if view.switch is not None:
+            out["switch"] = _switch_json(view, acked)
+        return out
+
+    def snapshot(self, only: str | None = None) -> dict[str, Any]:
+        """Everything a page starts from."""
+        chosen, omitted = self._chosen(only)
+        agents = self._mirror.agents()
+        acked = self._acked() if chosen else set()
+        return {
+            "replica": self._replica,
+            "revision": self._mirror.revision,
+            "now": self._wall(),
+            "window": self._tracker.window,
+            "groups": [self.group_json(self._mirror.group(g), agents, acked) for g in chosen],
+            "omitted": omitted,
+            "recent": [s.to_json() for s in self.recent],
+            "history": self._history_json(),
+        }
+
+    def _history_json(self) -> list[dict[str, Any]]:
+        # Plus a point for now, so a page opened between two samples draws up to now.
+        points = [*self.history, self._point()]
+        return [{"t": t, "duty": duty} for t, duty in points]
+
+    def _acked(self) -> set[str]:
+        """Directive ids answered in the relay (directives to another replica's agents)."""
+        return {post.directive_id for post in self._mirror.relays() if post.posted.record.ack}
+
+    def _update(self, stream: _Stream) -> bytes:
+        """The events a stream owes, built from the state now; clears what it owed."""
+        chunks: list[bytes] = []
+        if stream.resync:
+            stream.resync = stream.recent = False
+            stream.dirty.clear()
+            chunks.append(_event("snapshot", self.snapshot(stream.only)))
+        if stream.dirty:
+            names, stream.dirty = sorted(stream.dirty), set()
+            agents = self._mirror.agents()
+            acked = self._acked()
+            changed = []
+            removed = []
+            for name in names:
+                if self._mirror.has_group(name):
+                    changed.append(self.group_json(self._mirror.group(name), agents, acked))
+                else:
+                    removed.append(name)
+            chunks.append(
+                _event(
+                    "groups",
+                    {
+                        "now": self._wall(),
+                        "revision": self._mirror.revision,
+                        "groups": changed,
+                        "removed": removed,
+                    },
+                )
+            )
+        if stream.recent:
+            stream.recent = False
+            chunks.append(_event("recent", {"recent": [s.to_json() for s in self.recent]}))
+        if stream.duty:
+            stream.duty = False
+            t, duty = self.history[-1]
+            chunks.append(_event("duty", {"now": self._wall(), "point": {"t": t, "duty": duty}}))
+        return b"".join(chunks)
+
+    # -- HTTP -----------------------------------------------------------------------------
+
+    def routes(self) -> list[web.RouteDef]:
+        """``/`` (the page), ``/events`` (the stream), ``/state`` (one snapshot, JSON)."""
+        return [
+            web.get("/", self.page),
+            web.get("/events", self.events),
+            web.get("/state", self.state),
+        ]
+
+    @staticmethod
+    def _query(request: web.Request) -> dict[str, str]:
+        try:
+            return parse_query(request.query_string)
+        except ValueError as exc:
+            raise web.HTTPBadRequest(text=f"bad query string: {exc}\n") from None
+
+    async def page(self, request: web.Request) -> web.Response:
+        """The page: a constant, whatever the query (the script reads ``?group=``)."""
+        try:
+            self._query(request)
+        except web.HTTPBadRequest:
+            self.refused.labels(reason="bad_query").inc()
+            raise
+        return web.Response(body=PAGE, headers=_PAGE_HEADERS)
+
+    async def state(self, request: web.Request) -> web.Response:
+        """One snapshot as JSON (for scripts, and what the page starts from)."""
+        try:
+            query = self._query(request)
+        except web.HTTPBadRequest:
+            self.refused.labels(reason="bad_query").inc()
+            raise
+        body = json.dumps(self.snapshot(query.get("group")), separators=(",", ":"))
+        return web.Response(
+            text=body,
+            content_type="application/json",
+            headers={"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"},
+        )
+
+    async def events(self, request: web.Request) -> web.StreamResponse:
+        """The live stream: a snapshot, then coalesced changes until the browser goes."""
+        try:
+            query = self._query(request)
+        except web.HTTPBadRequest:
+            self.refused.labels(reason="bad_query").inc()
+            raise
+        if len(self._streams) >= self.config.max_streams:
+            self.refused.labels(reason="too_many_streams").inc()
+            raise web.HTTPServiceUnavailable(
+                text=f"too many dashboard streams (at most {self.config.max_streams})\n",
+                headers={"Retry-After": "10"},
+            )
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-store",
+                "X-Content-Type-Options": "nosniff",
+                "X-Accel-Buffering": "no",  # a proxy in front must not hold events back
+            }
+        )
+        stream = _Stream(only=query.get("group"))
+        self._streams.add(stream)
+        self.streams_gauge.set(len(self._streams))
+        try:
+            await response.prepare(request)
+            await self._pump(request, response, stream)
+        except (ConnectionError, asyncio.CancelledError):
+            pass  # the browser went, or the server is closing: nothing more to say
+        finally:
+            stream.closed = True
+            self._streams.discard(stream)
+            self.streams_gauge.set(len(self._streams))
+        return response
+
+    async def _pump(
+        self, request: web.Request, response: web.StreamResponse, stream: _Stream
+    ) -> None:
+        cfg = self.config
+        # retry: how long a browser waits before it reconnects after the stream ends.
+        payload = b"retry: 2000\n" + _event("snapshot", self.snapshot(stream.only))
+        while not stream.closed:
+            try:
+                async with asyncio.timeout(cfg.stuck_seconds):
+                    await response.write(payload)
+            except TimeoutError:
+                # The browser has stopped reading: what it has not read stays in the socket
+                # buffers; drop it rather than let more pile up behind it.
+                self.dropped.inc()
+                log.info(
+                    "dashboard: dropping an event stream to %s (a write took over %g s)",
+                    request.remote,
+                    cfg.stuck_seconds,
+                )
+                if request.transport is not None:
+                    request.transport.abort()
+                return
+            await asyncio.sleep(cfg.min_interval)  # changes meanwhile coalesce
+            try:
+                async with asyncio.timeout(cfg.ping_seconds):
+                    await stream.wake.wait()
+            except TimeoutError:
+                payload = b": ping\n\n"
+                continue
+            stream.wake.clear()
+            if stream.closed:
+                return
+            payload = self._update(stream)
+
+
+def _switch_json(view: GroupView, acked: Iterable[str]) -> dict[str, Any]:
+    """The switch in flight: its phase and, per node, how far it got as etcd shows it.
+
+    A phase moves on only when every node of it answered, so nodes of earlier phases are
+    done; within the phase in progress a node is known done when its answer is in the relay
+    (an agent connected to another replica). An agent connected to the driving replica
+    answers on its stream, which etcd never sees: such a node shows done when the phase ends.
+    """
+    assert view.switch is not None
+    record = view.switch.record
+    acked = set(acked)
+    phase = record.phase.value
+    fenced = set(record.fenced)
+    purpose = {"checkpoint": "evict", "restore": "restore", "rollback": "rollback"}[phase]
+    nodes = []
+    for step in record.steps:
+        job = step.evict if purpose in ("evict", "rollback") else step.restore
+        if step.node in fenced:
+            state = "fenced"
+        elif not job:
+            state = "done"  # nothing to do in this phase
+        elif f"{record.switch_id}-{purpose}-{step.node}-{job}" in acked:
+            state = "done"
+        else:
+            state = "working"
+        nodes.append(
+            {"node": step.node, "evict": step.evict, "restore": step.restore, "state": state}
+        )
+    return {
+        "id": record.switch_id,
+        "epoch": view.switch.create_revision,
+        "phase": phase,
+        "from": record.from_jobs,
+        "to": record.to_job,
+        "started_at": record.started_at,
+        "attempt": record.attempt,
+        "prefetch": record.prefetch,
+        "nodes": nodes,
+        "done": sum(1 for n in nodes if n["state"] != "working"),
+        "total": len(nodes),
+    }
+
+
+def _event(name: str, data: dict[str, Any]) -> bytes:
+    # JSON never holds a raw newline, so one data: line carries it.
+    return f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()

@@ -1,0 +1,369 @@
+"""The dashboard's server side, on a fake mirror: the page and its policy, strict query strings,
+the stream cap, coalesced updates, switch ends, and a stuck browser being dropped with bounded
+memory."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from prometheus_client import CollectorRegistry
+
+from timeslice_orchestrator.dashboard import (
+    PAGE,
+    Dashboard,
+    DashboardConfig,
+    content_security_policy,
+    parse_query,
+)
+from timeslice_orchestrator.holds import HoldTracker
+from timeslice_orchestrator.store.cache import GroupView, RelayPost
+from timeslice_orchestrator.store.records import (
+    AgentRecord,
+    GroupStats,
+    HolderRecord,
+    NodeStep,
+    QueuedJob,
+    QueueRecord,
+    ResidentRecord,
+    Stored,
+    SwitchPhase,
+    SwitchRecord,
+)
+
+R = TypeVar("R")
+EVIL = "<script>alert(1)</script><img src=x onerror=alert(2)>"
+
+
+class FakeMirror:
+    """The reads the dashboard makes, over views a test sets."""
+
+    def __init__(self) -> None:
+        self.revision = 1
+        self.views: dict[str, GroupView] = {}
+        self.listeners: list[Callable[[set[str]], None]] = []
+
+    def group_names(self) -> list[str]:
+        return sorted(self.views)
+
+    def has_group(self, group: str) -> bool:
+        return group in self.views
+
+    def group(self, group: str) -> GroupView:
+        return self.views.get(group) or view(group)
+
+    def agents(self) -> dict[str, AgentRecord]:
+        return {}
+
+    def relays(self) -> list[RelayPost]:
+        return []
+
+    def add_listener(self, listener: Callable[[set[str]], None]) -> None:
+        self.listeners.append(listener)
+
+    def remove_listener(self, listener: Callable[[set[str]], None]) -> None:
+        self.listeners.remove(listener)
+
+    def set(self, *views: GroupView) -> None:
+        self.revision += 1
+        for v in views:
+            self.views[v.group] = v
+        for listener in self.listeners:
+            listener({f"group:{v.group}" for v in views})
+
+
+def stored(record: R, revision: int = 5) -> Stored[R]:
+    return Stored(record, revision, revision, 0)
+
+
+def view(
+    group: str,
+    holder: str | None = None,
+    queue: tuple[str, ...] = (),
+    switches: int = 0,
+    last_switch: float = 0.0,
+    switch: SwitchRecord | None = None,
+    nodes: dict[str, list[str]] | None = None,
+) -> GroupView:
+    return GroupView(
+        group=group,
+        revision=1,
+        exists=True,
+        holder=stored(HolderRecord(holder, "s-" + holder, 1000.0)) if holder else None,
+        queue=[
+            QueuedJob(job, stored(QueueRecord("s-" + job, 0, 1000.0), 10 + i))
+            for i, job in enumerate(queue)
+        ],
+        resident=stored(ResidentRecord(nodes)) if nodes else None,
+        switch=stored(switch) if switch else None,
+        driver="r1",
+        driver_lease=1,
+        stats=GroupStats(switches=switches, grants=switches, last_switch_seconds=last_switch),
+    )
+
+
+def make(mirror: FakeMirror, **config: float) -> tuple[Dashboard, HoldTracker, CollectorRegistry]:
+    tracker = HoldTracker()
+    registry = CollectorRegistry()
+    dash = Dashboard(
+        mirror,
+        tracker,
+        DashboardConfig(**config),  # type: ignore[arg-type]
+        replica="r1",
+        registry=registry,
+    )
+    dash.start()
+    return dash, tracker, registry
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[FakeMirror, Dashboard, TestServer, CollectorRegistry]]:
+    mirror = FakeMirror()
+    mirror.set(view("g", holder="a", queue=("b",), nodes={"n1": ["a"]}), view(EVIL, holder=EVIL))
+    dash, _, registry = make(mirror, max_streams=3, min_interval=0.05, stuck_seconds=0.5)
+    app = web.Application()
+    app.router.add_routes(dash.routes())
+    server = TestServer(app)
+    await server.start_server()
+    try:
+        yield mirror, dash, server, registry
+    finally:
+        dash.stop()
+        await server.close()
+
+
+async def read_events(resp: aiohttp.ClientResponse, n: int) -> list[tuple[str, object]]:
+    """The next ``n`` events of an SSE response (comments skipped)."""
+    out: list[tuple[str, object]] = []
+    name = ""
+    async with asyncio.timeout(5):
+        while len(out) < n:
+            line = (await resp.content.readline()).decode().rstrip("\n")
+            if line.startswith("event: "):
+                name = line[len("event: ") :]
+            elif line.startswith("data: "):
+                out.append((name, json.loads(line[len("data: ") :])))
+    return out
+
+
+async def test_page_is_constant_self_contained_and_under_a_strict_policy(
+    served: tuple[FakeMirror, Dashboard, TestServer, CollectorRegistry],
+) -> None:
+    _, _, server, _ = served
+    async with aiohttp.ClientSession() as http:
+        async with http.get(server.make_url("/")) as resp:
+            assert resp.status == 200
+            body = await resp.read()
+            csp = resp.headers["Content-Security-Policy"]
+            assert resp.headers["X-Content-Type-Options"] == "nosniff"
+    assert body == PAGE
+    assert csp == content_security_policy()
+    assert "default-src 'none'" in csp and "unsafe-inline" not in csp and "unsafe-eval" not in csp
+    assert re.search(r"script-src 'sha256-[A-Za-z0-9+/=]+'", csp)
+    text = PAGE.decode()
+    # Nothing from elsewhere (no internet on the machines), and no markup built from data.
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", text)
+    assert "innerHTML" not in text and "outerHTML" not in text and "insertAdjacentHTML" not in text
+    assert "document.write" not in text and "eval(" not in text
+
+
+async def test_names_travel_as_json_data_never_as_markup(
+    served: tuple[FakeMirror, Dashboard, TestServer, CollectorRegistry],
+) -> None:
+    _, _, server, _ = served
+    async with aiohttp.ClientSession() as http:
+        async with http.get(server.make_url("/state")) as resp:
+            assert resp.content_type == "application/json"
+            state = await resp.json()
+    names = {g["name"]: g for g in state["groups"]}
+    assert names[EVIL]["holder"] == EVIL  # shown as it is, escaped by the page (textContent)
+    assert names["g"]["queue"] == ["b"] and names["g"]["queue_length"] == 1
+    assert names["g"]["nodes"] == [{"node": "n1", "jobs": ["a"], "connected": False}]
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "group=%zz",
+        "group=%ff%fe",
+        "group=a&group=b",
+        "nope=1",
+        "group",
+        "group=" + "<script>",
+        "group=a/b",
+        "group=..x",
+        "&&&",
+        "group=" + "x" * 2000,
+    ],
+)
+async def test_a_malformed_query_string_is_refused_and_changes_nothing(
+    served: tuple[FakeMirror, Dashboard, TestServer, CollectorRegistry], query: str
+) -> None:
+    _, dash, server, registry = served
+
+    def state() -> tuple[object, ...]:
+        snap = dash.snapshot()
+        # Only the clock moves: the time now, and the chart's point for now.
+        return (snap["groups"], snap["revision"], snap["history"][:-1], list(dash.recent))
+
+    before = (state(), dash.streams)
+    async with aiohttp.ClientSession() as http:
+        for path in ("/", "/events", "/state"):
+            url = f"http://{server.host}:{server.port}{path}?{query}"
+            async with http.get(url, skip_auto_headers=()) as resp:
+                assert resp.status == 400, (path, query, resp.status)
+    assert (state(), dash.streams) == before
+    assert registry.get_sample_value("timeslice_dashboard_refused_total", {"reason": "bad_query"})
+
+
+def test_parse_query_accepts_what_the_page_sends() -> None:
+    assert parse_query("") == {}
+    assert parse_query("group=g-1.a:b_c") == {"group": "g-1.a:b_c"}
+    assert parse_query("group=g%2D1") == {"group": "g-1"}
+
+
+async def test_streams_beyond_the_cap_get_503(
+    served: tuple[FakeMirror, Dashboard, TestServer, CollectorRegistry],
+) -> None:
+    _, dash, server, registry = served
+    async with aiohttp.ClientSession() as http:
+        open_ = [await http.get(server.make_url("/events")) for _ in range(3)]
+        for resp in open_:
+            assert resp.status == 200
+            ((name, _),) = await read_events(resp, 1)
+            assert name == "snapshot"
+        assert dash.streams == 3
+        async with http.get(server.make_url("/events")) as refused:
+            assert refused.status == 503
+            assert refused.headers["Retry-After"]
+        for resp in open_:
+            resp.close()
+    async with asyncio.timeout(5):
+        while dash.streams:
+            await asyncio.sleep(0.05)
+    assert registry.get_sample_value(
+        "timeslice_dashboard_refused_total", {"reason": "too_many_streams"}
+    )
+
+
+async def test_updates_coalesce_to_the_latest_state_and_switch_ends_are_kept(
+    served: tuple[FakeMirror, Dashboard, TestServer, CollectorRegistry],
+) -> None:
+    mirror, dash, server, _ = served
+    async with aiohttp.ClientSession() as http:
+        async with http.get(server.make_url("/events?group=g")) as resp:
+            ((name, snap),) = await read_events(resp, 1)
+            assert name == "snapshot"
+            assert isinstance(snap, dict) and [g["name"] for g in snap["groups"]] == ["g"]
+            # A burst of changes: the browser gets the last state, in few messages.
+            for i in range(200):
+                mirror.set(view("g", holder="a", queue=tuple(f"j{k}" for k in range(i % 7))))
+            mirror.set(
+                view("g", holder="b", switches=1, last_switch=1.25, nodes={"n1": ["b"]}),
+                view("other", holder="x"),  # not this stream's group
+            )
+            seen: list[tuple[str, object]] = []
+            while True:
+                seen += await read_events(resp, 1)
+                groups = [d for n, d in seen if n == "groups"]
+                last = groups[-1] if groups else None
+                if isinstance(last, dict) and last["groups"][0]["holder"] == "b":
+                    break
+            assert len(groups) < 10, len(groups)
+            assert all(g["name"] == "g" for d in groups for g in d["groups"])  # type: ignore[index]
+            recent = [d for n, d in seen if n == "recent"]
+            if not recent:
+                recent = [d for _, d in await read_events(resp, 1)]
+    assert dash.recent[0].to_json() | {"at": 0} == {
+        "group": "g",
+        "from": "a",
+        "to": "b",
+        "outcome": "committed",
+        "seconds": 1.25,
+        "at": 0,
+    }
+
+
+async def test_a_switch_in_flight_shows_its_phase_and_nodes() -> None:
+    mirror = FakeMirror()
+    dash, _, _ = make(mirror)
+    record = SwitchRecord(
+        "sw1",
+        "g",
+        "b",
+        12,
+        [NodeStep("n1", "a", "b"), NodeStep("n2", "", "b")],
+        SwitchPhase.CHECKPOINT,
+        "r1",
+        1000.0,
+    )
+    mirror.set(view("g", holder=None, queue=("b",), switch=record))
+    (group,) = dash.snapshot()["groups"]
+    switch = group["switch"]
+    assert switch["phase"] == "checkpoint" and switch["to"] == "b" and switch["from"] == ["a"]
+    assert (switch["done"], switch["total"]) == (1, 2)  # n2 has nothing to checkpoint
+    dash.stop()
+
+
+def test_recent_switches_and_history_are_bounded() -> None:
+    mirror = FakeMirror()
+    dash, _, _ = make(mirror, recent_switches=5, sample_seconds=1, history_seconds=10)
+    for i in range(1, 50):
+        mirror.set(view("g", holder=f"j{i}", switches=i, last_switch=0.1))
+    assert len(dash.recent) == 5 and dash.recent[0].to_job == "j49"
+    for _ in range(50):
+        dash.sample()
+    assert len(dash.history) == 10
+    dash.stop()
+
+
+async def test_a_stuck_browser_is_dropped_and_holds_bounded_memory() -> None:
+    """A client that never reads: its buffers fill, the next write blocks past the deadline,
+    and the stream is dropped; meanwhile what the stream owes is at most one entry a group."""
+    mirror = FakeMirror()
+    names = [f"group-{i:03d}-" + "x" * 200 for i in range(150)]
+    mirror.set(*(view(n, holder="a" * 200, queue=tuple("q" * 200 + str(k) for k in range(20)))
+                 for n in names))  # fmt: skip
+    dash, _, registry = make(mirror, stuck_seconds=0.5, min_interval=0.0, max_groups=200)
+    app = web.Application()
+    app.router.add_routes(dash.routes())
+    server = TestServer(app)
+    await server.start_server()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a browser that never reads
+    sock.setblocking(False)
+    try:
+        await asyncio.get_running_loop().sock_connect(sock, (server.host, server.port))
+        await asyncio.get_running_loop().sock_sendall(
+            sock, b"GET /events HTTP/1.1\r\nHost: x\r\n\r\n"
+        )
+        async with asyncio.timeout(5):
+            while dash.streams == 0:
+                await asyncio.sleep(0.01)
+        (stream,) = dash._streams
+        most = 0
+        async with asyncio.timeout(20):
+            flip = 0
+            while dash.streams:
+                flip += 1
+                mirror.set(*(view(n, holder=f"b{flip}" * 50) for n in names))
+                most = max(most, len(stream.dirty))
+                await asyncio.sleep(0.01)
+        assert most <= len(names)
+        assert registry.get_sample_value("timeslice_dashboard_streams_dropped_total") == 1
+        assert registry.get_sample_value("timeslice_dashboard_streams") == 0
+        # The listener keeps no reference to the dropped stream.
+        mirror.set(view(names[0], holder="c"))
+        assert dash.streams == 0
+    finally:
+        sock.close()
+        dash.stop()
+        await server.close()
