@@ -588,8 +588,9 @@ class AsyncTimeSliceClient:
 
         try:
             await self._unary(f"Yield({group})", call)
-        except NotHolder:
-            # A retried Yield whose first attempt landed finds the group already given back.
+        except (NotHolder, PermissionDenied):
+            # A retried Yield whose first attempt landed (its answer lost) finds the group
+            # given back: free (not holder), or already granted to the next job.
             if attempts > 1:
                 return attempts
             raise

@@ -165,6 +165,10 @@ class OrchestratorState:
         self.release_raced = True
         # Seconds Yield takes before answering.
         self.yield_delay = 0.0
+        # Yields whose release lands but whose answer is lost (UNAVAILABLE, as when etcd's
+        # leader dies after the commit), and the job the group then goes to at once.
+        self.yield_replies_lost = 0
+        self.hand_over_to: str | None = None
         self._revisions = itertools.count(100)
         self._sessions = itertools.count(1)
 
@@ -348,6 +352,12 @@ class Frontend(TimeSliceBase):
                 f"[not_holder] {message.job_id} does not hold {g.name} at epoch {message.epoch}",
             )
         g.holder = None
+        if self.state.yield_replies_lost > 0:
+            self.state.yield_replies_lost -= 1
+            if self.state.hand_over_to is not None:
+                g.holder = Hold(self.state.hand_over_to, "other", self.state.next_revision())
+            g.notify()
+            raise grpclib.GRPCError(Status.UNAVAILABLE, "[unavailable] etcd: leader changed")
         g.notify()
         return YieldResponse()
 

@@ -78,6 +78,26 @@ async def test_acquire_yield_and_release_alias(orch: FakeOrchestrator) -> None:
         assert calls.count("Yield") == 2
 
 
+@pytest.mark.parametrize("next_holder", [None, "job-b"], ids=["group-free", "handed-over"])
+async def test_a_yield_whose_first_answer_was_lost_is_a_success(
+    orch: FakeOrchestrator, next_holder: str | None
+) -> None:
+    # The release landed but its answer was lost; the retry then finds the group free (not
+    # holder) or already another job's (permission denied): either way it was released.
+    async with client_for(orch) as client:
+        await client.acquire("g1")
+
+        def lose_the_answer(s: OrchestratorState) -> None:
+            s.yield_replies_lost = 1
+            s.hand_over_to = next_holder
+
+        orch.do(lose_the_answer)
+        await client.yield_("g1")
+        assert client.grants() == {}
+        assert orch.do(lambda s: s.holder_of("g1")) == next_holder
+        assert orch.do(lambda s: s.calls.count("Yield")) == 2
+
+
 async def test_second_acquire_of_a_held_group_is_refused_locally(orch: FakeOrchestrator) -> None:
     async with client_for(orch) as client:
         await client.acquire("g1")
