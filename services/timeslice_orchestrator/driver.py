@@ -509,7 +509,18 @@ class SwitchDriver:
             results = await self._directives.fan_out(
                 switch, DirectiveKind.CHECKPOINT, evictions, "evict"
             )
-            self._note_fenced(record, results, "checkpoint")
+            fenced = self._note_fenced(record, results, "checkpoint")
+            if any(r.unavailable for r in results):
+                # Outcome unknown (the stream broke, the relay moved): keep the record, with
+                # the nodes fenced meanwhile, and send the same directives again; the agents
+                # answer what they already did. Rolling back now would race the checkpoint.
+                if fenced:
+                    kept = await self._store.update_switch(
+                        record.group, self._auth, switch, record.phase
+                    )
+                    self._wrote(record.group, kept.mod_revision if kept else None)
+                _retrying(record, "checkpoint", results)
+                return Next.LATER
             failed = [r for r in results if r.failed]
             next_phase = SwitchPhase.ROLLBACK if failed else SwitchPhase.RESTORE
             if failed:

@@ -71,15 +71,22 @@ class DirectiveRouter:
         if agent is None:
             raise AgentGone(f"agent {node} is gone (its record expired)")
         record = RelayRecord(driver=self._replica_id, directive=_encode(directive))
-        if not await self._relay.post(node, directive.directive_id, record, self._lease):
-            raise AgentUnavailable(f"directive {directive.directive_id} is already in flight")
+        await self._post(node, directive.directive_id, record)
+        shown = False  # the mirror has shown the post
         try:
             async with asyncio.timeout(timeout):
                 while True:
                     seen = self._mirror.version("*")
                     answered = self._mirror.relay(node, directive.directive_id)
-                    if answered is not None and answered.record.ack:
-                        return DirectiveAck.parse(base64.b64decode(answered.record.ack))
+                    if answered is not None:
+                        shown = True
+                        if answered.record.ack:
+                            return DirectiveAck.parse(base64.b64decode(answered.record.ack))
+                    elif shown:
+                        # Gone unanswered: an earlier send of it gave up and removed it, or the
+                        # lease it was posted on ended. Post it again.
+                        shown = False
+                        await self._post(node, directive.directive_id, record)
                     now = self._mirror.agents().get(node)
                     if now is None:
                         # Fenced out, or its record expired: not waited for (like at the start).
@@ -105,6 +112,14 @@ class DirectiveRouter:
             except StoreUnavailable as exc:
                 # It goes with this replica's lease at the latest; forwarders skip answered ones.
                 log.warning("could not remove relay key of %s: %s", directive.directive_id, exc)
+
+    async def _post(self, node: str, directive_id: str, record: RelayRecord) -> None:
+        if not await self._relay.post(node, directive_id, record, self._lease):
+            # An earlier send of this very directive (same id, same content), whose pass was
+            # cut short (etcd away) or which another driver of the switch made: its ack is
+            # this send's answer. Failing here instead would roll the switch back while that
+            # send still runs on the agent.
+            log.info("directive %s to %s posted already: waiting for its ack", directive_id, node)
 
     def _on_change(self, topics: set[str]) -> None:
         if RELAY_TOPIC not in topics:

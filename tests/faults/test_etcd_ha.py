@@ -248,7 +248,10 @@ async def test_a_call_to_a_cluster_without_quorum_is_a_typed_unavailable(
             except StoreUnavailable:
                 assert time.monotonic() < deadline, "etcd did not come back with quorum"
                 await asyncio.sleep(0.1)
-        assert kv is not None and kv.value == b"before"
+        # The put without quorum failed typed, yet may land once quorum returns (the surviving
+        # member kept the proposal in its log): a write that timed out may have been applied,
+        # which is why callers guard their retries with compares. Nothing else may be there.
+        assert kv is not None and kv.value in (b"before", b"during"), kv
         await etcd.close()
 
 
