@@ -21,12 +21,12 @@ import pytest
 
 from timeslice_orchestrator.hub import AgentHub, AgentUnavailable
 from timeslice_orchestrator.metrics import Metrics
-from timeslice_orchestrator.relay import DirectiveRouter
+from timeslice_orchestrator.relay import DirectiveRouter, _encode
 from timeslice_orchestrator.store.cache import Mirror
 from timeslice_orchestrator.store.groups import GroupStore
-from timeslice_orchestrator.store.records import AgentRecord
+from timeslice_orchestrator.store.records import AgentRecord, RelayRecord
 from timeslice_orchestrator.store.relay import RelayStore
-from timeslice_proto.timeslice.v1 import Directive, DirectiveKind
+from timeslice_proto.timeslice.v1 import AckStatus, Directive, DirectiveAck, DirectiveKind
 
 TIMEOUT = 20.0  # the directive's deadline: the test must end far sooner
 
@@ -73,6 +73,52 @@ async def test_a_relayed_directive_fails_fast_when_its_agent_reconnects(
         assert time.monotonic() - started < 5.0
         # The post is withdrawn, so the driver can send the same directive id again.
         await _until(lambda: mirror.relay("node-1", "d1") is None)
+    finally:
+        watching.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watching
+
+
+async def test_a_directive_posted_already_is_joined_and_reposted_if_withdrawn(
+    store: GroupStore,
+) -> None:
+    """A send of a directive whose earlier send is still posted (that pass was cut short by an
+    etcd outage, its post left behind) waits for that post's ack instead of failing (which
+    rolled the switch back while the checkpoint still ran); a post withdrawn unanswered is
+    posted again."""
+    mirror = Mirror(store.etcd, store.keys)
+    watching = asyncio.create_task(mirror.run())
+    try:
+        await asyncio.wait_for(mirror.synced.wait(), 10)
+        hub = AgentHub(store, "r-here", 30, Metrics(), 4.0)
+        lease = await store.etcd.grant_lease(30)
+        relay = RelayStore(store.etcd, store.keys)
+        router = DirectiveRouter(hub, mirror, relay, "r-here", lease)
+        agent_lease = await store.etcd.grant_lease(30)
+        agent = AgentRecord("node-1", "r-other", "sim", True, connected_at=time.time())
+        await store.publish_agent(agent, agent_lease)
+        await _until(lambda: "node-1" in mirror.agents())
+        directive = Directive(
+            directive_id="d2", kind=DirectiveKind.CHECKPOINT, group_id="g", job_id="a", epoch=9
+        )
+        # The earlier send's post, left in etcd.
+        earlier = RelayRecord(driver="r-here", directive=_encode(directive))
+        assert await relay.post("node-1", "d2", earlier, lease)
+        await _until(lambda: mirror.relay("node-1", "d2") is not None)
+
+        sending = asyncio.create_task(router.execute("node-1", directive, TIMEOUT))
+        await asyncio.sleep(0.3)
+        assert not sending.done(), "joined the post, not refused"
+        # The earlier send gives up and withdraws it: this send posts it again.
+        await relay.remove("node-1", "d2")
+        await _until(lambda: mirror.relay("node-1", "d2") is not None, timeout=5)
+        # The other replica forwards it and attaches the agent's ack.
+        posted = mirror.relay("node-1", "d2")
+        assert posted is not None
+        ack = DirectiveAck(directive_id="d2", status=AckStatus.OK, bytes_moved=5)
+        assert await relay.answer("node-1", "d2", posted, _encode(ack))
+        got = await asyncio.wait_for(sending, 10)
+        assert (got.directive_id, got.status, got.bytes_moved) == ("d2", AckStatus.OK, 5)
     finally:
         watching.cancel()
         with contextlib.suppress(asyncio.CancelledError):
