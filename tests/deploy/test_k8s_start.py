@@ -259,7 +259,9 @@ def etcd_healthy(pod: Pod, name: str, certs: Path) -> bool:
     return status == 200 and json.loads(body).get("health") == "true"
 
 
-def run_job(pods: PodSet, dep: Deployment, agent: Pod, ip: str, *, attempts: int = 1) -> dict[str, Any]:
+def run_job(
+    pods: PodSet, dep: Deployment, agent: Pod, ip: str, *, attempts: int = 1, group: str = GROUP
+) -> dict[str, Any]:
     """The job pod of k8s/examples/rl-job.yaml's shape, with two jobs, on the agent's node."""
     example = next(
         d for d in yaml.safe_load_all((K8S / "examples" / "rl-job.yaml").read_text()) if d
@@ -278,7 +280,7 @@ def run_job(pods: PodSet, dep: Deployment, agent: Pod, ip: str, *, attempts: int
         "TIMESLICE_TARGET": values["TIMESLICE_TARGET"],
         "TIMESLICE_TLS_CA": "/etc/job-tls/ca.crt",
         "JOB_IDS": ",".join(JOBS),
-        "GROUP": GROUP,
+        "GROUP": group,
         "AGENT_SOCKETS": values["TIMESLICE_AGENT_SOCKET"],
         "RESULT": "/out/result.json",
     }
@@ -366,3 +368,36 @@ def test_manifests_start_and_serve_a_switch(
         # Every pod is still up (none crashed after becoming ready).
         down = [p for p in pods.pods.values() if p.name.startswith("timeslice-") and not p.running()]
         assert not down, pods.fail("pods exited", *down)
+        if len(plan_.etcd) > 1:
+            # The replicas reach each etcd member by its own DNS name (one channel per member,
+            # each checked against that name): with the first member gone they go on.
+            first_member, _ = plan_.etcd[0]
+            pods.stop(first_member)
+            # (Another group: job 1's frozen worker of the first run is gone with its pod.)
+            ip = plan_.planner.ip()
+            again = run_job(pods, dep, agent, ip, attempts=2, group=f"{GROUP}-b")
+            assert [s["resident"] for s in again["steps"]] == [
+                {NODE: JOBS[0]},
+                {NODE: JOBS[1]},
+            ], again
+            orchestrators = [p for p, _ in plan_.orchestrators]
+            assert all(p.running() for p in orchestrators), pods.fail("a replica exited")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(Path("/dev/nvidiactl").exists(), reason="a GPU machine: cuda would start")
+def test_gpu_overlay_agent_refuses_cuda_without_gpus_in_one_line(tmp_path: Path) -> None:
+    """Without GPUs the gpu overlay's agent, started exactly as rendered, gets as far as its
+    cuda backend and stops there with one clear line (no traceback, no retry loop)."""
+    dep = deployment("overlays/gpu", tmp_path)
+    pods = PodSet(tmp_path)
+    plan_ = plan(dep, pods, 63)
+    agent, _ = plan_.agent
+    assert agent.env["TIMESLICE_AGENT_BACKEND"] == "cuda"
+    assert agent.env["NVIDIA_VISIBLE_DEVICES"] == "all"
+    with pods.running():
+        code = pods.run_to_completion(agent, timeout=60)
+        lines = agent.tail().splitlines()
+    assert code == 2, pods.fail(f"the agent exited {code}", agent)
+    assert len(lines) == 1, pods.fail("more than one line", agent)
+    assert lines[0].startswith("timeslice-agent: cannot start the cuda backend:"), lines
