@@ -61,9 +61,7 @@ def load(path: Path, env: dict[str, str]) -> dict[str, Any]:
     return dict(interpolate(data, env))
 
 
-def service_argv(
-    service: dict[str, Any], entrypoint: list[str], cmd: list[str]
-) -> list[str]:
+def service_argv(service: dict[str, Any], entrypoint: list[str], cmd: list[str]) -> list[str]:
     def as_list(value: Any) -> list[str]:
         return [str(v) for v in value] if isinstance(value, list) else str(value).split()
 

@@ -189,7 +189,9 @@ class Cluster:
         for source in container.get("envFrom", []):
             prefix = source.get("prefix", "")
             if "secretRef" in source:
-                items = {k: v.decode() for k, v in self.secrets[source["secretRef"]["name"]].items()}
+                items = {
+                    k: v.decode() for k, v in self.secrets[source["secretRef"]["name"]].items()
+                }
             else:
                 items = dict(self.config_maps[source["configMapRef"]["name"]])
             declared.update({prefix + k: v for k, v in items.items()})
@@ -215,7 +217,7 @@ class Cluster:
         return env
 
     def volume_dir(self, volume: Obj, mount: Obj, pod_dir: Path, node_dir: Path) -> Path:
-        name = volume["name"]
+        name = str(volume["name"])
         if "secret" in volume or "configMap" in volume:
             kind = "secret" if "secret" in volume else "configMap"
             spec = volume[kind]
@@ -228,7 +230,9 @@ class Cluster:
             directory.mkdir(parents=True, exist_ok=True)
             items = spec.get("items") or [{"key": k, "path": k} for k in raw]
             for item in items:
-                assert item["key"] in raw, f"volume {name}: {kind} {store_name} has no {item['key']}"
+                assert item["key"] in raw, (
+                    f"volume {name}: {kind} {store_name} has no {item['key']}"
+                )
                 data = raw[item["key"]]
                 path = directory / item["path"]
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -236,7 +240,7 @@ class Cluster:
                 path.chmod(int(item.get("mode", mode)))
             return directory
         if "hostPath" in volume:
-            directory = node_dir / volume["hostPath"]["path"].lstrip("/")
+            directory = node_dir / str(volume["hostPath"]["path"]).lstrip("/")
             directory.mkdir(parents=True, exist_ok=True)
             return directory
         if "emptyDir" in volume or "persistentVolumeClaim" in volume or volume.get("claim"):

@@ -40,7 +40,9 @@ HOST = "/.host"
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
 
-def mount(source: str, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+def mount(
+    source: str, target: str, fstype: str | None, flags: int, data: str | None = None
+) -> None:
     rc = _libc.mount(
         source.encode(),
         target.encode(),

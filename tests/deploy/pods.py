@@ -234,6 +234,10 @@ def http_status(url: str, timeout: float = 2.0) -> int:
         return 0
 
 
+def http_ok(url: str) -> bool:
+    return http_status(url) == 200
+
+
 def https_get(
     ip: str,
     port: int,

@@ -19,9 +19,10 @@ the two agents; jaeger, prometheus and grafana are third-party images and are no
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -44,7 +45,7 @@ from tests.deploy.pods import (
     bind_own_address,
     doc_block,
     dockerfile_entrypoint,
-    http_status,
+    http_ok,
     https_get,
     image_env,
     loopback_block,
@@ -115,7 +116,7 @@ def etcd_healthy(pod: Pod, certs: Path) -> bool:
 
 def http_port(argv: list[str]) -> str:
     """The HOST:PORT after ``--http`` in a service's command."""
-    for flag, value in zip(argv, argv[1:], strict=False):
+    for flag, value in itertools.pairwise(argv):
         if flag == "--http":
             return value
         if flag.startswith("--http="):
@@ -168,7 +169,11 @@ def test_compose_services_start_and_serve_a_switch(tmp_path: Path) -> None:
 
     with pods.running():
         etcd = pods.start(planned["etcd"])
-        pods.wait_for("etcd healthy (https://etcd:2379/health)", lambda: etcd_healthy(etcd, certs), [etcd])
+        pods.wait_for(
+            "etcd healthy (https://etcd:2379/health)",
+            functools.partial(etcd_healthy, etcd, certs),
+            [etcd],
+        )
         dependencies_met("etcd-auth")
         code = pods.run_to_completion(planned["etcd-auth"], timeout=60)
         assert code == 0, pods.fail(f"etcd-auth exited {code}", planned["etcd-auth"], etcd)
@@ -178,7 +183,7 @@ def test_compose_services_start_and_serve_a_switch(tmp_path: Path) -> None:
             pods.start(pod)
         for pod in orchestrators:
             url = f"http://{http_port(pod.argv)}/readyz"
-            pods.wait_for(f"{pod.name} ready ({url})", lambda url=url: http_status(url) == 200, [pod, etcd])  # type: ignore[misc]
+            pods.wait_for(f"{pod.name} ready ({url})", functools.partial(http_ok, url), [pod, etcd])
         agents = [planned["agent-0"], planned["agent-1"]]
         for pod in agents:
             dependencies_met(pod.name)
@@ -186,7 +191,11 @@ def test_compose_services_start_and_serve_a_switch(tmp_path: Path) -> None:
             pods.start(pod)
         for pod in agents:
             url = f"http://{http_port(pod.argv)}/readyz"
-            pods.wait_for(f"{pod.name} ready ({url})", lambda url=url: http_status(url) == 200, [pod, *orchestrators])  # type: ignore[misc]
+            pods.wait_for(
+                f"{pod.name} ready ({url})",
+                functools.partial(http_ok, url),
+                [pod, *orchestrators],
+            )
 
         # A job on this machine's two "nodes": the agents' sockets in the agent-run volume.
         run_volume = next(m.source for m in agents[0].mounts if m.path == "/run/timeslice")
@@ -229,4 +238,3 @@ def test_compose_services_start_and_serve_a_switch(tmp_path: Path) -> None:
         assert second["resident"] == dict.fromkeys(nodes, JOBS[1]), result
         down = [p for p in (*orchestrators, *agents, etcd) if not p.running()]
         assert not down, pods.fail("pods exited", *down)
-    assert shutil.which("unshare")

@@ -19,6 +19,7 @@ yields, job 2 acquires, and the agent switches the node between them.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -46,7 +47,7 @@ from tests.deploy.pods import (
     bind_own_address,
     doc_block,
     dockerfile_entrypoint,
-    http_status,
+    http_ok,
     https_get,
     image_env,
     loopback_block,
@@ -284,9 +285,9 @@ def run_job(
         "AGENT_SOCKETS": values["TIMESLICE_AGENT_SOCKET"],
         "RESULT": "/out/result.json",
     }
-    for i, job in enumerate(JOBS):
-        env[f"JOB_{i}_TLS_CERT"] = f"/etc/job-tls/job-{job}.crt"
-        env[f"JOB_{i}_TLS_KEY"] = f"/etc/job-tls/job-{job}.key"
+    for i, job_id in enumerate(JOBS):
+        env[f"JOB_{i}_TLS_CERT"] = f"/etc/job-tls/job-{job_id}.crt"
+        env[f"JOB_{i}_TLS_KEY"] = f"/etc/job-tls/job-{job_id}.key"
     job = Pod(
         name=f"rl-job-{attempts}",
         ip=ip,
@@ -313,7 +314,7 @@ def start(plan_: Plan, pods: PodSet, dep: Deployment) -> None:
         name = pod.aliases[0]
         pods.wait_for(
             f"etcd member {pod.name} healthy at https://{name}:2379/health",
-            lambda pod=pod, name=name: etcd_healthy(pod, name, dep.certs),  # type: ignore[misc]
+            functools.partial(etcd_healthy, pod, name, dep.certs),
             members,
         )
     # The Job: restartPolicy OnFailure, backoffLimit tries.
@@ -331,7 +332,7 @@ def start(plan_: Plan, pods: PodSet, dep: Deployment) -> None:
         url = probe_url(pod, container)
         pods.wait_for(
             f"orchestrator {pod.name} ready ({url})",
-            lambda url=url: http_status(url) == 200,  # type: ignore[misc]
+            functools.partial(http_ok, url),
             [pod, *members],
         )
     agent, container = plan_.agent
@@ -339,7 +340,7 @@ def start(plan_: Plan, pods: PodSet, dep: Deployment) -> None:
     url = probe_url(agent, container)
     pods.wait_for(
         f"agent {agent.name} ready ({url})",
-        lambda: http_status(url) == 200,
+        functools.partial(http_ok, url),
         [agent, *(p for p, _ in plan_.orchestrators)],
     )
 
@@ -366,7 +367,9 @@ def test_manifests_start_and_serve_a_switch(
         if backend == "freeze":
             assert second["worker_states"][JOBS[0]] == "T", result  # job 1's worker stopped
         # Every pod is still up (none crashed after becoming ready).
-        down = [p for p in pods.pods.values() if p.name.startswith("timeslice-") and not p.running()]
+        down = [
+            p for p in pods.pods.values() if p.name.startswith("timeslice-") and not p.running()
+        ]
         assert not down, pods.fail("pods exited", *down)
         if len(plan_.etcd) > 1:
             # The replicas reach each etcd member by its own DNS name (one channel per member,
