@@ -6,7 +6,7 @@ private mount and UTS namespace with its volumes bind-mounted at their ``mountPa
 :class:`PodSet` starts them, waits on them with clear failures (the failing pod's last log
 lines), and always stops them: each pod is a process group of its own, killed in ``finally``.
 
-What differs from a container runtime, on purpose (tests/deploy/README in the main README):
+What differs from a container runtime, on purpose (README, "What the deployment tests exercise"):
 
 - Each pod has its own address on ``lo`` (``127.a.b.c``) instead of a network namespace, so
   several pods can use the same container port. A bind to ``0.0.0.0`` in a command is
