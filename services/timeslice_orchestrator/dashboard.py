@@ -40,7 +40,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from timeslice_orchestrator.holds import HoldTracker
 from timeslice_orchestrator.store.cache import GroupView, RelayPost
-from timeslice_orchestrator.store.records import AgentRecord
+from timeslice_orchestrator.store.records import (
+    AgentRecord,
+    GroupStats,
+    HolderRecord,
+    Stored,
+    SwitchRecord,
+)
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +79,10 @@ class MirrorView(Protocol):
     def group_names(self) -> list[str]: ...
     def has_group(self, group: str) -> bool: ...
     def group(self, group: str) -> GroupView: ...
+    def stats(self, group: str) -> GroupStats | None: ...
+    def holder(self, group: str) -> Stored[HolderRecord] | None: ...
+    def switch(self, group: str) -> Stored[SwitchRecord] | None: ...
+    def has_waiters(self, group: str) -> bool: ...
     def agents(self) -> dict[str, AgentRecord]: ...
     def relays(self) -> list[RelayPost]: ...
     def add_listener(self, listener: Callable[[set[str]], None]) -> None: ...
@@ -298,7 +308,7 @@ class Dashboard:
         """Remember the groups as they are (no switch ends for what happened before), then
         follow every change."""
         for group in self._mirror.group_names():
-            self._seen[group] = self._seen_of(self._mirror.group(group))
+            self._seen[group] = self._seen_now(group)[0]
         self._mirror.add_listener(self.on_change)
         self._started = True
         self.sample()
@@ -322,17 +332,23 @@ class Dashboard:
             await asyncio.sleep(self.config.sample_seconds)
             self.sample()
 
-    @staticmethod
-    def _seen_of(view: GroupView) -> _Seen:
-        switch = view.switch.record if view.switch is not None else None
-        return _Seen(
-            switches=view.stats.switches,
-            rollbacks=view.stats.rollbacks,
-            holder=view.holder.record.job if view.holder is not None else "",
-            switch_from=",".join(switch.from_jobs) if switch is not None else "",
-            switch_to=switch.to_job if switch is not None else "",
-            queued=bool(view.queue),
+    def _seen_now(self, group: str) -> tuple[_Seen, GroupStats]:
+        """What the group shows now, and its statistics. Runs on every change of every group,
+        dashboard open or not: it reads the few records it needs (each decoded once per
+        write), not a whole view of the group."""
+        mirror = self._mirror
+        stats = mirror.stats(group) or GroupStats()
+        holder = mirror.holder(group)
+        switch = mirror.switch(group)
+        seen = _Seen(
+            switches=stats.switches,
+            rollbacks=stats.rollbacks,
+            holder=holder.record.job if holder is not None else "",
+            switch_from=",".join(switch.record.from_jobs) if switch is not None else "",
+            switch_to=switch.record.to_job if switch is not None else "",
+            queued=mirror.has_waiters(group),
         )
+        return seen, stats
 
     def on_change(self, topics: set[str]) -> None:
         """Mirror listener: note switch ends, mark the changed groups for every stream."""
@@ -368,8 +384,7 @@ class Dashboard:
         if not self._mirror.has_group(group):
             self._seen.pop(group, None)
             return False
-        view = self._mirror.group(group)
-        now = self._seen_of(view)
+        now, stats = self._seen_now(group)
         before = self._seen.get(group)
         self._seen[group] = now
         if before is None:
@@ -385,7 +400,7 @@ class Dashboard:
                     from_job,
                     to_job,
                     "committed",
-                    view.stats.last_switch_seconds,
+                    stats.last_switch_seconds,
                     self._wall(),
                 )
             )

@@ -60,6 +60,18 @@ class FakeMirror:
     def group(self, group: str) -> GroupView:
         return self.views.get(group) or view(group)
 
+    def stats(self, group: str) -> GroupStats | None:
+        return self.group(group).stats
+
+    def holder(self, group: str) -> Stored[HolderRecord] | None:
+        return self.group(group).holder
+
+    def switch(self, group: str) -> Stored[SwitchRecord] | None:
+        return self.group(group).switch
+
+    def has_waiters(self, group: str) -> bool:
+        return bool(self.group(group).queue)
+
     def agents(self) -> dict[str, AgentRecord]:
         return {}
 

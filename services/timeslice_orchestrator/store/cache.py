@@ -232,6 +232,19 @@ class Mirror:
         kv = self._kv(KeyRef(Kind.HOLDER, group))
         return kv.create_revision if kv else 0
 
+    def stats(self, group: str) -> GroupStats | None:
+        """The group's statistics as last seen, decoded once per write (callers must not
+        change the record; a whole :meth:`group` view hands out a copy)."""
+        ref = KeyRef(Kind.STATS, group)
+        kv = self._kv(ref)
+        return self._decoded_record(ref, kv, GroupStats) if kv else None
+
+    def switch(self, group: str) -> Stored[SwitchRecord] | None:
+        """The group's switch record as last seen (None: no switch in flight)."""
+        ref = KeyRef(Kind.SWITCH, group)
+        kv = self._kv(ref)
+        return Stored.of(kv, self._decoded_record(ref, kv, SwitchRecord)) if kv else None
+
     def usage(self, group: str) -> Stored[UsageRecord] | None:
         """The group's usage ledger as last seen (None: nothing was ever released)."""
         ref = KeyRef(Kind.USAGE, group)
