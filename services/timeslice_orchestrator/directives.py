@@ -160,8 +160,13 @@ class DirectiveSender:
             try:
                 await self._router.fence(node, reason)
             except StoreUnavailable as fence_error:
+                # Neither done nor fenced: the directive may still act on the node. Outcome
+                # unknown, like an unreachable agent: the driver keeps the switch and sends the
+                # same directive again (rolling back now would race it).
                 error = f"{exc}; fencing it out failed: {fence_error}"
-                return NodeResult(node, False, error, 0, time.monotonic() - started)
+                return NodeResult(
+                    node, False, error, 0, time.monotonic() - started, unavailable=True
+                )
             self._metrics.agents_fenced.labels(reason="deadline").inc()
             error = f"fenced out: {reason}"
             return NodeResult(

@@ -201,7 +201,14 @@ class SwitchDriver:
     def _on_change(self, topics: set[str]) -> None:
         if AGENTS_TOPIC in topics:
             self._kick_busy(self._mirror.group_names())
-        self._kick_busy(topic[6:] for topic in topics if topic.startswith("group:"))
+        groups = [topic[6:] for topic in topics if topic.startswith("group:")]
+        if self._written:
+            # Writes the mirror now shows need no wait (a group gone idle keeps no entry).
+            revision = self._mirror.revision
+            for group in groups:
+                if self._written.get(group, revision + 1) <= revision:
+                    del self._written[group]
+        self._kick_busy(groups)
 
     async def _sync(self, group: str) -> None:
         """The work queue's handler: one pass over ``group``, then when to look again."""
@@ -725,7 +732,9 @@ class SwitchDriver:
         stats.last_error = reason
         stats.faults += 1
         # Isolate the head: its Acquire fails with the reason, the others keep their places.
-        await self._store.fault_waiter(group, self._auth, Fault(head, reason), stats)
+        self._wrote(
+            group, await self._store.fault_waiter(group, self._auth, Fault(head, reason), stats)
+        )
         self._metrics.switches.labels(outcome="gave_up").inc()
         return Next.AGAIN
 

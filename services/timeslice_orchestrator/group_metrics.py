@@ -40,7 +40,7 @@ class GroupMetrics(Collector):
     ) -> None:
         self._mirror = mirror
         self._hold_seconds = hold_seconds
-        self.tracker = tracker or HoldTracker()
+        self.tracker = tracker or HoldTracker(started=clock())
         self._max_groups = max_groups
         self._clock = clock
         # Groups held, switching or with waiters, kept up to date on every change: a scrape

@@ -27,10 +27,13 @@ class _Group:
 class HoldTracker:
     """Holds of every group as observed; see the module docstring."""
 
-    def __init__(self, window: float = DEFAULT_WINDOW_SECONDS) -> None:
+    def __init__(self, window: float = DEFAULT_WINDOW_SECONDS, started: float = 0.0) -> None:
+        """``started``: when this replica began to watch (on the clock ``now`` values use);
+        a group first seen held later was free since then, within the window."""
         if window <= 0:
             raise ValueError(f"window must be positive, got {window}")
         self.window = window
+        self.started = started
         self._groups: dict[str, _Group] = {}
 
     def observe(self, group: str, epoch: int, now: float) -> float | None:
@@ -40,7 +43,9 @@ class HoldTracker:
         if state is None:
             if not epoch:
                 return None  # never seen held: nothing to track yet
-            state = self._groups[group] = _Group(since=now)
+            # Free until now, as far as this replica saw (a new group, or one idle for the
+            # whole window since it was last tracked).
+            state = self._groups[group] = _Group(since=max(self.started, now - self.window))
         if epoch == state.epoch:
             return None
         ended = None

@@ -71,8 +71,9 @@ class DirectiveRouter:
         if agent is None:
             raise AgentGone(f"agent {node} is gone (its record expired)")
         record = RelayRecord(driver=self._replica_id, directive=_encode(directive))
-        await self._post(node, directive.directive_id, record)
-        shown = False  # the mirror has shown the post
+        # Whether the post is known to exist: shown by the mirror, or found already there
+        # (joined). A known post that the mirror then shows missing was withdrawn unanswered.
+        shown = not await self._post(node, directive.directive_id, record)
         try:
             async with asyncio.timeout(timeout):
                 while True:
@@ -85,8 +86,7 @@ class DirectiveRouter:
                     elif shown:
                         # Gone unanswered: an earlier send of it gave up and removed it, or the
                         # lease it was posted on ended. Post it again.
-                        shown = False
-                        await self._post(node, directive.directive_id, record)
+                        shown = not await self._post(node, directive.directive_id, record)
                     now = self._mirror.agents().get(node)
                     if now is None:
                         # Fenced out, or its record expired: not waited for (like at the start).
@@ -113,13 +113,16 @@ class DirectiveRouter:
                 # It goes with this replica's lease at the latest; forwarders skip answered ones.
                 log.warning("could not remove relay key of %s: %s", directive.directive_id, exc)
 
-    async def _post(self, node: str, directive_id: str, record: RelayRecord) -> None:
+    async def _post(self, node: str, directive_id: str, record: RelayRecord) -> bool:
+        """Post the directive; False when a post of it is there already (then joined)."""
         if not await self._relay.post(node, directive_id, record, self._lease):
             # An earlier send of this very directive (same id, same content), whose pass was
             # cut short (etcd away) or which another driver of the switch made: its ack is
             # this send's answer. Failing here instead would roll the switch back while that
             # send still runs on the agent.
             log.info("directive %s to %s posted already: waiting for its ack", directive_id, node)
+            return False
+        return True
 
     def _on_change(self, topics: set[str]) -> None:
         if RELAY_TOPIC not in topics:

@@ -87,7 +87,9 @@ async def test_metrics_answer_operators_questions(cluster_factory: ClusterFactor
     for http in cluster.replica_http:
         samples = scrape(http)
         duty = value(samples, "timeslice_group_duty_cycle_ratio", group="g")
-        assert 0.3 < duty <= 1.0, duty  # held for most of the test, free at its end
+        # Over the time the replica watched (it started before the jobs came): held for a
+        # part of it, free at its end (the window's arithmetic: tests/unit/test_holds.py).
+        assert 0.0 < duty < 1.0, duty
         assert value(samples, "timeslice_group_held", group="g") == 0
         assert value(samples, "timeslice_group_queue_depth", group="g") == 0
         assert value(samples, "timeslice_group_held_seconds_total", group="g") > 0.6

@@ -8,7 +8,7 @@ from timeslice_orchestrator.holds import HoldTracker
 
 
 def test_duty_cycle_counts_the_held_part_of_the_window() -> None:
-    t = HoldTracker(window=10)
+    t = HoldTracker(window=10, started=100)
     assert t.observe("g", 5, now=100) is None  # the first hold starts tracking
     assert t.duty_cycle("g", now=104) == 1.0
     assert t.observe("g", 0, now=104) == 4.0  # released: a 4 s hold
@@ -21,7 +21,7 @@ def test_duty_cycle_counts_the_held_part_of_the_window() -> None:
 
 
 def test_a_new_epoch_ends_the_previous_hold() -> None:
-    t = HoldTracker(window=60)
+    t = HoldTracker(window=60, started=0)
     t.observe("g", 5, now=0)
     assert t.observe("g", 5, now=1) is None  # same hold: nothing ends
     assert t.observe("g", 7, now=3) == 3.0  # handed over in one transaction
@@ -29,7 +29,7 @@ def test_a_new_epoch_ends_the_previous_hold() -> None:
 
 
 def test_groups_idle_for_a_whole_window_are_forgotten() -> None:
-    t = HoldTracker(window=10)
+    t = HoldTracker(window=10, started=0)
     assert t.observe("never", 0, now=0) is None
     assert t.groups() == []  # never held: not tracked
     t.observe("g", 1, now=0)
@@ -47,3 +47,15 @@ def test_groups_idle_for_a_whole_window_are_forgotten() -> None:
 def test_window_must_be_positive() -> None:
     with pytest.raises(ValueError):
         HoldTracker(window=0)
+
+
+def test_a_group_first_held_late_was_free_before() -> None:
+    # Watched from 0; the group free for 240 s, then held for 10 s: a 10 s share of the
+    # 60 s window, not 100%.
+    t = HoldTracker(window=60, started=0)
+    t.observe("g", 7, now=240)
+    assert t.duty_cycle("g", now=250) == pytest.approx(10 / 60)
+    # Seen early: only the time watched counts.
+    early = HoldTracker(window=60, started=0)
+    early.observe("g", 7, now=20)
+    assert early.duty_cycle("g", now=30) == pytest.approx(10 / 30)

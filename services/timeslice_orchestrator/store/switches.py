@@ -251,8 +251,11 @@ class SwitchStore(StoreBase):
 
     async def fault_waiter(
         self, group: str, auth: Authority, fault: Fault, stats: GroupStats
-    ) -> bool:
-        """Give up on a waiter (the entry it had when the driver decided) and say why."""
+    ) -> int | None:
+        """Give up on a waiter (the entry it had when the driver decided) and say why.
+
+        Returns the revision of the write, or None if a compare failed.
+        """
         entry = self.keys.queue_entry(group, fault.waiter.job)
         result = await self.etcd.txn(
             Txn(
@@ -260,7 +263,7 @@ class SwitchStore(StoreBase):
                 [*self._give_up(group, fault), Put(self.keys.stats(group), stats.encode())],
             )
         )
-        return result.succeeded
+        return result.revision if result.succeeded else None
 
     def _give_up(self, group: str, fault: Fault) -> list[Op]:
         # The record lives on the waiter's session lease: it goes when the client does.
