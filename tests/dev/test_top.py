@@ -74,7 +74,8 @@ async def test_top_once_and_live_against_a_cluster(cluster_factory: ClusterFacto
         assert proc.stdout is not None
         seen = ""
         try:
-            async with asyncio.timeout(20):
+            # Generous: a loaded 2-core machine starts a Python process in seconds.
+            async with asyncio.timeout(60):
                 while "top-g  holder top-a" not in seen:
                     seen += (await proc.stdout.readline()).decode()
                 await a.yield_("top-g")
@@ -82,8 +83,15 @@ async def test_top_once_and_live_against_a_cluster(cluster_factory: ClusterFacto
                 while "top-a -> top-b" not in seen:
                     seen += (await proc.stdout.readline()).decode()
             assert "top-g  holder top-b (" in seen.rsplit("timeslice top", 1)[-1]
+        except TimeoutError:
+            raise AssertionError(f"top did not show the hand-over; it printed:\n{seen}") from None
         finally:
             proc.send_signal(signal.SIGINT)
-            _, err_bytes = await asyncio.wait_for(proc.communicate(), 10)
+            try:
+                _, err_bytes = await asyncio.wait_for(proc.communicate(), 30)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+                raise AssertionError(f"top did not end on SIGINT; it printed:\n{seen}") from None
         assert proc.returncode == 0, err_bytes.decode()
         await b.yield_("top-g")

@@ -58,6 +58,10 @@ _RESET = "\x1b[0m"
 _RECENT = 10
 
 
+# How long leaving top waits for its watch streams to end.
+CLOSE_SECONDS = 5.0
+
+
 def register(commands: Commands) -> None:
     """Add ``top``."""
     top = commands.add("top", cmd_top, help="every group, live, in the terminal (Ctrl-C ends)")
@@ -271,7 +275,9 @@ class Top:
         tasks = list(self._watches.values())
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks:
+            # Bounded: Ctrl-C must end top even if a replica never answers the stream's end.
+            await asyncio.wait(tasks, timeout=CLOSE_SECONDS)
         self._watches.clear()
 
     def frame(self, color: bool, width: int) -> str:
