@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import shutil
+import signal
 import sys
 import time
 from collections import deque
@@ -315,11 +316,22 @@ async def _live(targets: Sequence[Target], args: argparse.Namespace) -> None:
     top = Top(targets, args.max_groups)
     tty = sys.stdout.isatty()
     loop = asyncio.get_running_loop()
+    # Ctrl-C and SIGTERM end the loop through an event, not by cancelling this task: on
+    # Python 3.11 a cancellation that arrives as the redraw wait's own timeout fires is
+    # turned into that TimeoutError and lost, and top then ran on after Ctrl-C.
+    stop = asyncio.Event()
+
+    def stopping() -> None:
+        stop.set()
+        top.changed.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stopping)
     next_discovery = 0.0
     try:
         if tty:
             sys.stdout.write(_HIDE_CURSOR)
-        while True:
+        while not stop.is_set():
             if loop.time() >= next_discovery:
                 await top.discover()
                 next_discovery = loop.time() + args.refresh
@@ -337,6 +349,8 @@ async def _live(targets: Sequence[Target], args: argparse.Namespace) -> None:
                 async with asyncio.timeout(max(0.0, 1.0 - args.interval)):
                     await top.changed.wait()
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
         await top.close()
         if tty:
             sys.stdout.write(_SHOW_CURSOR)
