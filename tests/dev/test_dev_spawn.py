@@ -39,7 +39,11 @@ def test_a_child_is_terminated_when_its_parent_is_killed(tmp_path: Path) -> None
     assert parent.stdout is not None
     child = int(parent.stdout.readline())
     try:
-        assert alive(child)
+        # Its cmdline can read empty for an instant while setpriv execs the command.
+        deadline = time.monotonic() + 10
+        while not alive(child):
+            assert time.monotonic() < deadline, "the child never ran"
+            time.sleep(0.05)
         parent.send_signal(signal.SIGKILL)
         parent.wait(timeout=10)
         deadline = time.monotonic() + 10
