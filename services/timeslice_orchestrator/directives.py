@@ -187,13 +187,6 @@ class DirectiveSender:
             return NodeResult(
                 node, False, str(exc), 0, time.monotonic() - started, unavailable=True
             )
-        except StoreUnavailable as exc:
-            # etcd away while relaying: the outcome is unknown too. Answered here, so that the
-            # phase's other nodes are waited for and the pass ends as a whole (a raise would
-            # leave their sends running with no pass behind them).
-            self._metrics.directives.labels(kind=label, status="unavailable").inc()
-            error = f"etcd unavailable while relaying: {exc}"
-            return NodeResult(node, False, error, 0, time.monotonic() - started, unavailable=True)
         self._metrics.directives.labels(kind=label, status=ack.status.name.lower()).inc()
         self._observe(node, label, time.monotonic() - started, ack)
         ok = ack.status == AckStatus.OK
