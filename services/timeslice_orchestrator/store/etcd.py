@@ -400,6 +400,12 @@ def parse_endpoints(endpoints: Sequence[str]) -> list[str]:
     return [str(a) for a in addresses]
 
 
+def _server_timeout(exc: grpc.aio.AioRpcError) -> bool:
+    """A member's own timeout (UNKNOWN "context deadline exceeded", as during an election):
+    a member fault like UNAVAILABLE; a read goes to the next member, a write is not resent."""
+    return exc.code() == grpc.StatusCode.UNKNOWN and "deadline exceeded" in (exc.details() or "")
+
+
 def _not_applied(exc: grpc.aio.AioRpcError) -> bool:
     details = (exc.details() or "").lower()
     return exc.code() == grpc.StatusCode.UNAVAILABLE and any(s in details for s in _NOT_APPLIED)
@@ -614,7 +620,7 @@ class EtcdClient:
                 call = getattr(getattr(member, stub), method)
                 return await call(request, timeout=max(per_try, 0.001), metadata=REQUIRE_LEADER)
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in _MEMBER_FAULTS:
+                if exc.code() not in _MEMBER_FAULTS and not _server_timeout(exc):
                     raise
                 self._failed(member, f"{exc.code().name}: {exc.details()}")
                 if len(self._members) == 1 or not (read or _not_applied(exc)):
