@@ -63,9 +63,12 @@ async def test_async_profile_runs_with_its_samplers(
         cluster_kwargs={"etcd_endpoint": etcd_server.endpoint, "base_dir": tmp_path / "c"},
     )
     assert result.violations == []
-    # Batches pace the trainer: its steps last about one batch, shared or not.
+    # Batches pace the trainer: a step lasts at least about one batch (0.3 s), not the
+    # trainer's own 0.13 s of work. The upper bound is loose: beside a full test suite on two
+    # cores, control-plane latency once stretched the mean step to 0.8 s (CI, stop 17).
+    batch = 100 * 0.003
     for alone in result.baseline_step_seconds:
-        assert alone == pytest.approx(100 * 0.003, rel=0.35)
+        assert 0.8 * batch <= alone < batch + 1.5
 
 
 async def test_control_plane_benchmarks_measure_and_check(etcd_server: EtcdServer) -> None:
