@@ -84,9 +84,19 @@ class DirectiveSender:
             attributes={"timeslice.group": switch.record.group, "timeslice.nodes": len(steps)},
         ) as span:
             started = time.monotonic()
-            results = list(
-                await asyncio.gather(*(self._run_step(switch, kind, s, purpose) for s in steps))
+            # Every step runs to its end (each is bounded by the directive deadline) before
+            # an error of one (etcd away while relaying) is raised: none is left running
+            # unwatched behind the driver's back, and the driver's retry re-sends the same
+            # directive ids, which the agents answer from their ledgers.
+            outcomes = await asyncio.gather(
+                *(self._run_step(switch, kind, s, purpose) for s in steps),
+                return_exceptions=True,
             )
+            results: list[NodeResult] = []
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                results.append(outcome)
             phase = _PHASE_OF_PURPOSE.get(purpose, purpose)
             self._metrics.switch_phase_seconds.labels(phase=phase).observe(
                 time.monotonic() - started

@@ -74,6 +74,7 @@ from timeslice_orchestrator.store.records import (
     OperationKind,
     OperationRecord,
     OperationState,
+    ResidentRecord,
     Stored,
     SwitchPhase,
     SwitchRecord,
@@ -563,6 +564,7 @@ class SwitchDriver:
             return Next.LATER
         view = self._mirror.group(group)
         resident = view.residency()
+        self._forget_away(record, resident)
         for step in record.steps:
             if step.evict and step.node not in record.fenced:
                 # Checkpointed to the host. A fenced node's residency is what its fence (or
@@ -674,11 +676,12 @@ class SwitchDriver:
             return Next.LATER
         view = self._mirror.group(group)
         resident = view.residency()
+        self._forget_away(record, resident)
         stats = view.stats
         stats.last_error = self._last_error.pop(group, "") or f"switch {record.switch_id} aborted"
         stats.rollbacks += 1
         for step, result in zip(evictions, results, strict=True):
-            if result.fenced:
+            if result.gone:
                 continue  # said once, in last_error
             if not result.ok:
                 resident.remove(step.node, step.evict)
@@ -738,20 +741,33 @@ class SwitchDriver:
         self._metrics.switches.labels(outcome="gave_up").inc()
         return Next.AGAIN
 
+    def _forget_away(self, record: SwitchRecord, resident: ResidentRecord) -> None:
+        """Mark unknown the residency of the nodes this switch went on without that are still
+        away: what is on their devices is unknown (a checkpoint may or may not have run), and
+        their next hello settles it. A node fenced out already had it marked so by its fence;
+        one back since has had it written by its hello, which is kept."""
+        agents = self._mirror.agents()
+        for node in record.fenced:
+            if node not in agents:
+                resident.nodes.pop(node, None)
+
     def _note_fenced(
         self, record: SwitchRecord, results: Sequence[NodeResult], phase: str
     ) -> list[str]:
-        """Add the nodes fenced out in this phase to the record; say so, and which nodes
-        left their groups (agent record expired), in last_error.
+        """Add the nodes gone in this phase (fenced out, or left their groups: agent record
+        expired) to the record's ``fenced`` list, and say so in last_error.
 
-        The caller writes the record (with its next phase, or the commit ends it), so that
-        whatever driver carries the switch on never sends them another directive of it.
+        A node that merely left is listed too: it has no fence revision to refuse this
+        switch's directives with when it comes back, so only the list keeps them from it. The
+        caller writes the record (with its next phase, or the commit ends it), so that
+        whatever driver carries the switch on never sends them another directive of it, and
+        the commit leaves their residency as the fence, or the hello that reconciles them,
+        writes it.
         """
-        new = [r for r in results if r.fenced and r.node not in record.fenced]
-        left = [r for r in results if r.gone and not r.fenced]
+        new = [r for r in results if r.gone and r.node not in record.fenced]
         for result in new:
             record.fenced.append(result.node)
-        for result in [*new, *left]:
+        for result in new:
             how = "fenced out" if result.fenced else "left its groups"
             note = f"{phase}: node {result.node} {how} ({result.error})"
             log.warning("group %s: %s; going on without it", record.group, note)

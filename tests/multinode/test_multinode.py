@@ -16,6 +16,7 @@ from tests.faults.harness import cycle, journals, wait_for_status
 from timeslice import AsyncTimeSliceClient, Grant, register
 from timeslice.errors import GroupFaulted
 from timeslice.worker import WorkerRegistration
+from timeslice_proto.timeslice.v1 import SwitchPhase
 from timeslice_tools.dev.cluster import LocalCluster
 from timeslice_tools.history import (
     Recorder,
@@ -127,6 +128,57 @@ async def test_checkpoint_failure_on_one_node_rolls_back(cluster_factory: Cluste
         for w in workers:
             w.close()
     check_two_phase(journals(cluster))
+
+
+@pytest.mark.slow
+async def test_a_node_that_left_mid_switch_is_sent_nothing_more_of_it(
+    cluster_factory: ClusterFactory,
+) -> None:
+    # node-1's agent dies before a switch it is planned into. Its record expires (agent TTL
+    # 2 s) while node-0's checkpoint still runs (0.5 GB at 0.05 GB/s: 10 s), so the switch
+    # goes on without it, and the agent comes back before the restore phase. A node that
+    # left has no fence revision to refuse the switch's directives with: only the switch
+    # record's list of nodes it went on without keeps the restore of b, an old epoch's
+    # directive, from running there beside a (which never left its devices).
+    cluster = cluster_factory(
+        agents=2,
+        agent_args=SIM,
+        node_args={"node-0": ["--sim-bandwidth-gbps", "0.05"]},
+        orchestrator_args=["--agent-ttl", "2", "--directive-timeout", "60"],
+    )
+    workers = await _setup(cluster, ["a", "b"])
+    try:
+        async with (
+            AsyncTimeSliceClient(cluster.target, job_id="a") as a,
+            AsyncTimeSliceClient(cluster.target, job_id="b") as b,
+        ):
+            waiter = await queue_behind(a, b, timeout=90)
+            cluster.kill_agent("node-1")
+            killed = time.monotonic()
+            await a.yield_("g")
+            await wait_for_status(
+                a,
+                "g",
+                lambda s: s.switch is not None and s.switch.phase == SwitchPhase.CHECKPOINT,
+                10,
+            )
+            await asyncio.sleep(max(0.0, killed + 4.0 - time.monotonic()))  # its record expired
+            await asyncio.to_thread(cluster.start_agent, "node-1")
+            grant = await waiter
+            assert grant.job_id == "b"
+            status = await a.status("g")
+            assert "node node-1 left its groups" in status.last_error, status.last_error
+            await b.yield_("g")
+    finally:
+        for w in workers:
+            w.close()
+    entries = journals(cluster)
+    epoch = next(
+        e.epoch for e in entries if (e.node, e.kind, e.job) == ("node-0", "checkpoint", "a")
+    )
+    sent_after = [e for e in entries if e.node == "node-1" and e.epoch == epoch]
+    assert sent_after == [], "a directive of the switch reached the node it went on without"
+    check_fencing(entries)
 
 
 @pytest.mark.slow
