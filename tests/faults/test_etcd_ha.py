@@ -234,6 +234,47 @@ async def test_client_fails_over_by_dns_name(etcd3: EtcdCluster) -> None:
             await etcd.close()
 
 
+async def test_a_watch_on_a_paused_member_moves_while_nothing_else_calls_it(
+    etcd3: EtcdCluster,
+) -> None:
+    # The mirror's watch can sit on a member its unary calls no longer use (they moved at an
+    # earlier fault). A paused member answers nothing, and gRPC's keepalive stops pinging a
+    # connection that sends no data, so only the client itself can find the watch silent.
+    watching, writing = _client(etcd3), _client(etcd3)
+    prefix = f"/timeslice/ha/{time.monotonic_ns()}/".encode()
+    async with _restored(etcd3):
+        start = await writing.put(prefix + b"start", b"")
+        watched = _Watched()
+        watcher = asyncio.create_task(_mirror(watching, prefix, start + 1, watched))
+        try:
+            first = await writing.put(prefix + b"k", b"before")
+            while not watched.revisions or watched.revisions[-1] < first:
+                await asyncio.sleep(0.02)
+            member = _by_name(etcd3).index(watching.current_endpoint)
+            if _by_name(etcd3).index(writing.current_endpoint) == member:
+                writing._current = (member + 1) % 3  # the writer stays away from it
+            etcd3.pause(member)
+            paused = time.monotonic()
+            later = 0
+            while not later:  # a paused leader: the put may time out during the election
+                with contextlib.suppress(StoreUnavailable):
+                    later = await writing.put(prefix + b"k", b"during")
+            while not watched.revisions or watched.revisions[-1] < later:
+                assert time.monotonic() - paused < 8.0, (
+                    f"the watch on the paused member saw nothing for 8 s "
+                    f"({watched.resumes} resumes)"
+                )
+                await asyncio.sleep(0.05)
+            report_recovery("etcd member paused: its watch moved after", time.monotonic() - paused)
+            assert watched.resumes >= 1
+        finally:
+            etcd3.resume(member)
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+            await watching.close()
+            await writing.close()
+
+
 async def test_a_call_to_a_cluster_without_quorum_is_a_typed_unavailable(
     etcd3: EtcdCluster,
 ) -> None:

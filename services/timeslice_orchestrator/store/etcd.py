@@ -349,6 +349,13 @@ OLD_CHANNEL_GRACE = 30.0
 REQUIRE_LEADER: tuple[tuple[str, str], ...] = (("hasleader", "true"),)
 # How long a member that failed is passed over while another one is available.
 MEMBER_PENALTY = 5.0
+# A watch that has heard nothing for this long asks its member, with a small read, whether
+# it still answers; one that does not within WATCH_PROBE_TIMEOUT is failed and the watch
+# moves on. gRPC's own keepalive cannot be relied on for this: it stops pinging a connection
+# that sends no data (a watch's, once created), so a paused member would keep the watch silent
+# for as long as the pause lasts.
+WATCH_PROBE_AFTER = 2.0
+WATCH_PROBE_TIMEOUT = 2.0
 # A call that may be retried on another member gives its first try this share of its deadline.
 FIRST_TRY_SHARE = 0.6
 # Pause before trying again when every member failed a moment ago (an election, say).
@@ -839,12 +846,15 @@ class EtcdClient:
         call = member.watch.Watch(metadata=REQUIRE_LEADER)
         abandoned = asyncio.Event()
         watchdog = asyncio.ensure_future(_abandon(member.failed, call, abandoned))
+        heard = _Heard()
+        prober = asyncio.ensure_future(self._probe_while_silent(member, heard))
         try:
             await call.write(request)
             created = False
             while True:
                 if created:
                     resp = await call.read()
+                    heard.at = time.monotonic()
                 else:
                     # A member that does not even confirm the watch (paused, say) is left now
                     # rather than when the connection's keepalive gives up on it.
@@ -889,7 +899,31 @@ class EtcdClient:
             raise
         finally:
             watchdog.cancel()
+            prober.cancel()
             call.cancel()
+
+    async def _probe_while_silent(self, member: _Member, heard: _Heard) -> None:
+        """Fail ``member`` (which moves its watches) once a watch on it has been silent for
+        :data:`WATCH_PROBE_AFTER` and a small read to it then goes unanswered."""
+        probe = pb.RangeRequest(key=b"\0", count_only=True, serializable=True)
+        while True:
+            await asyncio.sleep(max(heard.at + WATCH_PROBE_AFTER - time.monotonic(), 0.05))
+            if time.monotonic() - heard.at < WATCH_PROBE_AFTER:
+                continue
+            try:
+                await member.kv.Range(probe, timeout=WATCH_PROBE_TIMEOUT, metadata=REQUIRE_LEADER)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in _MEMBER_FAULTS or _server_timeout(exc):
+                    self._failed(member, f"a silent watch's probe failed: {exc.code().name}")
+                    return
+            heard.at = time.monotonic()
+
+
+@dataclass
+class _Heard:
+    """When a watch last heard from its member (time.monotonic())."""
+
+    at: float = field(default_factory=time.monotonic)
 
 
 async def _abandon(failed: asyncio.Event, call: Any, abandoned: asyncio.Event) -> None:
