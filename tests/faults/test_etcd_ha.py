@@ -169,6 +169,17 @@ async def _writes(etcd: EtcdClient, key: bytes, count: int, written: list[bytes]
         await asyncio.sleep(0.01)
 
 
+async def _put(etcd: EtcdClient, key: bytes, value: bytes) -> int:
+    """Put until it succeeds (during an election a put fails, typed): its revision."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return await etcd.put(key, value)
+        except StoreUnavailable:
+            assert time.monotonic() < deadline, "no put succeeded within 30 s"
+            await asyncio.sleep(0.05)
+
+
 async def test_client_fails_over_by_dns_name(etcd3: EtcdCluster) -> None:
     etcd = _client(etcd3)
     prefix = f"/timeslice/ha/{time.monotonic_ns()}/".encode()
@@ -194,9 +205,18 @@ async def test_client_fails_over_by_dns_name(etcd3: EtcdCluster) -> None:
                 else:
                     etcd3.pause(current)
                 # Reads answer within their deadline (on another member), writes go on.
-                for _ in range(5):
-                    kv = await _timed("get", etcd.timeout, etcd.get(key))
+                # While a new leader is elected (the member led) no member can serve one:
+                # then a read fails, typed, within its deadline, and a later one answers.
+                answered, deadline = 0, time.monotonic() + 15
+                while answered < 5:
+                    assert time.monotonic() < deadline, f"reads failed after the {fault}"
+                    try:
+                        kv = await _timed("get", etcd.timeout, etcd.get(key))
+                    except StoreUnavailable:
+                        await asyncio.sleep(0.05)
+                        continue
                     assert kv is not None
+                    answered += 1
                 deadline = time.monotonic() + 15
                 while len(written) < before + 10:
                     assert time.monotonic() < deadline, f"writes stalled after the {fault}"
@@ -243,11 +263,11 @@ async def test_a_watch_on_a_paused_member_moves_while_nothing_else_calls_it(
     watching, writing = _client(etcd3), _client(etcd3)
     prefix = f"/timeslice/ha/{time.monotonic_ns()}/".encode()
     async with _restored(etcd3):
-        start = await writing.put(prefix + b"start", b"")
+        start = await _put(writing, prefix + b"start", b"")
         watched = _Watched()
         watcher = asyncio.create_task(_mirror(watching, prefix, start + 1, watched))
         try:
-            first = await writing.put(prefix + b"k", b"before")
+            first = await _put(writing, prefix + b"k", b"before")
             while not watched.revisions or watched.revisions[-1] < first:
                 await asyncio.sleep(0.02)
             member = _by_name(etcd3).index(watching.current_endpoint)
@@ -255,10 +275,7 @@ async def test_a_watch_on_a_paused_member_moves_while_nothing_else_calls_it(
                 writing._current = (member + 1) % 3  # the writer stays away from it
             etcd3.pause(member)
             paused = time.monotonic()
-            later = 0
-            while not later:  # a paused leader: the put may time out during the election
-                with contextlib.suppress(StoreUnavailable):
-                    later = await writing.put(prefix + b"k", b"during")
+            later = await _put(writing, prefix + b"k", b"during")
             while not watched.revisions or watched.revisions[-1] < later:
                 assert time.monotonic() - paused < 8.0, (
                     f"the watch on the paused member saw nothing for 8 s "

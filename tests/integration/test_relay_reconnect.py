@@ -105,13 +105,22 @@ async def test_a_directive_posted_already_is_joined_and_reposted_if_withdrawn(
         earlier = RelayRecord(driver="r-here", directive=_encode(directive))
         assert await relay.post("node-1", "d2", earlier, lease)
         await _until(lambda: mirror.relay("node-1", "d2") is not None)
+        first = mirror.relay("node-1", "d2")
+        assert first is not None
 
         sending = asyncio.create_task(router.execute("node-1", directive, TIMEOUT))
         await asyncio.sleep(0.3)
         assert not sending.done(), "joined the post, not refused"
         # The earlier send gives up and withdraws it: this send posts it again.
         await relay.remove("node-1", "d2")
-        await _until(lambda: mirror.relay("node-1", "d2") is not None, timeout=5)
+
+        def reposted() -> bool:
+            # Not the earlier post, which the mirror may still show (on a loaded machine
+            # its deletion can arrive after this line runs).
+            shown = mirror.relay("node-1", "d2")
+            return shown is not None and shown.create_revision > first.create_revision
+
+        await _until(reposted, timeout=5)
         # The other replica forwards it and attaches the agent's ack.
         posted = mirror.relay("node-1", "d2")
         assert posted is not None

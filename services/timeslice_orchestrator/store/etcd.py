@@ -847,7 +847,7 @@ class EtcdClient:
         abandoned = asyncio.Event()
         watchdog = asyncio.ensure_future(_abandon(member.failed, call, abandoned))
         heard = _Heard()
-        prober = asyncio.ensure_future(self._probe_while_silent(member, heard))
+        prober = asyncio.ensure_future(self._probe_while_silent(member, prefix, heard))
         try:
             await call.write(request)
             created = False
@@ -902,10 +902,13 @@ class EtcdClient:
             prober.cancel()
             call.cancel()
 
-    async def _probe_while_silent(self, member: _Member, heard: _Heard) -> None:
+    async def _probe_while_silent(self, member: _Member, key: bytes, heard: _Heard) -> None:
         """Fail ``member`` (which moves its watches) once a watch on it has been silent for
-        :data:`WATCH_PROBE_AFTER` and a small read to it then goes unanswered."""
-        probe = pb.RangeRequest(key=b"\0", count_only=True, serializable=True)
+        :data:`WATCH_PROBE_AFTER` and a small read to it then goes unanswered.
+
+        The read is of the one key ``key`` (the watched prefix itself, which the client may
+        read where etcd's auth limits it to the prefix), served by the member alone."""
+        probe = pb.RangeRequest(key=key, count_only=True, serializable=True)
         while True:
             await asyncio.sleep(max(heard.at + WATCH_PROBE_AFTER - time.monotonic(), 0.05))
             if time.monotonic() - heard.at < WATCH_PROBE_AFTER:
