@@ -63,12 +63,14 @@ async def test_async_profile_runs_with_its_samplers(
         cluster_kwargs={"etcd_endpoint": etcd_server.endpoint, "base_dir": tmp_path / "c"},
     )
     assert result.violations == []
-    # Batches pace the trainer: a step lasts at least about one batch (0.3 s), not the
-    # trainer's own 0.13 s of work. The upper bound is loose: beside a full test suite on two
-    # cores, control-plane latency once stretched the mean step to 0.8 s (CI, stop 17).
+    # Batches pace the trainer: its steps last about one batch (0.3 s), not its own 0.13 s
+    # of work. Over 3 measured steps (the first is warm-up) that is loose both ways: a batch
+    # made ahead during a slow first step shortens the next ones (0.23 s measured once beside
+    # a full test suite), and control-plane latency on a loaded machine lengthens them (0.8 s
+    # once, CI of stop 17).
     batch = 100 * 0.003
     for alone in result.baseline_step_seconds:
-        assert 0.8 * batch <= alone < batch + 1.5
+        assert 0.5 * batch <= alone < batch + 1.5
 
 
 async def test_control_plane_benchmarks_measure_and_check(etcd_server: EtcdServer) -> None:
