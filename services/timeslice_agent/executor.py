@@ -413,12 +413,14 @@ class DirectiveExecutor:
             return
         stalled = self.stalled()
         if stalled is not None:
-            # Not remembered: sent again on a stream the orchestrator still trusts, it runs.
-            log.warning("directive %s refused: %s", did, stalled)
+            # Refused without an ack, and not remembered. The stream it came on is being
+            # dropped for the stall; an ack would be queued for the next stream, where it would
+            # answer the orchestrator's re-send of the same directive (acks are matched by
+            # directive id) while that re-send runs: the driver would roll back a checkpoint
+            # still in progress (seen in the soak). Unanswered, it is sent again on the next
+            # stream, once the Welcome has said whether this node was fenced, and runs there.
+            log.warning("directive %s refused: %s (not answered: its stream ends)", did, stalled)
             self._metrics.refused.labels("stalled").inc()
-            self._send_ack(
-                self._ack(directive, clock, _Outcome(AckStatus.REFUSED, f"agent {stalled}"))
-            )
             return
         problem = self._invalid(directive)
         if problem is not None:
