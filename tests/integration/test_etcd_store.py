@@ -17,6 +17,7 @@ from timeslice_orchestrator.store.etcd import (
     LeaseKeeper,
     Put,
     Txn,
+    WatchBatch,
     WatchCompacted,
     absent,
     prefix_end,
@@ -111,6 +112,43 @@ async def test_a_lagging_mirror_is_a_typed_unavailable(etcd: EtcdClient) -> None
     mirror = Mirror(etcd, Keyspace(f"/test/{uuid.uuid4().hex}"))  # never started: never catches up
     with pytest.raises(StoreUnavailable, match="behind"):
         await mirror.wait_for_revision(10**9, 0.05)
+
+
+class _FirstWatchSilent(EtcdClient):
+    """The real client, except that its first watch is created and then hears nothing (a
+    watch stuck on a member that still answers reads, as once seen under load)."""
+
+    watches = 0
+
+    async def watch_prefix(self, prefix: bytes, start_revision: int) -> AsyncIterator[WatchBatch]:
+        self.watches += 1
+        if self.watches == 1:
+            await asyncio.Event().wait()
+        async for batch in super().watch_prefix(prefix, start_revision):
+            yield batch
+
+
+async def test_a_stuck_watch_is_started_again(etcd_server: EtcdServer) -> None:
+    from timeslice_orchestrator.store.cache import WATCH_STUCK_AFTER, Mirror
+    from timeslice_orchestrator.store.keys import Keyspace
+
+    client = _FirstWatchSilent([etcd_server.endpoint])
+    keys = Keyspace(f"/test/{uuid.uuid4().hex}")
+    mirror = Mirror(client, keys)
+    running = asyncio.create_task(mirror.run())
+    try:
+        await asyncio.wait_for(mirror.synced.wait(), 10)
+        written = await client.put(keys.root + b"k", b"v")
+        started = asyncio.get_running_loop().time()
+        # Without the watchdog this waits out its whole deadline: the watch never delivers.
+        await mirror.wait_for_revision(written, WATCH_STUCK_AFTER + 5)
+        took = asyncio.get_running_loop().time() - started
+        assert client.watches == 2 and mirror.reconnects == 1
+        assert took >= WATCH_STUCK_AFTER - 0.1, took
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        await client.close()
 
 
 async def test_keepalive_keeps_one_stream_per_lease(etcd: EtcdClient) -> None:

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import heapq
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -77,6 +78,12 @@ AGENTS_TOPIC = Kind.AGENT.value
 RELAY_TOPIC = Kind.RELAY.value
 # How far behind its own writes a replica's mirror may be before callers answer UNAVAILABLE.
 MIRROR_LAG_TIMEOUT = 10.0
+# A watch that brings back none of this replica's own writes for this long is taken for stuck
+# and started again, on the next etcd member, from the mirror's revision + 1. (Seen once under
+# heavy load: after a member's watch streams failed INTERNAL, the watch resumed on another
+# member delivered nothing for over 10 s while that member answered reads.)
+WATCH_STUCK_AFTER = 3.0
+_STUCK_CHECK_EVERY = 0.5
 
 
 @dataclass(slots=True)
@@ -180,6 +187,9 @@ class Mirror:
         self._listeners: list[Callable[[set[str]], None]] = []
         self._versions: dict[str, int] = {}
         self._revision_waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        # Since when (time.monotonic()) the mirror has been behind a write it was told of and
+        # has not moved towards it; None when it is not behind.
+        self._behind_since: float | None = None
         self._seq = 0
         self.reconnects = 0
 
@@ -528,6 +538,8 @@ class Mirror:
         waiter = asyncio.get_running_loop().create_future()
         self._seq += 1
         heapq.heappush(self._revision_waiters, (revision, self._seq, waiter))
+        if self._behind_since is None:
+            self._behind_since = time.monotonic()
         try:
             async with asyncio.timeout(timeout):
                 await waiter
@@ -539,10 +551,16 @@ class Mirror:
             ) from exc
 
     def _release_revision_waiters(self) -> None:
+        released = False
         while self._revision_waiters and self._revision_waiters[0][0] <= self.revision:
             _, _, waiter = heapq.heappop(self._revision_waiters)
+            released = True
             if not waiter.done():
                 waiter.set_result(None)
+        if not self._revision_waiters:
+            self._behind_since = None
+        elif released:
+            self._behind_since = time.monotonic()  # moving: the watch is not stuck
 
     # -- maintaining --------------------------------------------------------------------
 
@@ -553,9 +571,7 @@ class Mirror:
             try:
                 if not self.synced.is_set():
                     await self._relist()
-                async for batch in self._etcd.watch_prefix(self._keys.root, self.revision + 1):
-                    backoff.reset()
-                    await self._apply(batch)
+                await self._watch(backoff)
             except MustRelist as exc:
                 # The watch's start, or the revision a paged list was being read at, is gone,
                 # or a watch response did not fit: list afresh and watch on from there.
@@ -565,6 +581,37 @@ class Mirror:
                 self.reconnects += 1
                 log.warning("etcd watch interrupted (%s); resuming from %d", exc, self.revision + 1)
                 await asyncio.sleep(backoff.next_delay())
+
+    async def _watch(self, backoff: Backoff) -> None:
+        """Apply the watch's batches until it fails, or until it looks stuck (it brought back
+        none of this replica's writes for :data:`WATCH_STUCK_AFTER`): then its member is
+        passed over and StoreUnavailable makes :meth:`run` resume it."""
+        follow = asyncio.ensure_future(self._follow(backoff))
+        try:
+            while not follow.done():
+                await asyncio.wait({follow}, timeout=_STUCK_CHECK_EVERY)
+                behind = self._behind_since
+                if follow.done() or behind is None:
+                    continue
+                if time.monotonic() - behind < WATCH_STUCK_AFTER:
+                    continue
+                self._behind_since = time.monotonic()  # the next watch gets its own time
+                reason = (
+                    f"the watch brought back none of this replica's writes for "
+                    f"{WATCH_STUCK_AFTER:g} s (at revision {self.revision})"
+                )
+                self._etcd.pass_over_watch_member(reason)
+                follow.cancel()
+                await asyncio.wait({follow})
+                raise StoreUnavailable(f"{reason}: starting it again")
+            follow.result()
+        finally:
+            follow.cancel()
+
+    async def _follow(self, backoff: Backoff) -> None:
+        async for batch in self._etcd.watch_prefix(self._keys.root, self.revision + 1):
+            backoff.reset()
+            await self._apply(batch)
 
     async def _relist(self) -> None:
         """Read every key, page by page at one revision, then replace the mirror at once.

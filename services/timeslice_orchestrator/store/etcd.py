@@ -491,6 +491,7 @@ class EtcdClient:
         self._open_channels(_credentials(tls) if tls is not None else None)
         self._keepalives: dict[int, _LeaseStream] = {}
         self._swept_at = 0.0
+        self._watching: _Member | None = None  # the member the latest watch was opened on
 
     def _open_channels(self, credentials: grpc.ChannelCredentials | None) -> None:
         options = [*_CHANNEL_OPTIONS, ("grpc.max_receive_message_length", self._max_receive_bytes)]
@@ -551,6 +552,12 @@ class EtcdClient:
                 why,
                 self._pick().endpoint,
             )
+
+    def pass_over_watch_member(self, why: str) -> None:
+        """Pass over the member the latest watch runs on, as if it had failed (a watch that
+        looks stuck there): its watches move, and calls prefer the other members a while."""
+        if self._watching is not None:
+            self._failed(self._watching, why)
 
     def _all_failed(self) -> bool:
         now = time.monotonic()
@@ -843,6 +850,7 @@ class EtcdClient:
             )
         )
         member = self._pick()
+        self._watching = member
         call = member.watch.Watch(metadata=REQUIRE_LEADER)
         abandoned = asyncio.Event()
         watchdog = asyncio.ensure_future(_abandon(member.failed, call, abandoned))
