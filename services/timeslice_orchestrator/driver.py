@@ -767,7 +767,6 @@ class SwitchDriver:
         new = [r for r in results if r.gone and r.node not in record.fenced]
         for result in new:
             record.fenced.append(result.node)
-        for result in new:
             how = "fenced out" if result.fenced else "left its groups"
             note = f"{phase}: node {result.node} {how} ({result.error})"
             log.warning("group %s: %s; going on without it", record.group, note)
