@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
@@ -76,9 +77,17 @@ class OrchestratorOperations:
         return TlsChannel(HostPort(target.host, target.port), self._tls, Configuration())
 
     async def start(self, kind: OperationKind, job_id: str, group_id: str) -> NodeOperation:
-        """Ask for an operation on this node; the orchestrator records it PENDING."""
+        """Ask for an operation on this node; the orchestrator records it PENDING.
+
+        Every attempt (the next orchestrator after one that timed out, perhaps after it
+        recorded the operation) carries the same request id, so it is recorded once.
+        """
         request = StartOperationRequest(
-            node=self._node, job_id=job_id, group_id=group_id, kind=kind
+            node=self._node,
+            job_id=job_id,
+            group_id=group_id,
+            kind=kind,
+            request_id=uuid.uuid4().hex,
         )
         return await self._call(lambda stub: stub.start_operation(request))
 

@@ -35,7 +35,7 @@ from timeslice_orchestrator import identity
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.rpc import Call, served
 from timeslice_orchestrator.store.cache import MIRROR_LAG_TIMEOUT, Mirror
-from timeslice_orchestrator.store.groups import GroupStore, new_operation_id
+from timeslice_orchestrator.store.groups import GroupStore, new_operation_id, operation_id_for
 from timeslice_orchestrator.store.records import (
     OperationKind,
     OperationRecord,
@@ -60,6 +60,7 @@ OPERATION_RETENTION_SECONDS = 3600
 MAX_PENDING_OPERATIONS = 16
 """Operations of one group not finished yet; more are refused (RESOURCE_EXHAUSTED)."""
 MAX_OPERATION_ID_LENGTH = 256
+MAX_REQUEST_ID_LENGTH = 64
 
 _KINDS = {WireKind.SNAPSHOT: OperationKind.SNAPSHOT, WireKind.RESTORE: OperationKind.RESTORE}
 _WIRE_KINDS = {v: k for k, v in _KINDS.items()}
@@ -94,6 +95,19 @@ def _check_node(node: str, what: str) -> None:
         return
     log.warning("%s for node %r refused: the certificate is %s", what, node, who)
     raise PermissionDenied(f"{what}: the client certificate {who} may not act for node {node!r}")
+
+
+def _same_request(
+    op: OperationRecord, kind: OperationKind, job: str, request_id: str
+) -> OperationRecord:
+    """``op``, recorded for an earlier attempt of the same request id; refused when that
+    request asked for something else (a client reusing its key)."""
+    if op.kind is not kind or op.job != job:
+        raise InvalidArgument(
+            f"request_id {request_id!r} was already used for a {op.kind.value} of job "
+            f"{op.job} (operation {op.operation_id})"
+        )
+    return op
 
 
 class NodeOperationsService(NodeOperationsBase):
@@ -131,10 +145,26 @@ class NodeOperationsService(NodeOperationsBase):
         kind = _KINDS.get(message.kind)
         if kind is None:
             raise InvalidArgument("kind must be OPERATION_KIND_SNAPSHOT or OPERATION_KIND_RESTORE")
+        request_id = message.request_id
+        if len(request_id) > MAX_REQUEST_ID_LENGTH or not request_id.isprintable():
+            raise InvalidArgument(
+                f"request_id must be at most {MAX_REQUEST_ID_LENGTH} printable characters"
+            )
         _check_node(node, "StartOperation")
         view = self._mirror.group(group)
         if not view.exists:
             raise NotFound(f"group {group} does not exist")
+        if request_id:
+            # A retry of a request already recorded gets that operation back, whatever the
+            # group has become since (its first attempt was checked against the group then).
+            operation_id = operation_id_for(node, group, request_id)
+            known = self._mirror.operation(operation_id) or await self._store.operation(
+                group, operation_id
+            )
+            if known is not None:
+                return to_wire(_same_request(known.record, kind, job, request_id))
+        else:
+            operation_id = new_operation_id()
         open_ops = [o for o in view.operations.values() if not o.record.state.done]
         if len(open_ops) >= self._max_pending:
             raise ResourceExhausted(
@@ -142,7 +172,7 @@ class NodeOperationsService(NodeOperationsBase):
                 f"(limit {self._max_pending})"
             )
         record = OperationRecord(
-            operation_id=new_operation_id(),
+            operation_id=operation_id,
             kind=kind,
             group=group,
             job=job,
@@ -156,6 +186,9 @@ class NodeOperationsService(NodeOperationsBase):
         stored = await self._store.request_operation(record, self._retention)
         if stored is None:
             raise NotFound(f"group {group} does not exist")
+        if stored.record is not record:
+            # Another attempt of this request was recorded meanwhile, on another replica.
+            return to_wire(_same_request(stored.record, kind, job, request_id))
         # The node's next GetOperation, on this replica, must find it.
         await self._mirror.wait_for_revision(stored.mod_revision, MIRROR_LAG_TIMEOUT)
         log.info(

@@ -36,7 +36,14 @@ from timeslice_proto.snapshot_agent.v1alpha1 import (
     StatusRequest,
 )
 from timeslice_proto.snapshot_agent.v1alpha1 import JobState as LlmdJobState
-from timeslice_proto.timeslice.v1 import GroupStatus, OperationKind, OperationState
+from timeslice_proto.timeslice.v1 import (
+    GetNodeOperationRequest,
+    GroupStatus,
+    NodeOperationsStub,
+    OperationKind,
+    OperationState,
+    StartOperationRequest,
+)
 from timeslice_tools.dev import _procs
 from timeslice_tools.dev.certs import CertPair, Pki
 from timeslice_tools.dev.cluster import LocalCluster
@@ -192,5 +199,119 @@ async def test_operator_snapshot_and_restore_go_through_the_orchestrator(
             assert grant.restored
             await b.yield_(GROUP)
     finally:
+        for w in workers:
+            w.close()
+
+
+async def _one_way_proxy(target: str) -> asyncio.Server:
+    """A TCP proxy to ``target`` that passes requests on and drops every answer: a call
+    through it reaches the orchestrator, which acts on it, and its caller times out."""
+    host, port = target.rsplit(":", 1)
+
+    async def serve(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        server_r, server_w = await asyncio.open_connection(host, int(port))
+
+        async def drain_answers() -> None:
+            while await server_r.read(65536):
+                pass
+
+        answers = asyncio.ensure_future(drain_answers())
+        try:
+            while data := await client_r.read(65536):
+                server_w.write(data)
+                await server_w.drain()
+        except ConnectionError:
+            pass
+        finally:
+            answers.cancel()
+            server_w.close()
+            client_w.close()
+
+    return await asyncio.start_server(serve, "127.0.0.1", 0)
+
+
+async def test_a_start_retried_after_its_answer_was_lost_is_recorded_once(
+    cluster_factory: ClusterFactory,
+) -> None:
+    """The agent's first StartOperation reaches a replica, which records the operation, but
+    the answer never comes back; the agent asks the next orchestrator with the same request
+    id and gets that same operation, not a second one (a second snapshot would fail: the
+    first one took the state off the devices)."""
+    cluster = cluster_factory(tls=False, agent_args=SIM)
+    sock = str(cluster.agent_sockets[NODE])
+    worker = register(GROUP, job_id="a", socket=sock)
+    proxy = await _one_way_proxy(cluster.targets[0])
+    try:
+        async with AsyncTimeSliceClient(cluster.targets, job_id="a", insecure=True) as a:
+            await a.acquire(GROUP, timeout=30)
+            await a.yield_(GROUP)  # lazily: a's state stays on the devices
+            proxied = Endpoint("127.0.0.1", proxy.sockets[0].getsockname()[1])
+            host, port = cluster.targets[0].rsplit(":", 1)
+            operations = OrchestratorOperations(
+                NODE, [proxied, Endpoint(host, int(port))], None, timeout=2.0
+            )
+            started = time.time()
+            op = await operations.start(OperationKind.SNAPSHOT, "a", GROUP)
+            keys = [k for k in await snapshot(cluster) if "/operations/" in k]
+            assert keys == [f"{cluster.prefix}/groups/{GROUP}/operations/{op.operation_id}"]
+            deadline = time.monotonic() + 15
+            while (done := await operations.get(op.operation_id)).state in (
+                OperationState.PENDING,
+                OperationState.RUNNING,
+            ):
+                assert time.monotonic() < deadline, done
+                await asyncio.sleep(0.02)
+            assert done.state is OperationState.SUCCEEDED, done
+            checkpoints = [
+                e for e in journals(cluster) if e.kind == "checkpoint" and e.started_at >= started
+            ]
+            assert [(e.job, e.status) for e in checkpoints] == [("a", "ok")], checkpoints
+            status = await a.status(GROUP)
+            assert _resident(status) == {}, status
+    finally:
+        proxy.close()
+        worker.close()
+
+
+async def test_a_request_id_reused_for_another_job_is_refused(
+    cluster_factory: ClusterFactory,
+) -> None:
+    """A request id names one request: reused for something else it is refused, typed, and
+    nothing is written; a key too long for one is refused the same way."""
+    cluster = cluster_factory(tls=False, agent_args=SIM)
+    sock = str(cluster.agent_sockets[NODE])
+    workers = [register(GROUP, job_id=j, socket=sock) for j in ("a", "b")]
+    host, port = cluster.targets[0].rsplit(":", 1)
+    channel = Channel(host, int(port))
+    stub = NodeOperationsStub(channel)
+    try:
+        async with AsyncTimeSliceClient(cluster.targets, job_id="a", insecure=True) as a:
+            await a.acquire(GROUP, timeout=30)
+            ask = StartOperationRequest(
+                node=NODE, job_id="a", group_id=GROUP, kind=OperationKind.SNAPSHOT, request_id="r-1"
+            )
+            # Refused (a holds): nothing is recorded under the id, a later attempt is decided anew.
+            assert (await _code(stub.start_operation(ask)))[0] is Status.FAILED_PRECONDITION
+            await a.yield_(GROUP)
+            first = await stub.start_operation(ask)
+            deadline = time.monotonic() + 15
+            get = GetNodeOperationRequest(node=NODE, operation_id=first.operation_id)
+            while (done := await stub.get_operation(get)).state is not OperationState.SUCCEEDED:
+                assert time.monotonic() < deadline and done.state is not OperationState.FAILED, done
+                await asyncio.sleep(0.02)
+            before = await snapshot(cluster)
+            # Once done, a retry gets the outcome (a second snapshot would be refused: a's
+            # state is off the devices now).
+            again = await stub.start_operation(ask)
+            assert again.operation_id == first.operation_id
+            assert again.state is OperationState.SUCCEEDED
+            ask.job_id = "b"
+            code, message = await _code(stub.start_operation(ask))
+            assert code is Status.INVALID_ARGUMENT and "r-1" in message, message
+            ask.request_id = "r" * 65
+            assert (await _code(stub.start_operation(ask)))[0] is Status.INVALID_ARGUMENT
+            assert await snapshot(cluster) == before
+    finally:
+        channel.close()
         for w in workers:
             w.close()

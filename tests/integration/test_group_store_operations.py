@@ -9,7 +9,12 @@ import time
 
 from tests.integration.groupstore import driver, enqueue, open_session, resident_revision, snapshot
 from timeslice_orchestrator.store.etcd import KeyValue
-from timeslice_orchestrator.store.groups import GroupStore, new_operation_id, new_switch_id
+from timeslice_orchestrator.store.groups import (
+    GroupStore,
+    new_operation_id,
+    new_switch_id,
+    operation_id_for,
+)
 from timeslice_orchestrator.store.records import (
     GroupStats,
     NodeStep,
@@ -104,6 +109,25 @@ async def test_an_expired_record_does_not_keep_its_switch_from_ending(store: Gro
     keys = await snapshot(store)
     assert "groups/g/switch" not in keys
     assert not [k for k in keys if "/operations/" in k]
+
+
+async def test_a_second_attempt_of_one_request_gets_the_first_record(store: GroupStore) -> None:
+    """Two replicas racing with attempts of one request (one id): the first writes, the second
+    gets the first's record back and writes nothing."""
+    await enqueue(store, await open_session(store, "b"))
+    first = dataclasses.replace(_op(), operation_id=operation_id_for("n0", "g", "req-1"))
+    second = dataclasses.replace(first, requested_at=first.requested_at + 1)
+    recorded = await store.request_operation(first, retention=60)
+    assert recorded is not None and recorded.record is first
+    before = await snapshot(store)
+    again = await store.request_operation(second, retention=60)
+    assert again == recorded  # the first attempt's record, with its revisions and lease
+    assert await snapshot(store) == before
+    assert await store.operation("g", first.operation_id) == recorded
+    assert await store.operation("g", "op-unknown") is None
+    # Any other request id, node or group names another record.
+    named = [("n0", "g", "r"), ("n1", "g", "r"), ("n0", "h", "r"), ("n0", "g", "s")]
+    assert len({operation_id_for(*k) for k in named}) == 4
 
 
 async def test_no_record_for_a_group_that_does_not_exist(store: GroupStore) -> None:

@@ -16,7 +16,11 @@ Directives relayed between replicas have their own store, :class:`.relay.RelaySt
 from __future__ import annotations
 
 from timeslice_orchestrator.store.members import MemberStore
-from timeslice_orchestrator.store.operations import OperationStore, new_operation_id
+from timeslice_orchestrator.store.operations import (
+    OperationStore,
+    new_operation_id,
+    operation_id_for,
+)
 from timeslice_orchestrator.store.queue import (
     Enqueued,
     EnqueueRequest,
@@ -45,6 +49,7 @@ __all__ = [
     "lease_of",
     "new_operation_id",
     "new_switch_id",
+    "operation_id_for",
     "session_id_of",
 ]
 

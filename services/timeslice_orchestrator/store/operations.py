@@ -11,6 +11,7 @@ nothing has to move or the group no longer allows it.
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 
 from timeslice_orchestrator.store.base import StoreBase
@@ -24,6 +25,13 @@ def new_operation_id() -> str:
     return f"op-{uuid.uuid4().hex[:24]}"
 
 
+def operation_id_for(node: str, group: str, request_id: str) -> str:
+    """The operation id of a request carrying an idempotency key: every retry of it (same
+    node, group and ``request_id``) names the same record, on whichever replica it lands."""
+    digest = hashlib.sha256("\0".join((node, group, request_id)).encode()).hexdigest()
+    return f"op-{digest[:24]}"
+
+
 class OperationStore(StoreBase):
     """Record operator operations and close the ones that need no switch."""
 
@@ -32,8 +40,10 @@ class OperationStore(StoreBase):
     ) -> Stored[OperationRecord] | None:
         """Write a PENDING operation on a new lease of ``retention`` seconds.
 
-        None when the group disappeared meanwhile (its meta key is compared): an operation
-        never brings a group into existence.
+        When a record of that id exists already (a retry of the same request, recorded by an
+        earlier attempt), that record is returned and nothing is written. None when the group
+        disappeared meanwhile (its meta key is compared): an operation never brings a group
+        into existence.
         """
         k = self.keys
         key = k.operation(record.group, record.operation_id)
@@ -42,12 +52,21 @@ class OperationStore(StoreBase):
             Txn(
                 [absent(key), present(k.meta(record.group))],
                 [Put(key, record.encode(), lease=lease), Get(key)],
+                [Get(key)],
             )
         )
         if not result.succeeded:
             await self.etcd.revoke_lease(lease)
+            existing = result.reads[0]
+            if existing:
+                return Stored.of(existing[0], OperationRecord.decode(existing[0].value))
             return None
         return Stored.of(result.reads[0][0], record)
+
+    async def operation(self, group: str, operation_id: str) -> Stored[OperationRecord] | None:
+        """The operation record as etcd has it now (None: unknown, or expired)."""
+        kv = await self.etcd.get(self.keys.operation(group, operation_id))
+        return Stored.of(kv, OperationRecord.decode(kv.value)) if kv is not None else None
 
     async def finish_operation(
         self, auth: Authority, operation: Stored[OperationRecord], outcome: OperationRecord

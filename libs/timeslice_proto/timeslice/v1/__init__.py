@@ -1018,6 +1018,14 @@ class StartOperationRequest(betterproto2.Message):
         4, betterproto2.TYPE_ENUM, default_factory=lambda: OperationKind(0)
     )
 
+    request_id: "str" = betterproto2.field(5, betterproto2.TYPE_STRING)
+    """
+    Idempotency key of one request, the same on every retry of it (1 to 64 printable
+    characters; empty: none). A retry that reaches another replica after the operation was
+    recorded gets that operation back instead of starting a second one. Reused for a
+    different node, job, group or kind: INVALID_ARGUMENT.
+    """
+
 
 default_message_pool.register_message(
     "timeslice.v1", "StartOperationRequest", StartOperationRequest
