@@ -9,6 +9,10 @@ SIGKILL and started again a second later; etcd is paused (SIGSTOP, then SIGCONT)
 well under every lease TTL; a random agent is paused for 1-3 s. At the end the recorded history
 is checked for the invariants of DESIGN.md section 5 (any violation fails the run) and a JSON
 report is printed (and written with --out). etcd is paused only when the soak runs its own.
+
+The report lists every fault with its time (seconds from the start) and the longest waits with
+the faults that overlapped them, so a long wait can be told apart from the outage it rode out;
+``--keep DIR`` keeps the cluster's logs and journals there to read what happened.
 """
 
 from __future__ import annotations
@@ -42,6 +46,26 @@ from timeslice_tools.history import (
 )
 
 
+@dataclass(frozen=True)
+class FaultEvent:
+    """One injected fault: when it began and ended (seconds from the start of the load)."""
+
+    kind: str  # "kill" (a replica, SIGKILL then started again), "etcd" or "agent" (paused)
+    target: str
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class LongWait:
+    """One of the longest acquires, and the faults that overlapped it."""
+
+    job: str
+    start_s: float
+    wait_s: float
+    faults: list[str]
+
+
 @dataclass
 class SoakReport:
     duration_s: float
@@ -59,6 +83,8 @@ class SoakReport:
     wait_p50_s: float = 0.0
     wait_p99_s: float = 0.0
     wait_max_s: float = 0.0
+    faults: list[FaultEvent] = field(default_factory=list)
+    longest_waits: list[LongWait] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -112,6 +138,7 @@ async def _faults(
     stop: asyncio.Event,
     every: tuple[float, float],
     rng: random.Random,
+    t0: float,
 ) -> None:
     """One fault every ``every`` seconds, in turn: a replica kill, an etcd pause (when the
     cluster runs its own etcd), an agent pause."""
@@ -125,26 +152,48 @@ async def _faults(
             pass
         kind = kinds[turn % len(kinds)]
         turn += 1
+        began = Recorder.now()
         if kind == "kill":
             victim = rng.randrange(len(cluster.replica_ids))
+            target = cluster.replica_ids[victim]
             cluster.kill_replica(victim)
             report.kills += 1
-            print(f"[soak] killed {cluster.replica_ids[victim]} (kill {report.kills})", flush=True)
+            print(f"[soak] killed {target} (kill {report.kills})", flush=True)
             await asyncio.sleep(1.0)
             await asyncio.to_thread(cluster.start_replica, victim)
         elif kind == "etcd":
             assert cluster.etcd is not None and cluster.etcd.pid is not None
+            target = "etcd"
             seconds = rng.uniform(*ETCD_PAUSE)
             print(f"[soak] pausing etcd for {seconds:.1f} s", flush=True)
             await _paused(cluster.etcd.pid, seconds)
             report.etcd_pauses += 1
         else:
-            node = rng.choice(cluster.nodes)
-            pid = cluster.processes[node].pid
+            target = rng.choice(cluster.nodes)
+            pid = cluster.processes[target].pid
             seconds = rng.uniform(*AGENT_PAUSE)
-            print(f"[soak] pausing agent {node} for {seconds:.1f} s", flush=True)
+            print(f"[soak] pausing agent {target} for {seconds:.1f} s", flush=True)
             await _paused(pid, seconds)
             report.agent_pauses += 1
+        report.faults.append(FaultEvent(kind, target, began - t0, Recorder.now() - t0))
+
+
+def _longest_waits(
+    attempts: list[Attempt], faults: list[FaultEvent], t0: float, count: int = 5
+) -> list[LongWait]:
+    """The ``count`` longest granted waits, each with the faults that overlapped it."""
+    waits = [(a.granted_at - a.started_at, a) for a in attempts if a.granted_at is not None]
+    waits.sort(key=lambda item: item[0])
+    out = []
+    for wait, a in reversed(waits[-count:]):
+        start, end = a.started_at - t0, a.started_at - t0 + wait
+        overlapping = [
+            f"{f.kind} {f.target} {f.start_s:.1f}-{f.end_s:.1f}"
+            for f in faults
+            if f.start_s < end and f.end_s > start
+        ]
+        out.append(LongWait(a.job, round(start, 2), round(wait, 3), overlapping))
+    return out
 
 
 async def soak(
@@ -184,7 +233,8 @@ async def soak(
         tasks = [
             asyncio.create_task(_job(c, recorder, stop, seed + i)) for i, c in enumerate(clients)
         ]
-        faults = asyncio.create_task(_faults(cluster, report, stop, every, rng))
+        t0 = Recorder.now()
+        faults = asyncio.create_task(_faults(cluster, report, stop, every, rng, t0))
         await asyncio.sleep(duration)
         stop.set()
         await faults
@@ -222,6 +272,7 @@ async def soak(
     report.wait_p50_s = percentile(waits, 0.5)
     report.wait_p99_s = percentile(waits, 0.99)
     report.wait_max_s = waits[-1] if waits else 0.0
+    report.longest_waits = _longest_waits(recorder.attempts, report.faults, t0)
     return report
 
 
@@ -240,9 +291,14 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, help="write the JSON report here too")
+    parser.add_argument(
+        "--keep", type=Path, metavar="DIR", help="run the cluster in DIR and keep its logs there"
+    )
     args = parser.parse_args()
     started = time.monotonic()
-    report = asyncio.run(soak(args.duration, every=tuple(args.every), seed=args.seed))
+    report = asyncio.run(
+        soak(args.duration, every=tuple(args.every), seed=args.seed, base_dir=args.keep)
+    )
     data = {**asdict(report), "ok": report.ok, "wall_s": time.monotonic() - started}
     text = json.dumps(data, indent=2)
     print(text)

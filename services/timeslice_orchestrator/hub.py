@@ -28,6 +28,7 @@ from grpclib.const import Status
 
 from timeslice.errors import InvalidArgument, PermissionDenied
 from timeslice.ids import validate_group_id, validate_job_id, validate_node
+from timeslice.tasks import run_to_completion
 from timeslice_orchestrator import identity
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.store.etcd import StoreUnavailable
@@ -245,23 +246,31 @@ class AgentHub(AgentHubBase):
             finally:
                 closed.cancel()
         finally:
+            # The connection is let go of before anything is awaited here: a lost connection
+            # cancels this handler twice (grpclib's stream wrapper and its handler both do),
+            # and the second cancellation ends the first await of this block. Were the
+            # connection still listed after it, directives would go into a dead stream and
+            # wait out their deadlines (seen in the soak: two switches of 31 s each).
             reader.cancel()
             for task in background:
                 task.cancel()
-            # asyncio.wait, not ``await task`` under suppress(BaseException): that would also
-            # swallow this handler's own cancellation (a client resetting its stream), and
-            # grpclib logs a handler that ignores its cancellation with a traceback.
-            stopped, _ = await asyncio.wait({reader, *background}, timeout=_TASK_STOP_SECONDS)
-            for task in stopped:
-                if not task.cancelled():
-                    task.exception()  # retrieved: how they ended was handled above
             conn.fail_pending("agent stream closed")
+            conn.closed.set()
             if self._connections.get(node) is conn:
                 del self._connections[node]
                 self._metrics.agents_connected.set(len(self._connections))
             # The record stays until the agent lease runs out: the agent may be reconnecting
             # to another replica, and its jobs' state is still on its node meanwhile.
             log.info("agent %s disconnected", node)
+            # asyncio.wait, not ``await task`` under suppress(BaseException): that would also
+            # swallow this handler's own cancellation (a client resetting its stream), and
+            # grpclib logs a handler that ignores its cancellation with a traceback.
+            stopped, _ = await run_to_completion(
+                asyncio.wait({reader, *background}, timeout=_TASK_STOP_SECONDS)
+            )
+            for task in stopped:
+                if not task.cancelled():
+                    task.exception()  # retrieved: how they ended was handled above
 
     async def _watch(self, conn: AgentConnection) -> None:
         """Fence the agent out once it has been silent for the liveness timeout."""

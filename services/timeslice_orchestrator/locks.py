@@ -29,6 +29,7 @@ from timeslice.errors import (
     Unauthenticated,
 )
 from timeslice.ids import validate_group_id, validate_job_id, validate_node
+from timeslice.tasks import run_to_completion
 from timeslice_orchestrator.authz import new_session_secret, secret_hash, secret_matches
 from timeslice_orchestrator.grants import HandOvers, holder_for, in_place, resident_after_grant
 from timeslice_orchestrator.metrics import Metrics
@@ -226,7 +227,7 @@ class LockService:
                 del self._waiting[key]
             self._metrics.waiters.dec()
             if not granted and not self.draining:
-                await _shielded(self._store.withdraw(enqueued))
+                await run_to_completion(self._store.withdraw(enqueued))
 
     async def _wait(self, topic: str, seen: int, granted: asyncio.Future[Progress]) -> None:
         """Until the group changes in the mirror, or a hand-over here grants the waiter."""
@@ -305,7 +306,7 @@ class LockService:
         if self.draining:
             return  # the client re-attaches elsewhere and gets this grant back
         try:
-            await _shielded(self._store.release(Hold(group, job, epoch, session_id)))
+            await run_to_completion(self._store.release(Hold(group, job, epoch, session_id)))
             log.info("released undelivered grant of %s on %s (epoch %d)", job, group, epoch)
         except Exception:
             log.exception("could not release undelivered grant of %s on %s", job, group)
@@ -444,13 +445,3 @@ class LockService:
         if not view.exists:
             raise NotFound(f"group {group} does not exist")
         return view
-
-
-async def _shielded(coro: object) -> object:
-    """Finish ``coro`` even if the caller is being cancelled (cleanup must not be lost)."""
-    task = asyncio.ensure_future(coro)  # type: ignore[call-overload]
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        await asyncio.wait({task}, timeout=MIRROR_LAG_TIMEOUT)
-        raise

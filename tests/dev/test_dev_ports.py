@@ -3,7 +3,10 @@ kernel's ephemeral range, so parallel workers never pick the same port and race 
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -34,3 +37,38 @@ def test_a_taken_port_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
         blocker.listen()
         ports = _procs.free_ports(1)
     assert ports != [start + cursor]
+
+
+def _slice_of(port: int) -> int:
+    return (port - _procs._PORT_FLOOR) // _procs._SLICE
+
+
+def test_another_process_with_the_same_slot_gets_another_slice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A second run (or a benchmark beside a test run) whose worker would prefer the same
+    slice takes the next free one: the slice is claimed for as long as its process lives."""
+    env = {**os.environ, "PYTEST_XDIST_WORKER": "gw9", "PYTEST_XDIST_TESTRUNUID": "run-77"}
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from timeslice_tools.dev import _procs;"
+            "print(_procs.free_ports(1)[0], flush=True); sys.stdin.read()",
+        ],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None
+        theirs = int(holder.stdout.readline())
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw9")
+        monkeypatch.setenv("PYTEST_XDIST_TESTRUNUID", "run-77")
+        mine = _procs.free_ports(1)[0]
+        assert _slice_of(mine) != _slice_of(theirs), (mine, theirs)
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(10)

@@ -256,3 +256,73 @@ async def test_paused_agent_is_fenced_out(cluster_factory: ClusterFactory, when:
     # Two-phase order holds among the nodes that stayed in each switch; a fenced node's late
     # finish (checked above) is outside the switch that went on without it.
     check_two_phase([e for e in journals(cluster) if e not in late])
+
+
+async def test_a_short_pause_mid_restore_does_not_hold_up_the_switch(
+    cluster_factory: ClusterFactory,
+) -> None:
+    """An agent paused mid-restore for less than the liveness timeout but long enough to drop
+    its stream (its own stall check) finishes the restore and says hello to the other
+    replica. The replica whose stream it dropped must let go of it at once: its pending
+    directive fails over (the agent answers the re-send from its ledger), and no directive
+    goes into the dead stream. Found by the soak: a replica kept the dropped stream as the
+    node's connection, and the switch waited out two full directive deadlines (31 s each)."""
+    liveness = 6.0  # the agent drops its stream after a 3.75 s stall; fenced after 6 s
+    pause = 4.5
+    cluster = cluster_factory(
+        tls=False,
+        replicas=2,
+        agents=2,
+        agent_args=SLOW_SIM,
+        orchestrator_args=[
+            "--agent-ttl",
+            "60",
+            "--agent-liveness-timeout",
+            str(liveness),
+            "--directive-timeout",
+            "20",
+        ],
+    )
+    sockets = [str(cluster.agent_sockets[n]) for n in ("node-0", "node-1")]
+    workers = [register("g", job_id=j, socket=s) for j in ("a", "b") for s in sockets]
+    paused_pid = cluster.services["node-1"].pid
+    assert paused_pid is not None
+    resumed = False
+    try:
+        async with (
+            AsyncTimeSliceClient(cluster.targets, job_id="a", insecure=True) as a,
+            AsyncTimeSliceClient(cluster.targets, job_id="b", insecure=True) as b,
+        ):
+            for client in (a, b):
+                await client.acquire("g", timeout=30)
+                await client.yield_("g")
+            waiter = asyncio.create_task(a.acquire("g", timeout=60))
+            # b is checkpointed, then a restored: pause node-1 once its restore has begun.
+            await _transitioning(cluster.agent_state_files["node-1"], "a", 15)
+            os.kill(paused_pid, signal.SIGSTOP)
+            await asyncio.sleep(pause)
+            os.kill(paused_pid, signal.SIGCONT)
+            resumed = True
+            woke = time.monotonic()
+            grant = await asyncio.wait_for(waiter, 30)
+            waited = time.monotonic() - woke
+            report_recovery("agent paused mid-restore, stream dropped: grant after SIGCONT", waited)
+            assert waited < 8.0, f"the switch went on {waited:.1f} s after the agent woke"
+            assert grant.job_id == "a"
+            await a.yield_("g")
+            # Both nodes still serve the group: nothing was fenced for the pause.
+            again = await b.acquire("g", timeout=30)
+            status = await b.status("g")
+            assert {n.node: n.resident_job_id for n in status.nodes} == {
+                "node-0": "b",
+                "node-1": "b",
+            }, status
+            assert again.epoch > grant.epoch
+            await b.yield_("g")
+    finally:
+        if not resumed:
+            os.kill(paused_pid, signal.SIGCONT)
+        for w in workers:
+            w.close()
+    check_fencing(journals(cluster))
+    check_two_phase(journals(cluster))

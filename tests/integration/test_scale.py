@@ -168,8 +168,10 @@ async def test_a_replica_starts_on_100k_groups(etcd: EtcdServer, tmp_path: Path)
         assert started < START_WITHIN
         # It serves: every group is listed, and a real group is granted to a new job.
         # A plaintext cluster (it shares this test's plaintext etcd): its client says so.
+        # Listing 100,000 groups is one large answer: more than the default call bound of
+        # 10 s on 2 loaded cores (seen beside the soak and a CI run).
         async with AsyncTimeSliceClient(
-            cluster.target, job_id="newcomer", **cluster.client_tls
+            cluster.target, job_id="newcomer", call_timeout=60, **cluster.client_tls
         ) as sdk:
             listed = await sdk.groups()
             assert len(listed) == TOTAL

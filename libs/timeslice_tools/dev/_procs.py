@@ -7,6 +7,7 @@ run in test fixtures, the CLI and the demo driver, never on a service's event lo
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import http.client
 import os
 import shutil
@@ -15,12 +16,14 @@ import socket
 import ssl
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
+from typing import IO
 
 _LOG_TAIL_BYTES = 16_384
 
@@ -28,11 +31,14 @@ _LOG_TAIL_BYTES = 16_384
 # Ports handed out come from a range the kernel never picks for an ephemeral bind (below
 # ip_local_port_range), cut into slices: each pytest-xdist worker of a run gets its own slice,
 # so two workers can no longer pick the same free port and race to bind it (a readiness probe
-# then talks to the other worker's server). Another process picking explicitly in the same
-# slice is still possible (a second test run); starts that fail on a taken port are retried.
+# then talks to the other worker's server). A slice is claimed with an advisory lock on a file
+# (held until the process exits), so processes of different runs on one host (a second test
+# run, a benchmark or a dev cluster beside CI) take different slices too.
 _PORT_FLOOR = 10_000
 _SLICE = 250
+_SLICE_LOCKS = Path(tempfile.gettempdir()) / "timeslice-port-slices"
 _cursor: dict[int, int] = {}
+_claimed: dict[int, tuple[int, IO[bytes] | None]] = {}  # preferred slice -> claimed start, lock
 _cursor_lock = threading.Lock()
 
 
@@ -43,18 +49,46 @@ def _ephemeral_low() -> int:
         return 32_768
 
 
-def _slice_start() -> int:
-    """The first port of this process's slice."""
-    slices = max(1, (_ephemeral_low() - _PORT_FLOOR) // _SLICE)
+def _preferred_slice(slices: int) -> int:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID", "")
     if worker.startswith("gw") and worker[2:].isdigit():
         # Workers of one run take consecutive slices from an offset of the run's own.
         offset = int.from_bytes(run.encode()[-4:] or b"\0", "big") % slices
-        index = (offset + int(worker[2:])) % slices
-    else:
-        index = os.getpid() % slices
-    return _PORT_FLOOR + index * _SLICE
+        return (offset + int(worker[2:])) % slices
+    return os.getpid() % slices
+
+
+def _slice_start() -> int:
+    """The first port of this process's slice: the first one free of a lock from its
+    preferred one on (when locks cannot be taken at all, the preferred one)."""
+    slices = max(1, (_ephemeral_low() - _PORT_FLOOR) // _SLICE)
+    preferred = _preferred_slice(slices)
+    with _cursor_lock:
+        claim = _claimed.get(preferred)
+        if claim is None:
+            claim = _claimed[preferred] = _claim(preferred, slices)
+        return claim[0]
+
+
+def _claim(preferred: int, slices: int) -> tuple[int, IO[bytes] | None]:
+    try:
+        _SLICE_LOCKS.mkdir(mode=0o777, exist_ok=True)
+    except OSError:
+        return _PORT_FLOOR + preferred * _SLICE, None
+    for step in range(slices):
+        index = (preferred + step) % slices
+        try:
+            lock = (_SLICE_LOCKS / f"{index}.lock").open("ab")
+        except OSError:
+            continue
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.close()  # another process (or another worker slot of this one) has it
+            continue
+        return _PORT_FLOOR + index * _SLICE, lock
+    return _PORT_FLOOR + preferred * _SLICE, None
 
 
 def _bindable(port: int, host: str) -> bool:
