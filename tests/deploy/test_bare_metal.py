@@ -85,9 +85,10 @@ def write_env_file(path: Path, env: dict[str, str]) -> Path:
 def pid_alive(pid: int) -> bool:
     """A live process (a zombie, reaped by nobody in a container, counts as gone)."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes() != b""
+        stat = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
         return False
+    return stat.rsplit(") ", 1)[-1][:1] not in ("Z", "X", "")
 
 
 def http_status(url: str) -> int:
@@ -309,3 +310,50 @@ async def test_systemd_exec_start_runs_both_services(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def _prolog_function(name: str) -> str:
+    """One shell function of the prolog, as its text (to run it on its own)."""
+    text = (SLURM / "timeslice-prolog").read_text()
+    start = text.index(f"{name}() {{")
+    return text[start : text.index("\n}\n", start) + 3]
+
+
+def test_the_prolog_tells_a_live_agent_from_a_dead_one_by_its_process_state(
+    tmp_path: Path,
+) -> None:
+    """The prolog's liveness check reads the process state, not the command line: the command
+    line reads empty for a moment while a process execs (the agent's start execs three
+    times), and a loaded CI machine once saw a starting agent as exited. A zombie, or no
+    process, is dead."""
+    alive = _prolog_function("alive")
+    live = subprocess.Popen(["sleep", "30"])
+    zombie = subprocess.Popen(["true"])
+    try:
+        deadline = time.monotonic() + 10
+        while pid_alive(zombie.pid):
+            assert time.monotonic() < deadline, "the child never exited"
+            time.sleep(0.01)
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        # A command name with spaces and parentheses does not confuse it.
+        odd = tmp_path / "a (b) c"
+        shutil.copy("/bin/sleep", odd)
+        oddly_named = subprocess.Popen([str(odd), "30"])
+        try:
+            for pid, expected in (
+                (live.pid, 0),
+                (oddly_named.pid, 0),
+                (zombie.pid, 1),
+                (gone.pid, 1),
+            ):
+                code = subprocess.run(["bash", "-c", f"{alive}\nalive {pid}"], check=False)
+                assert pid_alive(pid) is (expected == 0), pid
+                assert code.returncode == expected, (pid, expected)
+        finally:
+            oddly_named.kill()
+            oddly_named.wait()
+    finally:
+        live.kill()
+        live.wait()
+        zombie.wait()
