@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from timeslice_tools.dev import _procs
 from timeslice_tools.dev._procs import spawn
 
 PARENT = """
@@ -22,13 +23,22 @@ sys.stdin.read()  # until killed
 
 
 def alive(pid: int) -> bool:
+    """A live process (not a zombie): its state, since its cmdline reads empty mid-exec."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes() != b""  # a zombie's is empty
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(") ", 1)[-1][:1] not in ("Z", "X", "")
+
+
+def running(pid: int, command: str) -> bool:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] == command.encode()
     except FileNotFoundError:
         return False
 
 
-def test_a_child_is_terminated_when_its_parent_is_killed(tmp_path: Path) -> None:
+def _parent(tmp_path: Path) -> tuple[subprocess.Popen[str], int]:
     parent = subprocess.Popen(
         [sys.executable, "-c", PARENT, str(tmp_path / "child.log")],
         stdin=subprocess.PIPE,
@@ -37,22 +47,43 @@ def test_a_child_is_terminated_when_its_parent_is_killed(tmp_path: Path) -> None
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
     assert parent.stdout is not None
-    child = int(parent.stdout.readline())
-    try:
-        # Its cmdline can read empty for an instant while setpriv execs the command.
-        deadline = time.monotonic() + 10
-        while not alive(child):
-            assert time.monotonic() < deadline, "the child never ran"
-            time.sleep(0.05)
-        parent.send_signal(signal.SIGKILL)
-        parent.wait(timeout=10)
-        deadline = time.monotonic() + 10
-        while alive(child):
-            assert time.monotonic() < deadline, "the child outlived its parent"
-            time.sleep(0.05)
-    finally:
-        if alive(child):
+    return parent, int(parent.stdout.readline())
+
+
+def _outlives(parent: subprocess.Popen[str], child: int) -> bool:
+    """Kill ``parent``; whether ``child`` is still alive 10 s later."""
+    parent.send_signal(signal.SIGKILL)
+    parent.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while alive(child):
+        if time.monotonic() > deadline:
             os.kill(child, signal.SIGKILL)
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_child_is_terminated_when_its_parent_is_killed(tmp_path: Path) -> None:
+    parent, child = _parent(tmp_path)
+    # Once the command runs, the death signal is set (setpriv set it before its exec).
+    deadline = time.monotonic() + 10
+    while not running(child, "sleep"):
+        assert time.monotonic() < deadline, "the child never ran its command"
+        time.sleep(0.01)
+    assert not _outlives(parent, child), "the child outlived its parent"
+
+
+def test_a_child_started_for_a_parent_that_is_gone_does_not_run() -> None:
+    """The prefix's last step: once the death signal is set, the child runs its command only
+    if its parent is still the process that started it. A parent that died between the fork
+    and that moment (a loaded machine) has handed the child to another process, and the
+    signal would never come. Here the prefix names a parent that is not the child's."""
+    prefix = _procs._pdeathsig_prefix()
+    assert prefix, "setpriv and sh are there on this machine"
+    assert prefix[-1] == str(os.getpid())
+    for parent, code in ((str(os.getpid()), 0), ("1", 1)):
+        started = subprocess.run([*prefix[:-1], parent, "true"], timeout=30, check=False)
+        assert started.returncode == code, (parent, started)
 
 
 def test_spawn_runs_the_command_itself(tmp_path: Path) -> None:

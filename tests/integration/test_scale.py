@@ -10,6 +10,7 @@ in bulk under new group names, so every group looks like a used one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from timeslice import AsyncTimeSliceClient
-from timeslice_orchestrator.store.etcd import EtcdClient, Put, Txn
+from timeslice_orchestrator.store.etcd import EtcdClient, KeyValue, Put, StoreUnavailable, Txn
 from timeslice_orchestrator.store.groups import EnqueueRequest, FreeGroup, GroupStore, Hold
 from timeslice_orchestrator.store.keys import Keyspace, Kind
 from timeslice_orchestrator.store.records import GroupStats, ResidentRecord, SessionRecord, Stored
@@ -120,6 +121,26 @@ async def bulk_groups(store: GroupStore) -> None:
     await bounded(len(batches), 64, write)
 
 
+async def _delete_all(client: EtcdClient, prefix: bytes) -> None:
+    """Delete every key under ``prefix`` in one DeleteRange (one revision).
+
+    On a loaded machine etcd may answer "request timed out" (its own apply deadline) for so
+    large a delete and still apply it later: it is sent again until no key is left."""
+    for _ in range(5):
+        try:
+            await client.delete(prefix, prefix=True)
+        except StoreUnavailable:
+            await asyncio.sleep(1.0)
+        left: list[KeyValue] = []
+        async with contextlib.aclosing(client.pages(prefix, page=1)) as pages:
+            async for _, chunk in pages:
+                left = chunk  # one key is enough to know
+                break
+        if not left:
+            return
+    raise AssertionError(f"keys still under {prefix!r} after 5 deletes")
+
+
 def vm_rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -140,6 +161,7 @@ async def test_a_replica_starts_on_100k_groups(etcd: EtcdServer, tmp_path: Path)
         revision, kvs = await client.get_prefix(store.keys.root)
         size = sum(len(kv.key) + len(kv.value) for kv in kvs)
         groups = {ref.group for kv in kvs if (ref := store.keys.parse(kv.key)) and ref.group}
+        group_prefix = f"{PREFIX}/groups/".encode()
         assert len(groups) == TOTAL
         if TOTAL == 100_000:
             assert size > 2 * OLD_RECEIVE_LIMIT
@@ -186,9 +208,10 @@ async def test_a_replica_starts_on_100k_groups(etcd: EtcdServer, tmp_path: Path)
             deleting = time.monotonic()
             etcd_client = EtcdClient([etcd.endpoint], timeout=30)
             try:
-                deleted = await etcd_client.delete(f"{PREFIX}/groups/".encode(), prefix=True)
+                await _delete_all(etcd_client, group_prefix)
             finally:
                 await etcd_client.close()
+            deleted = sum(kv.key.startswith(group_prefix) for kv in kvs)
             assert deleted >= 4 * TOTAL
             async with asyncio.timeout(30):
                 while await sdk.groups():

@@ -185,11 +185,19 @@ def _pdeathsig_prefix() -> list[str]:
     whose restarted poller thread aborts once ``close_fds`` closed its epoll descriptor
     (grpc/grpc#43055, grpcio 1.80 and later): the child died with SIGABRT before its exec, about
     one start in ten while this process had gRPC channels open.
+
+    The death signal only covers a parent that dies after ``setpriv`` set it: one killed
+    between the fork and that moment (a loaded machine, a run killed as it starts) would leave
+    the child running for ever. So a shell checks, once the signal is set, that its parent is
+    still the process that started it, and only then execs the command (same pid throughout).
     """
     if sys.platform != "linux" or threading.current_thread() is not threading.main_thread():
         return []
-    setpriv = shutil.which("setpriv")
-    return [setpriv, "--pdeathsig", "TERM", "--"] if setpriv else []
+    setpriv, sh = shutil.which("setpriv"), shutil.which("sh")
+    if not (setpriv and sh):
+        return []
+    still_ours = 'test "$PPID" = "$0" || exit 1; exec "$@"'
+    return [setpriv, "--pdeathsig", "TERM", "--", sh, "-c", still_ours, str(os.getpid())]
 
 
 def spawn(
