@@ -56,7 +56,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Tracer
 
 from timeslice_orchestrator.directives import DirectiveSender, NodeResult
-from timeslice_orchestrator.grants import HandOvers, holder_for, in_place
+from timeslice_orchestrator.grants import HandOvers, changed, holder_for, in_place
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.policy import Policy, order
 from timeslice_orchestrator.relay import DirectiveRouter
@@ -470,7 +470,10 @@ class SwitchDriver:
         stats = view.stats
         stats.grants += 1
         epoch = await self._store.grant(
-            self._auth, Grant(view.group, head, holder, residency, view.resident_revision, stats)
+            self._auth,
+            Grant(
+                view.group, head, holder, changed(view, residency), view.resident_revision, stats
+            ),
         )
         if epoch is None:
             return Next.AGAIN

@@ -78,6 +78,19 @@ def resident_after_grant(
     return in_place(view, job, agents)
 
 
+def changed(view: GroupView, residency: ResidentRecord) -> ResidentRecord | None:
+    """``residency`` if a grant changes the group's residency record as read, else None.
+
+    A grant compares the residency it was computed from either way; an unchanged record is
+    not written again (one key fewer in the transaction, one event fewer for every watcher):
+    the common case of a job taking back a group whose state it already holds. A group
+    without a record gets one.
+    """
+    if view.resident is not None and view.resident.record == residency:
+        return None
+    return residency
+
+
 class HandOvers:
     """The groups this replica is handing to a waiter on a yield, right now."""
 

@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from timeslice import AcquireStage
 from timeslice.errors import (
@@ -31,7 +31,13 @@ from timeslice.errors import (
 from timeslice.ids import validate_group_id, validate_job_id, validate_node
 from timeslice.tasks import run_to_completion
 from timeslice_orchestrator.authz import new_session_secret, secret_hash, secret_matches
-from timeslice_orchestrator.grants import HandOvers, holder_for, in_place, resident_after_grant
+from timeslice_orchestrator.grants import (
+    HandOvers,
+    changed,
+    holder_for,
+    in_place,
+    resident_after_grant,
+)
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.policy import Policy, order
 from timeslice_orchestrator.store.cache import MIRROR_LAG_TIMEOUT, GroupView, Mirror, group_topic
@@ -52,6 +58,9 @@ log = logging.getLogger(__name__)
 # Groups whose last yield here the mirror may not show yet, kept at most (then pruned).
 _RELEASED_KEPT = 1024
 MAX_TTL = 3600
+# How long a yield that handed the group over waits for the waiter's stream to send the grant
+# before it answers its own caller: the waiter is the one the hand-over is for.
+_WAITER_FIRST_SECONDS = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +82,8 @@ class _LocalWaiter:
     entry_revision: int
     attempt: str
     granted: asyncio.Future[Progress]
+    # Set when the Acquire call is over: its grant sent (it resumed after the grant), or gone.
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class LockService:
@@ -223,6 +234,7 @@ class LockService:
                     yield progress
                 await self._wait(topic, seen, waiter.granted)
         finally:
+            waiter.ended.set()
             if self._waiting.get(key) is waiter:
                 del self._waiting[key]
             self._metrics.waiters.dec()
@@ -255,7 +267,7 @@ class LockService:
         stats.grants += 1
         free = FreeGroup(
             ticket=view.revision,
-            resident=resident,
+            resident=changed(view, resident),
             resident_revision=view.resident_revision,
             stats=stats,
             stats_revision=view.stats_revision,
@@ -353,7 +365,17 @@ class LockService:
         with self.hand_overs.handing(group):
             await self._release(hold)
             # The mirror may not show the release yet: the view is the group after it.
-            await self._hand_over(dataclasses.replace(self._mirror.group(group), holder=None))
+            answered = await self._hand_over(
+                dataclasses.replace(self._mirror.group(group), holder=None)
+            )
+        if answered is not None:
+            # The waiter's grant goes out before this yield's answer (both share this
+            # replica's loop and often the caller's host): the hand-over is for the waiter.
+            try:
+                async with asyncio.timeout(_WAITER_FIRST_SECONDS):
+                    await answered.ended.wait()
+            except TimeoutError:
+                pass  # its stream is slow to take the grant: answer the yield anyway
 
     async def _release(self, hold: Hold) -> None:
         group = hold.group
@@ -365,16 +387,19 @@ class LockService:
             seen = self._mirror.revision
             self._released = {g: r for g, r in self._released.items() if r > seen}
 
-    async def _hand_over(self, view: GroupView) -> None:
+    async def _hand_over(self, view: GroupView) -> _LocalWaiter | None:
         """Grant the group's next waiter in place, as the driver would (``view``: the group
         just after the release, as this replica saw it; every part of it the grant relies on
-        is compared, so a stale view costs only the driver's usual pass)."""
+        is compared, so a stale view costs only the driver's usual pass).
+
+        Returns the waiter answered here, if the grant went to an Acquire call on this replica.
+        """
         if not view.queue:
-            return  # the waiter left meanwhile
+            return None  # the waiter left meanwhile
         head = order(self.policy, view)[0]
         residency = in_place(view, head.job, self._mirror.agents())
         if residency is None:
-            return
+            return None
         holder = holder_for(head)
         stats = view.stats
         stats.grants += 1
@@ -382,7 +407,7 @@ class LockService:
             view.group,
             head,
             holder,
-            residency,
+            changed(view, residency),
             view.resident_revision,
             stats,
             stats_revision=view.stats_revision,
@@ -391,9 +416,9 @@ class LockService:
             epoch = await self._store.grant(None, grant)
         except StoreUnavailable as exc:
             log.info("group %s: no hand-over on yield (%s); the driver grants", view.group, exc)
-            return
+            return None
         if epoch is None:
-            return
+            return None
         self._metrics.grants.labels(kind="on_yield").inc()
         self._metrics.acquire_wait_seconds.observe(holder.waited_seconds)
         waiter = self._waiting.get((view.group, head.job))
@@ -412,6 +437,8 @@ class LockService:
                     ticket=head.revision,
                 )
             )
+            return waiter
+        return None
 
     async def set_members(self, group: str, nodes: list[str]) -> None:
         """Pin ``nodes`` to ``group`` (an empty list unpins).

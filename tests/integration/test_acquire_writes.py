@@ -162,3 +162,55 @@ async def test_a_yield_hands_the_group_to_a_waiter_whose_state_is_in_place(
         second = await waiter
         assert second.epoch == grant
         assert first.epoch < second.ticket < second.epoch
+
+
+async def test_a_grant_that_moves_nothing_leaves_the_residency_record_alone(
+    cluster_factory: ClusterFactory,
+) -> None:
+    # No workers anywhere, so no grant changes whose state is where: after the first grant
+    # wrote the (empty) residency record, neither an Acquire of the free group nor a Yield's
+    # hand-over writes it again; each still compares it.
+    cluster = cluster_factory(agents=0)
+    async with raw_stub(cluster.target) as stub:
+        a, a_secret = opened(
+            await stub.open_session(OpenSessionRequest(job_id="a", ttl_seconds=30))
+        )
+        b, b_secret = opened(
+            await stub.open_session(OpenSessionRequest(job_id="b", ttl_seconds=30))
+        )
+        first, writes = await _writes(
+            cluster,
+            lambda: _granted(
+                stub, AcquireRequest(a, "a", "g", request_id="r", session_secret=a_secret)
+            ),
+        )
+        assert (first.epoch, EventType.PUT, "/groups/g/resident") in writes
+        await stub.yield_(YieldRequest(a, "a", "g", first.epoch, session_secret=a_secret))
+        second, writes = await _writes(
+            cluster,
+            lambda: _granted(
+                stub, AcquireRequest(b, "b", "g", request_id="s", session_secret=b_secret)
+            ),
+        )
+        assert {k for _, _, k in writes} == {"/groups/g/holder", "/groups/g/stats"}, writes
+        waiter = asyncio.create_task(
+            _granted(stub, AcquireRequest(a, "a", "g", request_id="t", session_secret=a_secret))
+        )
+        while not (await stub.get_group_status(GetGroupStatusRequest("g"))).queue:
+            await asyncio.sleep(0.01)
+        _, writes = await _writes(
+            cluster,
+            lambda: stub.yield_(YieldRequest(b, "b", "g", second.epoch, session_secret=b_secret)),
+        )
+        third = await waiter
+        assert {k for r, _, k in writes if r == third.epoch} == {
+            "/groups/g/holder",
+            "/groups/g/queue/a",
+            "/groups/g/stats",
+        }, writes
+    client = etcd_client(cluster)
+    try:
+        resident = await client.get(f"{cluster.prefix}/groups/g/resident".encode())
+    finally:
+        await client.close()
+    assert resident is not None and resident.mod_revision == first.epoch

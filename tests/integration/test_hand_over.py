@@ -55,3 +55,45 @@ async def test_a_hand_over_reaches_a_waiter_here_without_the_watch(store: GroupS
         watching.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watching
+
+
+async def test_the_waiter_gets_its_grant_before_the_yield_returns(store: GroupStore) -> None:
+    """The hand-over is for the waiter: its stream takes the grant before the yielding call
+    answers (both answers leave this replica's one loop, and the waiter's is the handoff)."""
+    mirror = Mirror(store.etcd, store.keys)
+    watching = asyncio.create_task(mirror.run())
+    try:
+        await asyncio.wait_for(mirror.synced.wait(), 10)
+        locks = LockService(store, mirror, Metrics(), 30)
+        sessions = {job: await locks.open_session(job, 30, "host", 1) for job in ("a", "b")}
+
+        async def acquire(job: str, order: list[str], queued: asyncio.Event) -> int:
+            sid, secret, _ = sessions[job]
+            epoch = 0
+            # As the API's stream consumes it: take each step, then ask for the next.
+            async for progress in locks.acquire(sid, job, "g", 0, secret=secret):
+                if progress.stage is AcquireStage.QUEUED:
+                    queued.set()
+                elif progress.stage is AcquireStage.GRANTED:
+                    order.append("granted")
+                    epoch = progress.epoch
+            return epoch
+
+        holder_job, waiter_job = "a", "b"
+        epoch = await acquire(holder_job, [], asyncio.Event())
+        for turn in range(5):
+            order: list[str] = []
+            queued = asyncio.Event()
+            waiting = asyncio.create_task(acquire(waiter_job, order, queued))
+            async with asyncio.timeout(10):
+                await queued.wait()
+                sid, secret, _ = sessions[holder_job]
+                await locks.release(sid, holder_job, "g", epoch, secret=secret)
+                order.append("yield returned")
+                epoch = await waiting
+            assert order == ["granted", "yield returned"], f"turn {turn}: {order}"
+            holder_job, waiter_job = waiter_job, holder_job
+    finally:
+        watching.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watching

@@ -92,7 +92,9 @@ class FreeGroup:
     """
 
     ticket: int  # the revision the group was seen free at: the grant's place in line
-    resident: ResidentRecord  # the residency after the grant (the job's nodes most recent)
+    # The residency after the grant (the job's nodes most recent); None: as it was (compared,
+    # not written again).
+    resident: ResidentRecord | None
     resident_revision: int  # mod revisions as seen (0: the key is absent)
     stats: GroupStats  # the counters after the grant
     stats_revision: int
@@ -217,10 +219,14 @@ class QueueStore(StoreBase):
                 ],
                 success=[
                     Put(k.holder(group), holder.encode(), lease=request.session.lease),
-                    Put(k.resident(group), free.resident.encode()),
                     Put(k.stats(group), free.stats.encode()),
                     Delete(k.fault(group, job)),
                     self._create_group(group),
+                    *(
+                        []
+                        if free.resident is None
+                        else [Put(k.resident(group), free.resident.encode())]
+                    ),
                 ],
             )
         )

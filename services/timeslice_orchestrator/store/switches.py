@@ -62,7 +62,8 @@ class Grant:
     group: str
     waiter: QueuedJob  # the queue entry served, as read: a waiter that re-attached since waits
     holder: HolderRecord  # the new hold; its epoch is the holder key's create revision
-    resident: ResidentRecord  # the residency after the hand-over
+    # The residency after the hand-over; None: as it was (compared, not written again).
+    resident: ResidentRecord | None
     resident_revision: int  # mod revision of the residency it was computed from (0: none)
     stats: GroupStats
     switch: Stored[SwitchRecord] | None = None  # the switch it ends; None: a grant in place
@@ -139,9 +140,10 @@ class SwitchStore(StoreBase):
         ops: list[Op] = [
             Put(k.holder(group), grant.holder.encode(), lease=entry.lease),
             Delete(k.queue_entry(group, job)),
-            Put(k.resident(group), grant.resident.encode()),
             Put(k.stats(group), grant.stats.encode()),
         ]
+        if grant.resident is not None:
+            ops.append(Put(k.resident(group), grant.resident.encode()))
         if grant.switch is not None:
             compare.append(modified_at(k.switch(group), grant.switch.mod_revision))
             ops.append(Delete(k.switch(group)))
