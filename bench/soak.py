@@ -9,6 +9,9 @@ SIGKILL and started again a second later; etcd is paused (SIGSTOP, then SIGCONT)
 well under every lease TTL; a random agent is paused for 1-3 s. At the end the recorded history
 is checked for the invariants of DESIGN.md section 5 (any violation fails the run) and a JSON
 report is printed (and written with --out). etcd is paused only when the soak runs its own.
+A wait is bounded too: any acquire longer than ``--max-wait`` (20 s: a replica kill costs a
+lease TTL of 4 s and a reconnect), or longer than ``--max-quiet-wait`` (10 s) with no fault
+overlapping it, is a violation (a wait that long is a liveness bug, not an outage ridden out).
 
 The report lists every fault with its time (seconds from the start) and the longest waits with
 the faults that overlapped them, so a long wait can be told apart from the outage it rode out;
@@ -178,6 +181,43 @@ async def _faults(
         report.faults.append(FaultEvent(kind, target, began - t0, Recorder.now() - t0))
 
 
+@dataclass(frozen=True)
+class WaitBounds:
+    """How long an acquire may wait: at all, and with no fault overlapping it."""
+
+    any_s: float = 20.0
+    quiet_s: float = 10.0
+
+
+def _overlapping(faults: list[FaultEvent], start: float, end: float) -> list[str]:
+    return [
+        f"{f.kind} {f.target} {f.start_s:.1f}-{f.end_s:.1f}"
+        for f in faults
+        if f.start_s < end and f.end_s > start
+    ]
+
+
+def wait_violations(
+    attempts: list[Attempt], faults: list[FaultEvent], t0: float, bounds: WaitBounds
+) -> list[str]:
+    """Every granted wait over its bound, with the faults it overlapped (times from ``t0``)."""
+    out = []
+    for a in attempts:
+        if a.granted_at is None:
+            continue
+        wait = a.granted_at - a.started_at
+        start = a.started_at - t0
+        during = _overlapping(faults, start, start + wait)
+        bound = bounds.any_s if during else bounds.quiet_s
+        if wait > bound:
+            with_faults = f"during {', '.join(during)}" if during else "with no fault overlapping"
+            out.append(
+                f"wait_bound: {a.job} waited {wait:.1f} s from {start:.1f} s, {with_faults} "
+                f"(bound {bound:g} s)"
+            )
+    return out
+
+
 def _longest_waits(
     attempts: list[Attempt], faults: list[FaultEvent], t0: float, count: int = 5
 ) -> list[LongWait]:
@@ -186,12 +226,8 @@ def _longest_waits(
     waits.sort(key=lambda item: item[0])
     out = []
     for wait, a in reversed(waits[-count:]):
-        start, end = a.started_at - t0, a.started_at - t0 + wait
-        overlapping = [
-            f"{f.kind} {f.target} {f.start_s:.1f}-{f.end_s:.1f}"
-            for f in faults
-            if f.start_s < end and f.end_s > start
-        ]
+        start = a.started_at - t0
+        overlapping = _overlapping(faults, start, start + wait)
         out.append(LongWait(a.job, round(start, 2), round(wait, 3), overlapping))
     return out
 
@@ -206,6 +242,7 @@ async def soak(
     seed: int = 1,
     etcd_endpoint: str | None = None,
     base_dir: Path | None = None,
+    wait_bounds: WaitBounds = WaitBounds(),
 ) -> SoakReport:
     rng = random.Random(seed)
     report = SoakReport(duration, replicas, agents, jobs)
@@ -273,6 +310,7 @@ async def soak(
     report.wait_p99_s = percentile(waits, 0.99)
     report.wait_max_s = waits[-1] if waits else 0.0
     report.longest_waits = _longest_waits(recorder.attempts, report.faults, t0)
+    report.violations += wait_violations(recorder.attempts, report.faults, t0, wait_bounds)
     return report
 
 
@@ -290,6 +328,15 @@ def main() -> None:
         help="seconds between faults (replica kill, etcd pause, agent pause, in turn)",
     )
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--max-wait", type=float, default=WaitBounds.any_s, help="seconds any acquire may wait"
+    )
+    parser.add_argument(
+        "--max-quiet-wait",
+        type=float,
+        default=WaitBounds.quiet_s,
+        help="seconds an acquire may wait when no fault overlaps it",
+    )
     parser.add_argument("--out", type=Path, help="write the JSON report here too")
     parser.add_argument(
         "--keep", type=Path, metavar="DIR", help="run the cluster in DIR and keep its logs there"
@@ -297,7 +344,13 @@ def main() -> None:
     args = parser.parse_args()
     started = time.monotonic()
     report = asyncio.run(
-        soak(args.duration, every=tuple(args.every), seed=args.seed, base_dir=args.keep)
+        soak(
+            args.duration,
+            every=tuple(args.every),
+            seed=args.seed,
+            base_dir=args.keep,
+            wait_bounds=WaitBounds(args.max_wait, args.max_quiet_wait),
+        )
     )
     data = {**asdict(report), "ok": report.ok, "wall_s": time.monotonic() - started}
     text = json.dumps(data, indent=2)

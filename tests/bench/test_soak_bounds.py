@@ -1,0 +1,34 @@
+"""The soak's wait bounds: a wait over its bound is a violation, with the faults it overlapped."""
+
+from __future__ import annotations
+
+from bench.soak import FaultEvent, WaitBounds, wait_violations
+from timeslice_tools.history import Attempt
+
+T0 = 1000.0
+KILL = FaultEvent("kill", "replica-1", 50.0, 51.0)
+
+
+def _attempt(start_s: float, wait_s: float | None, job: str = "job-0") -> Attempt:
+    granted = None if wait_s is None else T0 + start_s + wait_s
+    return Attempt(job, "soak", T0 + start_s, granted)
+
+
+def test_waits_within_their_bounds_pass() -> None:
+    attempts = [_attempt(10.0, 9.0), _attempt(45.0, 19.0), _attempt(200.0, None)]
+    assert wait_violations(attempts, [KILL], T0, WaitBounds(any_s=20, quiet_s=10)) == []
+
+
+def test_a_long_wait_with_no_fault_overlapping_is_a_violation() -> None:
+    found = wait_violations([_attempt(100.0, 11.0, "job-3")], [KILL], T0, WaitBounds(20, 10))
+    assert found == [
+        "wait_bound: job-3 waited 11.0 s from 100.0 s, with no fault overlapping (bound 10 s)"
+    ]
+
+
+def test_a_wait_over_the_outer_bound_is_a_violation_even_during_a_fault() -> None:
+    # The 31 s waits a lost agent stream caused, after a replica kill.
+    found = wait_violations([_attempt(49.0, 31.6)], [KILL], T0, WaitBounds(20, 10))
+    assert found == [
+        "wait_bound: job-0 waited 31.6 s from 49.0 s, during kill replica-1 50.0-51.0 (bound 20 s)"
+    ]
