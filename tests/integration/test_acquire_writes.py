@@ -24,6 +24,7 @@ from timeslice_proto.timeslice.v1 import (
     AcquireState,
     GetGroupStatusRequest,
     OpenSessionRequest,
+    TimeSliceStub,
     YieldRequest,
 )
 from timeslice_tools.dev.cluster import LocalCluster
@@ -63,18 +64,25 @@ async def _granted(stub: object, request: AcquireRequest) -> AcquireEvent:
     return events[-1]  # type: ignore[no-any-return]
 
 
+async def _session(stub: TimeSliceStub, job: str) -> tuple[str, str]:
+    """Open a session for ``job``: its id and secret."""
+    return opened(await stub.open_session(OpenSessionRequest(job_id=job, ttl_seconds=30)))
+
+
+async def _until_queued(stub: TimeSliceStub, group: str = "g") -> None:
+    async with asyncio.timeout(10):
+        while not (await stub.get_group_status(GetGroupStatusRequest(group))).queue:
+            await asyncio.sleep(0.01)
+
+
 async def test_a_free_group_costs_one_write_to_acquire_and_one_to_yield(
     cluster_factory: ClusterFactory,
 ) -> None:
     cluster = cluster_factory(agents=0)
     prefix = cluster.prefix
     async with raw_stub(cluster.target) as stub:
-        a, a_secret = opened(
-            await stub.open_session(OpenSessionRequest(job_id="a", ttl_seconds=30))
-        )
-        b, b_secret = opened(
-            await stub.open_session(OpenSessionRequest(job_id="b", ttl_seconds=30))
-        )
+        a, a_secret = await _session(stub, "a")
+        b, b_secret = await _session(stub, "b")
         first, writes = await _writes(
             cluster,
             lambda: _granted(
@@ -109,8 +117,7 @@ async def test_a_free_group_costs_one_write_to_acquire_and_one_to_yield(
         waiter = asyncio.create_task(
             _granted(stub, AcquireRequest(a, "a", "g", request_id="t", session_secret=a_secret))
         )
-        while not (await stub.get_group_status(GetGroupStatusRequest("g"))).queue:
-            await asyncio.sleep(0.01)
+        await _until_queued(stub)
         await stub.yield_(YieldRequest(b, "b", "g", second.epoch, session_secret=b_secret))
         third = await waiter
         assert second.epoch < third.ticket < third.epoch
@@ -130,20 +137,15 @@ async def test_a_yield_hands_the_group_to_a_waiter_whose_state_is_in_place(
     # in place before it answers: b's hold is in etcd when the Yield returns.
     cluster = cluster_factory(agents=0)
     async with raw_stub(cluster.target) as stub:
-        a, a_secret = opened(
-            await stub.open_session(OpenSessionRequest(job_id="a", ttl_seconds=30))
-        )
-        b, b_secret = opened(
-            await stub.open_session(OpenSessionRequest(job_id="b", ttl_seconds=30))
-        )
+        a, a_secret = await _session(stub, "a")
+        b, b_secret = await _session(stub, "b")
         first = await _granted(
             stub, AcquireRequest(a, "a", "g", request_id="r", session_secret=a_secret)
         )
         waiter = asyncio.create_task(
             _granted(stub, AcquireRequest(b, "b", "g", request_id="s", session_secret=b_secret))
         )
-        while not (await stub.get_group_status(GetGroupStatusRequest("g"))).queue:
-            await asyncio.sleep(0.01)
+        await _until_queued(stub)
         _, writes = await _writes(
             cluster,
             lambda: stub.yield_(YieldRequest(a, "a", "g", first.epoch, session_secret=a_secret)),
@@ -172,12 +174,8 @@ async def test_a_grant_that_moves_nothing_leaves_the_residency_record_alone(
     # hand-over writes it again; each still compares it.
     cluster = cluster_factory(agents=0)
     async with raw_stub(cluster.target) as stub:
-        a, a_secret = opened(
-            await stub.open_session(OpenSessionRequest(job_id="a", ttl_seconds=30))
-        )
-        b, b_secret = opened(
-            await stub.open_session(OpenSessionRequest(job_id="b", ttl_seconds=30))
-        )
+        a, a_secret = await _session(stub, "a")
+        b, b_secret = await _session(stub, "b")
         first, writes = await _writes(
             cluster,
             lambda: _granted(
@@ -196,8 +194,7 @@ async def test_a_grant_that_moves_nothing_leaves_the_residency_record_alone(
         waiter = asyncio.create_task(
             _granted(stub, AcquireRequest(a, "a", "g", request_id="t", session_secret=a_secret))
         )
-        while not (await stub.get_group_status(GetGroupStatusRequest("g"))).queue:
-            await asyncio.sleep(0.01)
+        await _until_queued(stub)
         _, writes = await _writes(
             cluster,
             lambda: stub.yield_(YieldRequest(b, "b", "g", second.epoch, session_secret=b_secret)),
