@@ -104,6 +104,22 @@ def proc_sample(pid: int) -> ProcSample:
     return ProcSample(cpu, rss)
 
 
+def thread_cpu_seconds() -> dict[str, float]:
+    """CPU seconds so far of this process's threads, summed by thread name (``comm``): the
+    loop's thread is ``python``, gRPC's C threads are ``event_engine`` and the like."""
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat", encoding="ascii") as f:
+                head, tail = f.read().rsplit(")", 1)
+        except OSError:
+            continue  # the thread ended meanwhile
+        name = head.split("(", 1)[1]
+        fields = tail.split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    return out
+
+
 def cluster_pids(cluster: LocalCluster) -> dict[str, int]:
     """Live pids by process name (``r0``.., ``node-0``.., ``etcd``) plus ``bench`` (us)."""
     out = {name: p.pid for name, p in cluster.processes.items() if p.poll() is None}

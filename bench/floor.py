@@ -9,7 +9,8 @@ The floor is what etcd costs on this machine, from this process, through the sam
 the orchestrator uses: a bare put, a bare transaction (one compare, one put) and a bare lease
 grant, one at a time (round-trip p50/p99), transactions with 100 in flight (throughput), and a
 transaction after 2 ms of idling (round trip), as each of a hand-over's two is: on a virtual
-machine the wake-ups of both processes cost more than the work, which back to back hides.
+machine the wake-ups of both processes cost more than the work, which back to back hides. It
+also prints this process's CPU per back-to-back transaction, by thread (the loop's, gRPC's).
 
 Each round runs, for every build, :func:`bench.controlplane.cycle_throughput` (100 groups,
 1 replica: acquire/yield cycles per second and the replica's CPU per cycle) and
@@ -31,10 +32,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench._common import thread_cpu_seconds
 from bench.analysis import Stats
 from bench.controlplane import cycle_throughput, handoff_latency
 from timeslice_orchestrator.store.etcd import EtcdClient, Put, Txn, absent
@@ -65,6 +67,8 @@ class Floor:
     # One transaction after the process sat idle a moment, as each of a hand-over's is: the
     # wake-ups of both processes (and of gRPC's threads) count, which back to back hides.
     txn_after_idle_ms: Stats | None = None
+    # This process's CPU per back-to-back transaction, by thread name: what the client costs.
+    client_cpu_ms_per_txn: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -119,7 +123,15 @@ async def _floor(client: EtcdClient) -> Floor:
     async def grant(i: int) -> None:
         await client.grant_lease(30)
 
-    put_ms, txn_ms, grant_ms = await timed(put), await timed(txn), await timed(grant)
+    put_ms, grant_ms = await timed(put), await timed(grant)
+    cpu0 = thread_cpu_seconds()
+    txn_ms = await timed(txn)
+    cpu1 = thread_cpu_seconds()
+    client_cpu = {
+        name: round(1000 * (spent - cpu0.get(name, 0.0)) / (_FLOOR_SAMPLES + 20), 3)
+        for name, spent in cpu1.items()
+        if spent > cpu0.get(name, 0.0)
+    }
     idle_ms = await timed(txn_after_idle, _FLOOR_IDLE_SECONDS)
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(_FLOOR_BATCH):
@@ -133,7 +145,7 @@ async def _floor(client: EtcdClient) -> Floor:
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(_FLOOR_IN_FLIGHT)))
     rate = _FLOOR_BATCH / (time.perf_counter() - t0)
-    return Floor(put_ms, txn_ms, grant_ms, rate, idle_ms)
+    return Floor(put_ms, txn_ms, grant_ms, rate, idle_ms, client_cpu)
 
 
 def export_build(commit: str, into: Path) -> Path:
@@ -192,6 +204,15 @@ def report(floor: Floor, runs: list[BuildRun]) -> str:
                 f"{floor.txn_after_idle_ms.p50:.3f} ms  p99 {floor.txn_after_idle_ms.p99:.3f} ms"
             ]
             if floor.txn_after_idle_ms is not None
+            else []
+        ),
+        *(
+            [
+                f"  client CPU per txn: {sum(floor.client_cpu_ms_per_txn.values()):.3f} ms ("
+                + ", ".join(f"{k} {v:.3f}" for k, v in sorted(floor.client_cpu_ms_per_txn.items()))
+                + ")"
+            ]
+            if floor.client_cpu_ms_per_txn
             else []
         ),
         "",
