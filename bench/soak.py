@@ -10,7 +10,7 @@ well under every lease TTL; a random agent is paused for 1-3 s. At the end the r
 is checked for the invariants of DESIGN.md section 5 (any violation fails the run) and a JSON
 report is printed (and written with --out). etcd is paused only when the soak runs its own.
 A wait is bounded too: any acquire longer than ``--max-wait`` (20 s: a replica kill costs a
-lease TTL of 4 s and a reconnect), or longer than ``--max-quiet-wait`` (10 s) with no fault
+lease TTL of 4 s and a reconnect), or longer than ``--max-quiet-wait`` (15 s) with no fault
 overlapping it, is a violation (a wait that long is a liveness bug, not an outage ridden out).
 
 The report lists every fault with its time (seconds from the start) and the longest waits with
@@ -186,7 +186,7 @@ class WaitBounds:
     """How long an acquire may wait: at all, and with no fault overlapping it."""
 
     any_s: float = 20.0
-    quiet_s: float = 10.0
+    quiet_s: float = 15.0
 
 
 def _overlapping(faults: list[FaultEvent], start: float, end: float) -> list[str]:
