@@ -82,7 +82,9 @@ class _LocalWaiter:
     entry_revision: int
     attempt: str
     granted: asyncio.Future[Progress]
-    # Set when the Acquire call is over: its grant sent (it resumed after the grant), or gone.
+    # Set when the Acquire call is over: on the v1 API once its grant was sent (the stream
+    # resumes the call after sending it), on the v1alpha1 API as the grant is taken (its
+    # answer follows at once), or when the call ended without one.
     ended: asyncio.Event = field(default_factory=asyncio.Event)
 
 

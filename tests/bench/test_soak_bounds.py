@@ -32,3 +32,10 @@ def test_a_wait_over_the_outer_bound_is_a_violation_even_during_a_fault() -> Non
     assert found == [
         "wait_bound: job-0 waited 31.6 s from 49.0 s, during kill replica-1 50.0-51.0 (bound 20 s)"
     ]
+
+
+def test_the_default_bounds_are_20_s_and_15_s_without_a_fault() -> None:
+    quiet = [_attempt(100.0, 14.9), _attempt(200.0, 15.1, "job-1")]
+    during = [_attempt(49.0, 19.9), _attempt(50.5, 20.1, "job-2")]
+    found = wait_violations(quiet + during, [KILL], T0, WaitBounds())
+    assert [v.split(" waited")[0] for v in found] == ["wait_bound: job-1", "wait_bound: job-2"]

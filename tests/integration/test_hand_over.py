@@ -10,8 +10,11 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+import pytest
+
 from tests.integration.groupstore import holder
 from timeslice import AcquireStage
+from timeslice_orchestrator import locks as locks_module
 from timeslice_orchestrator.locks import LockService, Progress
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.store.cache import Mirror
@@ -57,9 +60,14 @@ async def test_a_hand_over_reaches_a_waiter_here_without_the_watch(store: GroupS
             await watching
 
 
-async def test_the_waiter_gets_its_grant_before_the_yield_returns(store: GroupStore) -> None:
+async def test_the_waiter_gets_its_grant_before_the_yield_returns(
+    store: GroupStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The hand-over is for the waiter: its stream takes the grant before the yielding call
     answers (both answers leave this replica's one loop, and the waiter's is the handoff)."""
+    # The yield's wait for the waiter is bounded (0.1 s); a loaded machine that stalls this
+    # loop longer would answer the yield first, which is not what this test is about.
+    monkeypatch.setattr(locks_module, "_WAITER_FIRST_SECONDS", 30.0)
     mirror = Mirror(store.etcd, store.keys)
     watching = asyncio.create_task(mirror.run())
     try:

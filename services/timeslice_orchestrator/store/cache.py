@@ -349,9 +349,9 @@ class Mirror:
     def needs_driver(self, group: str) -> bool:
         """A switch record, a waiter, a pending operator operation, or a residency written
         after the hold began: the last is a node that came back (after a fence, a lost lease)
-        and may lack the holder's state. Every grant writes the hold and the residency in one
-        transaction, so on the hot path they share a revision. Decodes nothing but operation
-        records, like :meth:`idle`."""
+        and may lack the holder's state. A grant writes the hold, and the residency when it
+        changes, in one transaction, so on the hot path the residency is never newer than the
+        hold. Decodes nothing but operation records, like :meth:`idle`."""
         hold = resident = 0
         for ref, kv in self._topics.get(group_topic(group), {}).items():
             kind = ref.kind
