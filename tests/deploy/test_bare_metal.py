@@ -164,11 +164,13 @@ def test_prolog_fails_and_cleans_up_when_the_agent_cannot_connect(
     env = agent_env(session_pki, f"127.0.0.1:{dead_port}", tmp_path, http_port)
     config = write_env_file(tmp_path / "agent.env", env)
     state = tmp_path / "slurm"
-    extra = {"TIMESLICE_SLURM_START_TIMEOUT": "3"}
+    # Long enough for the agent to start and log why it cannot connect, even on a loaded
+    # machine (3 s once left its log empty: the interpreter had not started yet).
+    extra = {"TIMESLICE_SLURM_START_TIMEOUT": "10"}
     result = run_script("timeslice-prolog", slurm_env(201, config, state, **extra))
     # Non-zero: Slurm drains the node and requeues the job, as for any failed prolog.
     assert result.returncode == 1
-    assert "not ready after 3s" in result.stderr
+    assert "not ready after 10s" in result.stderr
     assert not (state / "agent.pid").exists()
     assert list((state / "jobs").iterdir()) == []
     log = (tmp_path / "agent.log").read_text()
