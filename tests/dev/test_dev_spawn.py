@@ -21,6 +21,19 @@ print(child.pid, flush=True)
 sys.stdin.read()  # until killed
 """
 
+# As a benchmark starts its cluster (``asyncio.to_thread``): from a thread that then ends.
+PARENT_THREAD = """
+import sys, threading
+from pathlib import Path
+from timeslice_tools.dev._procs import spawn
+started = []
+starter = threading.Thread(target=lambda: started.append(spawn(["sleep", "60"], Path(sys.argv[1]))))
+starter.start()
+starter.join()
+print(started[0].pid, flush=True)
+sys.stdin.read()  # until killed
+"""
+
 
 def alive(pid: int) -> bool:
     """A live process (not a zombie): its state, since its cmdline reads empty mid-exec."""
@@ -38,9 +51,9 @@ def running(pid: int, command: str) -> bool:
         return False
 
 
-def _parent(tmp_path: Path) -> tuple[subprocess.Popen[str], int]:
+def _parent(tmp_path: Path, script: str = PARENT) -> tuple[subprocess.Popen[str], int]:
     parent = subprocess.Popen(
-        [sys.executable, "-c", PARENT, str(tmp_path / "child.log")],
+        [sys.executable, "-c", script, str(tmp_path / "child.log")],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -70,6 +83,21 @@ def test_a_child_is_terminated_when_its_parent_is_killed(tmp_path: Path) -> None
     while not running(child, "sleep"):
         assert time.monotonic() < deadline, "the child never ran its command"
         time.sleep(0.01)
+    assert not _outlives(parent, child), "the child outlived its parent"
+
+
+def test_a_child_started_from_a_thread_that_ended_lives_until_its_parent_is_killed(
+    tmp_path: Path,
+) -> None:
+    """A benchmark starts its cluster from a worker thread. The child must outlive that
+    thread (the cluster serves on), and still die with the process."""
+    parent, child = _parent(tmp_path, PARENT_THREAD)
+    deadline = time.monotonic() + 10
+    while not running(child, "sleep"):
+        assert time.monotonic() < deadline, "the child never ran its command"
+        time.sleep(0.01)
+    time.sleep(0.5)  # the starting thread has ended: a signal tied to it would have fired
+    assert running(child, "sleep"), "the child died with the thread that started it"
     assert not _outlives(parent, child), "the child outlived its parent"
 
 

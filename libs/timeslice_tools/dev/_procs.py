@@ -10,6 +10,7 @@ import contextlib
 import fcntl
 import http.client
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -21,7 +22,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import IO
 
@@ -175,10 +177,10 @@ def http_status(
 def _pdeathsig_prefix() -> list[str]:
     """A command prefix asking Linux to SIGTERM the child when its parent dies.
 
-    This keeps a test run that is killed -9 from leaking etcd or service processes. The signal
-    fires when the *thread* that started the child exits, so it is only used from the main
-    thread; children started from worker threads (for example ``asyncio.to_thread``) rely on
-    explicit stops.
+    This keeps a test run or a benchmark that is killed (-9, or a SIGTERM that runs no
+    ``finally``) from leaking etcd or service processes. The signal fires when the *thread*
+    that started the child exits, so only two threads start children: the main thread, and
+    one spawner thread that lives as long as the process (see :func:`spawn`).
 
     A prefix (util-linux ``setpriv --pdeathsig``), not a ``preexec_fn``: a preexec hook makes
     ``subprocess`` fork instead of vfork, and a fork runs grpcio's fork handlers in the child,
@@ -191,7 +193,7 @@ def _pdeathsig_prefix() -> list[str]:
     the child running for ever. So a shell checks, once the signal is set, that its parent is
     still the process that started it, and only then execs the command (same pid throughout).
     """
-    if sys.platform != "linux" or threading.current_thread() is not threading.main_thread():
+    if sys.platform != "linux" or not _lives_with_the_process(threading.current_thread()):
         return []
     setpriv, sh = shutil.which("setpriv"), shutil.which("sh")
     if not (setpriv and sh):
@@ -211,7 +213,21 @@ def spawn(
 
     Its own session so that a Ctrl-C in the terminal reaches only our supervisor, which then
     stops the children in order instead of all of them dying at once.
+
+    Called from a thread other than the main one (``asyncio.to_thread``, an executor), the
+    child is started on the spawner thread, which lives until the process exits: started on
+    the caller's thread, its death signal would fire when that thread ends (killing a cluster
+    that should outlive it), so it could not be set, and a killed benchmark left its cluster
+    running.
     """
+    if threading.current_thread() is threading.main_thread():
+        return _start(argv, log_path, env, cwd)
+    return _SPAWNER.run(lambda: _start(argv, log_path, env, cwd))
+
+
+def _start(
+    argv: list[str], log_path: Path, env: dict[str, str] | None, cwd: Path | None
+) -> subprocess.Popen[bytes]:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
         log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(argv)}\n".encode())
@@ -225,6 +241,54 @@ def spawn(
             cwd=cwd,
             start_new_session=True,
         )
+
+
+class _Spawner:
+    """One daemon thread that starts children for the other threads, for the process's life.
+
+    A daemon thread ends only with the process, so the death signal of a child it started
+    fires exactly when the process dies. Started on first use.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._requests: queue.SimpleQueue[
+            tuple[Callable[[], subprocess.Popen[bytes]], Future[subprocess.Popen[bytes]]]
+        ] = queue.SimpleQueue()
+
+    def owns(self, thread: threading.Thread) -> bool:
+        return thread is self._thread
+
+    def run(self, start: Callable[[], subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
+        """Call ``start`` on the spawner thread and return what it returned (or raise)."""
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._serve, name="timeslice-spawner", daemon=True
+                )
+                self._thread.start()
+        done: Future[subprocess.Popen[bytes]] = Future()
+        self._requests.put((start, done))
+        # A start is a fork and an exec (milliseconds); the bound only guards against a wedge.
+        return done.result(timeout=60)
+
+    def _serve(self) -> None:
+        while True:
+            start, done = self._requests.get()
+            if not done.set_running_or_notify_cancel():
+                continue
+            try:
+                done.set_result(start())
+            except BaseException as exc:  # handed to the caller, which raises it
+                done.set_exception(exc)
+
+
+_SPAWNER = _Spawner()
+
+
+def _lives_with_the_process(thread: threading.Thread) -> bool:
+    return thread is threading.main_thread() or _SPAWNER.owns(thread)
 
 
 def terminate_all(processes: Iterable[subprocess.Popen[bytes]], grace: float = 5.0) -> None:
