@@ -195,26 +195,26 @@ class LockService:
             raise InvalidArgument("request_id must be at most 64 characters")
         attempt = uuid.uuid4().hex[:16]
         request = EnqueueRequest(session, session_id, group, priority, request_id, attempt)
-        enqueued = await self._take_free(request)
-        if enqueued is None:
-            enqueued = await self._store.enqueue(request, Hint(self._mirror.holder(group)))
-        await self._mirror.wait_for_revision(enqueued.revision, MIRROR_LAG_TIMEOUT)
-        if enqueued.epoch:
-            # Granted by the enqueue itself: a hold with nothing waited, restored or moved.
-            yield Progress(
-                AcquireStage.GRANTED, epoch=enqueued.epoch, ticket=enqueued.entry_revision
-            )
-            return
-        topic = group_topic(group)
+        enqueued = await self._enqueue(request)
         granted = False
-        last: tuple[AcquireStage, int] | None = None
+        waiter: _LocalWaiter | None = None
         key = (group, job)
-        waiter = _LocalWaiter(
-            enqueued.entry_revision, attempt, asyncio.get_running_loop().create_future()
-        )
-        self._waiting[key] = waiter
-        self._metrics.waiters.inc()
         try:
+            await self._mirror.wait_for_revision(enqueued.revision, MIRROR_LAG_TIMEOUT)
+            if enqueued.epoch:
+                # Granted by the enqueue itself: a hold with nothing waited, restored or moved.
+                granted = True  # from here on, the API gives back a grant it cannot deliver
+                yield Progress(
+                    AcquireStage.GRANTED, epoch=enqueued.epoch, ticket=enqueued.entry_revision
+                )
+                return
+            topic = group_topic(group)
+            last: tuple[AcquireStage, int] | None = None
+            waiter = _LocalWaiter(
+                enqueued.entry_revision, attempt, asyncio.get_running_loop().create_future()
+            )
+            self._waiting[key] = waiter
+            self._metrics.waiters.inc()
             while True:
                 if waiter.granted.done():
                     granted = True
@@ -236,12 +236,44 @@ class LockService:
                     yield progress
                 await self._wait(topic, seen, waiter.granted)
         finally:
-            waiter.ended.set()
-            if self._waiting.get(key) is waiter:
-                del self._waiting[key]
-            self._metrics.waiters.dec()
+            if waiter is not None:
+                waiter.ended.set()
+                if self._waiting.get(key) is waiter:
+                    del self._waiting[key]
+                self._metrics.waiters.dec()
             if not granted and not self.draining:
                 await run_to_completion(self._store.withdraw(enqueued))
+
+    async def _enqueue(self, request: EnqueueRequest) -> Enqueued:
+        """Take the group (free and nobody waiting) or queue for it, cancel-safe.
+
+        The call's stream can end while the write is in flight (the client's deadline, a
+        reset). The write then still commits, and nobody would wait for what it wrote: a
+        hold or queue entry on the client's live session would block the group until the
+        session ends. So a caller that leaves meanwhile waits for the write to finish and
+        withdraws it before it goes.
+        """
+        writing = asyncio.ensure_future(self._write_entry(request))
+        try:
+            return await asyncio.shield(writing)
+        except asyncio.CancelledError:
+            await run_to_completion(self._withdraw_once_written(writing))
+            raise
+
+    async def _write_entry(self, request: EnqueueRequest) -> Enqueued:
+        enqueued = await self._take_free(request)
+        if enqueued is None:
+            holder = Hint(self._mirror.holder(request.group))
+            enqueued = await self._store.enqueue(request, holder)
+        return enqueued
+
+    async def _withdraw_once_written(self, writing: asyncio.Future[Enqueued]) -> None:
+        try:
+            enqueued = await writing
+        except Exception:
+            return  # nothing written; or unknown, and the client's retry re-attaches to it
+        if not self.draining:
+            await self._store.withdraw(enqueued)
 
     async def _wait(self, topic: str, seen: int, granted: asyncio.Future[Progress]) -> None:
         """Until the group changes in the mirror, or a hand-over here grants the waiter."""
