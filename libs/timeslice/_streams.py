@@ -112,7 +112,7 @@ async def retrying_stream(
                 down_since = now
             elif now - down_since > outage_limit():
                 raise outage_error(error, now - down_since) from exc
-            transport.rotate()
+            transport.rotate(target)
             log.warning("%s: %s; re-attaching via %s", what, error, transport.current)
             await asyncio.sleep(backoff.next_delay())
 

@@ -40,11 +40,18 @@ T = TypeVar("T")
 
 
 # HTTP/2 pings find a replica that stopped answering (paused, partitioned) within a few seconds,
-# so a waiting Acquire moves to another replica instead of waiting on a dead connection.
+# so a waiting Acquire moves to another replica instead of waiting on a dead connection. A ping
+# every keepalive period, for the connection's whole life: grpclib's defaults stop after two
+# pings without data and then wait 300 s between pings, so a replica paused after a
+# connection's first seconds held its waiters for minutes.
+KEEPALIVE_SECONDS = 2.0
 CHANNEL_CONFIG = Configuration(
-    _keepalive_time=2.0,
+    _keepalive_time=KEEPALIVE_SECONDS,
     _keepalive_timeout=3.0,
     _keepalive_permit_without_calls=True,
+    _http2_max_pings_without_data=0,
+    # Under the ping timer's period (asyncio may run a timer a little early): every tick pings.
+    _http2_min_sent_ping_interval_without_data=KEEPALIVE_SECONDS * 0.75,
 )
 
 
@@ -130,9 +137,15 @@ class Transport:
         """The target calls go to now: the one that last worked."""
         return self.targets[self._current]
 
-    def rotate(self) -> None:
-        """Move on to the next target after the current one failed."""
-        self._current = (self._current + 1) % len(self.targets)
+    def rotate(self, failed: Target) -> None:
+        """Move on from ``failed`` to the next target, if calls still go to ``failed``.
+
+        Several loops share a transport (the session's keepalive, an Acquire stream). Each
+        moves away from the target that failed it, not from whatever is current: two loops
+        that both saw one replica fail would otherwise take turns moving the other back to it.
+        """
+        if self.current == failed:
+            self._current = (self._current + 1) % len(self.targets)
 
     def stub(self) -> tuple[Target, TimeSliceStub]:
         """The current target and a stub for it (opening its channel if needed)."""
@@ -230,7 +243,7 @@ class Transport:
                         raise self._unreachable(what, problems, budget) from exc
                     raise error from exc
                 log.debug("%s", error)
-                self.rotate()
+                self.rotate(target)
                 delay = backoff.next_delay()
                 if loop.time() + delay >= deadline:
                     raise self._unreachable(what, problems, budget) from exc

@@ -200,6 +200,10 @@ class ReloadingContext:
             return context
 
 
+TLS_SHUTDOWN_SECONDS = 1.0
+"""How long closing a TLS connection waits for the peer's close_notify (asyncio: 30 s)."""
+
+
 class TlsChannel(Channel):
     """A grpclib channel whose every new connection uses the current context of ``tls``.
 
@@ -227,7 +231,18 @@ class TlsChannel(Channel):
     async def _create_connection(self) -> H2Protocol:
         self._ssl = await self._tls.current()
         try:
-            protocol = await super()._create_connection()
+            # As grpclib's own, plus a short TLS shutdown: a connection closed because its
+            # peer stopped answering pings (paused, partitioned) would otherwise wait
+            # asyncio's 30 s for the peer's close_notify before its streams hear of it, and a
+            # waiting Acquire would sit on a dead replica that long.
+            _, protocol = await self._loop.create_connection(
+                self._protocol_factory,
+                self._host,
+                self._port,
+                ssl=self._ssl,
+                server_hostname=self._config.ssl_target_name_override,
+                ssl_shutdown_timeout=TLS_SHUTDOWN_SECONDS,
+            )
         except ssl.SSLError as exc:
             self._set_problem(
                 describe_tls_error(exc), certificate_required=requires_certificate(exc)

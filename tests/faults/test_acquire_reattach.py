@@ -182,3 +182,37 @@ async def test_a_grant_committed_on_a_dying_replica_is_re_attached_by_request_id
     check_fifo(recorder.holds)
     check_nothing_lost(recorder.attempts, {"a": 2, "b": 1})
     assert len(recorder.holds) == 3
+
+
+async def test_a_waiter_leaves_a_replica_paused_long_after_it_connected(
+    cluster_factory: ClusterFactory,
+) -> None:
+    """The SDK pings its replica for as long as the connection lives, not only at first.
+
+    With grpclib's defaults a connection sent one ping (after 2 s) and then none for 300 s, so
+    a waiter on a replica paused after that heard nothing for minutes, while its grant, made
+    through another replica, sat undelivered and blocked the group.
+    """
+    cluster = cluster_factory(replicas=2, agents=0, replica_ttl=2)
+    r0, r1 = cluster.targets
+    async with (
+        AsyncTimeSliceClient([r1], job_id="a") as a,
+        AsyncTimeSliceClient([r0, r1], job_id="b") as b,
+        AsyncTimeSliceClient([r1], job_id="observer") as observer,
+    ):
+        first = await a.acquire(GROUP, timeout=30)
+        waiter = asyncio.create_task(b.acquire(GROUP, timeout=120))
+        await wait_for_status(observer, GROUP, lambda s: [q.job_id for q in s.queue] == ["b"], 10)
+        await asyncio.sleep(6)  # past the connection's first ping (grpclib sends it at 2 s)
+        replica = cluster.processes["r0"]
+        os.kill(replica.pid, signal.SIGSTOP)
+        try:
+            await a.yield_(GROUP)  # through r1, which grants b at once: r0 cannot tell b
+            # Pings every 2 s, 3 s to answer; then the re-attach through r1. 30 s: a bound
+            # for a loaded machine, far under the 300 s of the old ping schedule.
+            grant = await asyncio.wait_for(waiter, 30)
+        finally:
+            cluster.kill_replica(0)
+        await asyncio.to_thread(replica.wait, 10)
+        assert grant.epoch > first.epoch
+        await b.yield_(GROUP)
