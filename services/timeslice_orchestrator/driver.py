@@ -18,6 +18,8 @@ to bottom:
     queue empty                         -> nothing to do
     holder present                      -> nothing to do (lazy: no data moves on yield), or
                                            prefetch the next waiter beside it if it fits
+                                           (one that fails is retried with backoff, and
+                                           never faults the waiter)
     head's last switch failed just now  -> wait until its retry is due
     head's state already on its nodes   -> grant at once (no data movement)
     otherwise                           -> CHECKPOINT the residents on every node concurrently,
@@ -343,18 +345,37 @@ class SwitchDriver:
         return await self._begin(view, job, epoch, steps, attempt)
 
     async def _prefetch(self, view: GroupView, head: QueuedJob) -> Next:
-        """While the holder runs, bring the next waiter's state in if it fits beside it."""
+        """While the holder runs, bring the next waiter's state in if it fits beside it.
+
+        Paced like a catch-up: each hold's prefetch of a waiter starts at most once per
+        backoff and ``max_attempts`` times in all. Its end changes the group, which brings
+        it straight back here, so a prefetch that keeps failing would otherwise be tried
+        again at once for as long as the hold lasts; the switch will do the work anyway.
+        """
         if not self._config.prefetch or view.holder is None:
             return Next.IDLE
+        # Keyed by the hold's epoch, not the waiter's entry: the switch's own retries of the
+        # waiter (and when it is faulted) must not count the prefetches' failures.
+        key = (view.group, head.job, view.holder.create_revision)
         steps = plan(
             view, head.job, self._mirror.agents(), co_residency=True,
             protect=view.holder.record.job,
         )  # fmt: skip
         if not steps:
+            self._retries.pop(key, None)
             return Next.IDLE  # already resident, or it does not fit beside the holder
+        retry = self._retries.get(key)
+        now = time.monotonic()
+        attempt = retry.attempts + 1 if retry is not None else 1
+        if attempt > self._config.max_attempts:
+            return Next.IDLE  # given up for this hold: the switch will do it
+        if retry is not None and retry.due > now:
+            return Next.WAIT
         if not await self._drives(view):
             return Next.IDLE
-        return await self._begin(view, head.job, head.revision, steps, attempt=1)
+        backoff = min(self._config.retry_backoff * 2 ** (attempt - 1), self._config.max_backoff)
+        self._retries[key] = _Retry(attempt, now + backoff)
+        return await self._begin(view, head.job, head.revision, steps, attempt)
 
     async def _operate(self, view: GroupView, operation: Stored[OperationRecord]) -> Next:
         """Run an operator operation: decide it against the group as it is now, then close it
@@ -584,7 +605,9 @@ class SwitchDriver:
         if failed:
             error = SwitchFailed(SwitchPhase.RESTORE, failed)
             stats.last_error = f"{record.to_job}: {error}"
-            fault = Fault(head, str(error)) if head is not None else None
+            # A prefetch is only an optimisation: its waiter keeps its place, and the switch
+            # that serves it restores it again.
+            fault = Fault(head, str(error)) if head is not None and not record.prefetch else None
             stats.faults += fault is not None
             ended = self._wrote(
                 group,
@@ -601,7 +624,10 @@ class SwitchDriver:
             )
             if ended:
                 self._metrics.switches.labels(outcome="restore_failed").inc()
-                log.error("group %s: %s isolated: %s", group, record.to_job, error)
+                if record.prefetch and head is not None:
+                    log.warning("group %s: prefetch of %s failed: %s", group, record.to_job, error)
+                else:
+                    log.error("group %s: %s isolated: %s", group, record.to_job, error)
             return Next.AGAIN
         if record.prefetch or head is None:
             # A prefetch ends here, and so does a switch whose waiter left, a catch-up and
