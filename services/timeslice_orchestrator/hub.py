@@ -203,6 +203,10 @@ class AgentHub(AgentHubBase):
                 # First hello since it was fenced: what it reports is the truth, and it is
                 # written before the node rejoins its groups (its record is published).
                 await self._reconcile(node, hello.jobs, fence.record.groups)
+            # Also before the record is published: a group that lost track of the node (its
+            # agent lease ran out) would otherwise be planned with no residency there, and
+            # the next holder's state restored beside what the devices still hold.
+            await self._forget_off_device(node, hello.jobs)
             conn.lease = await self._store.agent_lease(node, self._agent_ttl)
             await self._store.publish_agent(record, conn.lease)
             background.append(
@@ -215,7 +219,6 @@ class AgentHub(AgentHubBase):
                 background.append(
                     asyncio.create_task(self._watch(conn), name=f"agent-liveness-{node}")
                 )
-            await self._forget_off_device(node, hello.jobs)
             yield OrchestratorMessage(
                 welcome=Welcome(
                     replica_id=self._replica_id,
@@ -310,7 +313,8 @@ class AgentHub(AgentHubBase):
         try:
             revision = await self._store.fence_node(node, record)
         except BaseException:
-            # Not fenced: what it was sent has an unknown outcome, and it says hello again.
+            # Not fenced, or fenced with its residency not all marked (its next hello
+            # reconciles it): what it was sent has an unknown outcome; it says hello again.
             if conn is not None:
                 conn.fail_pending(f"agent {node} stalled; fencing it failed", AgentUnavailable)
                 conn.closed.set()

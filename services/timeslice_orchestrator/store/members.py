@@ -162,17 +162,25 @@ class MemberStore(StoreBase):
 
         Returns the fence revision: every directive issued before it carries a lower epoch,
         and the agent refuses all of those once its next Welcome tells it the revision. The
-        agent lease is revoked, so the replica holding its stream (if any) closes it.
+        agent lease is revoked, so the replica holding its stream (if any) closes it; also
+        when marking the residency fails (which is then raised): the node is fenced all the
+        same, and its next hello reconciles every group of ``fence``.
         """
         agent = await self.etcd.get(self.keys.agent(node))
         result = await self.etcd.txn(
             Txn([], [Put(self.keys.fence(node), fence.encode()), Delete(self.keys.agent(node))])
         )
         note = f"node {node} fenced out: {fence.reason}"
-        for group in fence.groups:
-            await self.set_node_residency(group, node, [], note)
-        if agent is not None and agent.lease:
-            await self.etcd.revoke_lease(agent.lease)
+        try:
+            for group in fence.groups:
+                await self.set_node_residency(group, node, [], note)
+        finally:
+            # A lease left alive would keep the node's stream open on the replica holding it,
+            # which re-publishes the record on that lease at the agent's next worker change:
+            # a rejoin with neither the reconcile nor the fence revision. Revoked after the
+            # marks, not before, so that a hello it prompts is never overwritten by one.
+            if agent is not None and agent.lease:
+                await self.etcd.revoke_lease(agent.lease)
         return result.revision
 
     async def fence_of(self, node: str) -> Stored[FenceRecord] | None:
