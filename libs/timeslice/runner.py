@@ -18,11 +18,12 @@ being responsive.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from timeslice._acquire import ProgressCallback
-from timeslice._loops import call_in_loop, current_loop
+from timeslice._loops import Undo, await_in_loop, call_in_loop, current_loop
 from timeslice._types import Grant
 from timeslice._validate import check_priority, check_seconds
 from timeslice.errors import InvalidArgument
@@ -31,6 +32,8 @@ from timeslice.ids import validate_group_id
 __all__ = ["AcquireFunction", "ClientRunner", "ProgressCallback", "YieldFunction"]
 
 T = TypeVar("T")
+
+log = logging.getLogger("timeslice")
 
 AcquireFunction = Callable[
     [str, float | None, int, ProgressCallback | None], Coroutine[Any, Any, Grant]
@@ -89,8 +92,12 @@ class ClientRunner:
 
     # ------------------------------------------------------------------- awaiting
 
-    async def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Await ``coro`` on the client's loop, from whatever loop is running here."""
+    async def run(self, coro: Coroutine[Any, Any, T], *, undo: Undo[T] | None = None) -> T:
+        """Await ``coro`` on the client's loop, from whatever loop is running here.
+
+        ``undo`` takes back a result that the client's loop produced just as the caller here
+        was cancelled (see :func:`timeslice._loops.await_in_loop`).
+        """
         try:
             here = self._own_loop_here()
         except BaseException:
@@ -99,7 +106,7 @@ class ClientRunner:
         if here:
             return await coro
         assert self._loop is not None
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+        return await await_in_loop(self._loop, coro, undo=undo, grace=self._call_timeout)
 
     async def acquire(
         self,
@@ -111,7 +118,7 @@ class ClientRunner:
     ) -> Grant:
         """Acquire ``group_id`` (see :meth:`AsyncTimeSliceClient.acquire`), awaiting here."""
         args = _acquire_args(group_id, timeout, priority, on_progress)
-        return await self.run(self._acquire(*args))
+        return await self.run(self._acquire(*args), undo=self._give_back)
 
     async def yield_(self, group_id: str) -> None:
         """Yield ``group_id`` (see :meth:`AsyncTimeSliceClient.yield_`), awaiting here."""
@@ -119,7 +126,14 @@ class ClientRunner:
 
     # ------------------------------------------------------------------- blocking
 
-    def run_blocking(self, coro: Coroutine[Any, Any, T], *, wait: float | None, what: str) -> T:
+    def run_blocking(
+        self,
+        coro: Coroutine[Any, Any, T],
+        *,
+        wait: float | None,
+        what: str,
+        undo: Undo[T] | None = None,
+    ) -> T:
         """Run ``coro`` on the client's loop and block this thread until it finishes.
 
         ``wait`` bounds the wait (``None``: the coroutine bounds itself); see
@@ -146,7 +160,7 @@ class ClientRunner:
             coro.close()
             raise InvalidArgument(problem)
         assert loop is not None
-        return call_in_loop(loop, coro, wait=wait, grace=self._call_timeout, what=what)
+        return call_in_loop(loop, coro, wait=wait, grace=self._call_timeout, what=what, undo=undo)
 
     def acquire_blocking(
         self,
@@ -165,6 +179,7 @@ class ClientRunner:
             self._acquire(group, wait, prio, progress),
             wait=None if wait is None else wait + self._call_timeout + _SLACK,
             what=f"acquire({group})",
+            undo=self._give_back,
         )
 
     def yield_blocking(self, group_id: str) -> None:
@@ -175,6 +190,14 @@ class ClientRunner:
         )
 
     # ------------------------------------------------------------------- internal
+
+    async def _give_back(self, grant: Grant) -> None:
+        """Yield a grant whose acquire's caller gave up as it arrived (on the client's loop)."""
+        try:
+            await self._yield(grant.group_id)
+        except Exception as exc:
+            # The caller's own error (cancelled, interrupted, timed out) is what propagates.
+            log.warning("could not give back %s after its caller left: %s", grant.group_id, exc)
 
     def _own_loop_here(self) -> bool:
         """True when the running loop is the client's loop (binding it on first use)."""
