@@ -24,6 +24,9 @@ Every directive received gets exactly one ack:
 7. A job is in one group on a node at a time; once nothing of it is left there, it may come
    back in another (:meth:`DirectiveExecutor.check_registration`). A directive of its old group
    then finds nothing of the job to move there and is acked OK without acting.
+8. A directive that moved a job's state is acked OK only once the job's new state is in the
+   state file; when the file cannot be written (after brief retries, within the deadline) the
+   ack is FAILED, as it is when the write before acting fails.
 """
 
 from __future__ import annotations
@@ -79,6 +82,10 @@ MAX_DIRECTIVE_ID_LENGTH = 256
 # Jobs whose left groups are remembered (the oldest are forgotten first); past it, a late
 # directive of a group the job left long ago is refused, as before jobs could move.
 _LEFT_JOBS = 4096
+# Waits before writing a moved job's state again when the write failed (a disk that is
+# briefly full or slow); never past the directive's deadline. Kept short: the orchestrator
+# is waiting for the ack, and a FAILED one lets it roll the switch back.
+_DURABLE_RETRY_DELAYS = (0.1, 0.4)
 
 
 @dataclass(frozen=True)
@@ -98,6 +105,9 @@ class _Outcome:
     status: AckStatus
     error: str = ""
     bytes_moved: int = 0
+    # The job went through TRANSITIONING (written before acting) to a new state: until that
+    # state is written too, a restart would take the job for still where it was.
+    moved: bool = False
 
 
 _OK_NOTHING = _Outcome(AckStatus.OK)
@@ -275,13 +285,17 @@ class DirectiveExecutor:
 
     async def persist(self) -> bool:
         """Write the state file; a failure is logged and counted, never raised."""
+        return await self._save() is None
+
+    async def _save(self) -> StateWriteError | None:
+        """Write the state file; returns the failure (logged and counted), or None."""
         try:
             await self.store.save()
         except StateWriteError as exc:
             self._metrics.state_write_failures.inc()
             log.error("%s", exc)
-            return False
-        return True
+            return exc
+        return None
 
     def _count_jobs(self) -> None:
         self._metrics.set_jobs(j.state for j in self._jobs.values())
@@ -510,16 +524,17 @@ class DirectiveExecutor:
             finished_at=time.time(),
         )
 
-    def _exit(self, d: Directive, ack: DirectiveAck) -> None:
+    def _exit(self, d: Directive, ack: DirectiveAck, *, written: bool = False) -> None:
         """The one way a directive's ack leaves: remembered now, then persisted and sent.
 
         Remembered at once, so a re-send arriving before the state file is written is answered
         from the ledger (or waits for this ack), never executed or fenced a second time.
+        ``written``: the state file already holds this ack (:meth:`_durable`).
         """
         if d.directive_id:
             self._remember(d, ack)
         self._supervisor.spawn(
-            self._publish(d, ack), name=f"ack:{d.directive_id}", kind="directive"
+            self._publish(d, ack, written=written), name=f"ack:{d.directive_id}", kind="directive"
         )
 
     def _remember(self, d: Directive, ack: DirectiveAck) -> None:
@@ -529,9 +544,12 @@ class DirectiveExecutor:
             kind, ack.status.name.lower(), ack.elapsed_seconds, ack.bytes_moved
         )
 
-    async def _publish(self, d: Directive, ack: DirectiveAck) -> None:
-        # The job's state and the ack are durable before the orchestrator hears of them.
-        await self.persist()
+    async def _publish(self, d: Directive, ack: DirectiveAck, *, written: bool = False) -> None:
+        if not written:
+            # Written before the orchestrator hears of it where the disk allows. An ack that
+            # reports a move never gets here unwritten as OK (_durable); any other is sent
+            # even when this write fails: it claims no new state a restart could lose.
+            await self.persist()
         self._ledger.release(ack)
         if self._journal is not None:
             self._journal.record(JournalEntry.of(self._node, d, ack))
@@ -600,8 +618,50 @@ class DirectiveExecutor:
                 job.fault(reason)
             outcome = _Outcome(AckStatus.FAILED, reason)
         ack = self._ack(d, clock, outcome)
-        self._exit(d, ack)
+        if outcome.moved and ack.status is AckStatus.OK:
+            ack = await self._durable(d, clock, ack)
+            self._exit(d, ack, written=ack.status is AckStatus.OK)
+        else:
+            self._exit(d, ack)
         return ack
+
+    async def _durable(self, d: Directive, clock: _Clock, ack: DirectiveAck) -> DirectiveAck:
+        """``ack`` once the job's new state and the ack itself are written, else a FAILED ack.
+
+        Until then the file says the job is TRANSITIONING from where it was (the write before
+        acting), and a restarted agent faults it there, not where its state now is: a later
+        restore would only re-run the app's hooks of a job whose state is parked, a later
+        checkpoint would save nothing of one whose state is on the devices. An OK would let
+        the orchestrator build on the move regardless; a FAILED makes it roll the switch back
+        (or isolate the restored job), as for a write that fails before acting. The job in
+        memory stays as the move left it, which is the truth the following directives act on
+        (nor could it be faulted safely here: this directive no longer holds the job's lock).
+        """
+        # In the ledger before the write, so the one write that settles the job carries its
+        # ack too: a re-send after a restart is answered, never executed again.
+        self._ledger.remember(ack)
+        try:
+            error = await self._save()
+            loop = asyncio.get_running_loop()
+            for delay in _DURABLE_RETRY_DELAYS:
+                if error is None:
+                    return ack
+                if clock.deadline is not None and loop.time() + delay >= clock.deadline:
+                    break
+                await asyncio.sleep(delay)
+                error = await self._save()
+        except asyncio.CancelledError:
+            # As for a directive interrupted while it acted: the agent is stopping, and its
+            # shutdown writes the state (with this ack) where the disk allows.
+            self._ledger.release(ack)
+            raise
+        if error is None:
+            return ack
+        reason = (
+            f"the {d.kind.name.lower()} was done but its outcome could not be made durable, "
+            f"so a restart of the agent would lose it: {error}"
+        )
+        return self._ack(d, clock, _Outcome(AckStatus.FAILED, reason, ack.bytes_moved))
 
     async def _execute(self, d: Directive, clock: _Clock) -> _Outcome:
         try:
@@ -712,7 +772,7 @@ class DirectiveExecutor:
         finally:
             # No write here: the ack path persists the outcome before the ack is sent.
             self._count_jobs()
-        return _Outcome(AckStatus.OK, bytes_moved=nbytes)
+        return _Outcome(AckStatus.OK, bytes_moved=nbytes, moved=True)
 
     def _host_refusal(self, ctx: JobContext, measured: int) -> str | None:
         """Why the checkpoint would not fit in host memory; ``measured``: NVML's bytes (or 0).

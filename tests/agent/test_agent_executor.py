@@ -9,17 +9,19 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from timeslice.errors import InvalidArgument
 from timeslice_agent.backends import Backend, SimBackend
+from timeslice_agent.backends.base import JobContext, Transfer
 from timeslice_agent.config import GB, SimSettings
 from timeslice_agent.executor import DirectiveExecutor
 from timeslice_agent.jobs import Job, JobState, Residency
 from timeslice_agent.metrics import AgentMetrics
-from timeslice_agent.statefile import AgentState, load_state
+from timeslice_agent.statefile import AgentState, StateStore, StateWriteError, load_state
 from timeslice_agent.tasks import Supervisor
 from timeslice_agent.workers import Registration, WorkerRegistry
 from timeslice_proto.timeslice.v1 import (
@@ -461,3 +463,136 @@ async def test_stalled_agent_refuses_directives_without_remembering_them(rig: Ri
     stall.clear()
     assert (await rig.run("d1", CKPT, "j1", 5)).status == AckStatus.OK
     assert rig.executor.jobs["j1"].state is JobState.SAVED
+
+
+class CountingSim(SimBackend):
+    """The sim backend, counting the moves it is asked for."""
+
+    def __init__(self) -> None:
+        base = sim()
+        super().__init__(base.settings)
+        self.checkpoints = 0
+        self.restores = 0
+
+    async def checkpoint(self, job: JobContext) -> Transfer:
+        self.checkpoints += 1
+        return await super().checkpoint(job)
+
+    async def restore(self, job: JobContext) -> Transfer:
+        self.restores += 1
+        return await super().restore(job)
+
+
+class FillingDisk(StateStore):
+    """A state store whose disk fills up: ``good`` more writes succeed, then ``bad`` fail
+    (None: every one, until :meth:`heal`)."""
+
+    def __init__(
+        self, path: Path, snapshot: Callable[[], AgentState], good: int, bad: int | None
+    ) -> None:
+        super().__init__(path, snapshot)
+        self.good = good
+        self.bad = bad
+
+    def heal(self) -> None:
+        self.bad = 0
+
+    async def save(self) -> None:
+        if self.good > 0:
+            self.good -= 1
+        elif self.bad is None or self.bad > 0:
+            if self.bad is not None:
+                self.bad -= 1
+            raise StateWriteError(
+                f"cannot write state file {self.path}: [Errno 28] No space left on device"
+            )
+        await super().save()
+
+
+async def fill_disk(rig: Rig, good: int, bad: int | None) -> FillingDisk:
+    """Let pending writes finish, then put in a disk that fills up after ``good`` writes."""
+    # A write still pending would race the new store's on the same temporary file.
+    pending = rig.supervisor.running("persist")
+    if pending:
+        await asyncio.wait(pending)
+    assert await rig.executor.persist()
+    disk = FillingDisk(rig.state_file, rig.executor.snapshot, good, bad)
+    rig.executor.store = disk
+    return disk
+
+
+async def test_a_checkpoint_whose_outcome_cannot_be_written_is_not_acked_ok(
+    tmp_path: Path,
+) -> None:
+    first = Rig(tmp_path)
+    first.worker("j1", gb=0.01)
+    # The write before acting succeeds; every write after the checkpoint fails.
+    disk = await fill_disk(first, good=1, bad=None)
+    ack = await first.run("d1", CKPT, "j1", 3)
+    # An OK would let the orchestrator restore the next job, while the file still says j1 is
+    # on the devices (mid-move): a restart would fault it there, and a later restore would
+    # only re-run its hooks, leaving its processes checkpointed.
+    assert ack.status == AckStatus.FAILED
+    assert "could not be made durable" in ack.error and "No space left" in ack.error
+    assert ack.job_state == ProtoJobState.SAVED
+    on_disk = load_state(first.state_file, "n1")
+    assert on_disk is not None and on_disk.jobs["j1"].state is JobState.TRANSITIONING
+    # In memory the job is where the move left it: the state is parked on the host.
+    job = first.executor.jobs["j1"]
+    assert (job.state, job.residency) == (JobState.SAVED, Residency.HOST)
+    assert first.count("timeslice_agent_state_write_failures_total") >= 3  # retried
+    assert first.count("timeslice_agent_directives_total", kind="checkpoint", status="ok") == 0
+    assert first.count("timeslice_agent_directives_total", kind="checkpoint", status="failed") == 1
+    # The disk has room again; the agent stops, writing its state as it does on shutdown.
+    disk.heal()
+    assert await first.executor.persist()
+    await first.close()
+    backend = CountingSim()
+    second = Rig(tmp_path, backend)
+    await second.executor.adopt(load_state(first.state_file, "n1"))
+    # The re-sent checkpoint gets the ack the orchestrator got, and nothing runs again.
+    assert bytes(await second.run("d1", CKPT, "j1", 3)) == bytes(ack)
+    assert backend.checkpoints == 0
+    # The orchestrator's rollback restore brings the parked state back to its worker.
+    second.worker("j1", gb=0.01)
+    restored = await second.run("d2", REST, "j1", 3)
+    assert (restored.status, restored.job_state) == (AckStatus.OK, ProtoJobState.RUNNING)
+    assert backend.restores == 1 and restored.bytes_moved == GB // 100
+    await second.close()
+
+
+async def test_a_restore_whose_outcome_cannot_be_written_is_not_acked_ok(tmp_path: Path) -> None:
+    first = Rig(tmp_path)
+    first.worker("j1", gb=0.01)
+    assert (await first.run("d1", CKPT, "j1", 3)).status == AckStatus.OK
+    disk = await fill_disk(first, good=1, bad=None)
+    ack = await first.run("d2", REST, "j1", 3)
+    # The file still says j1 is parked: a restart would take a later checkpoint for done
+    # without moving anything, and the next job would be restored on top of j1's state.
+    assert ack.status == AckStatus.FAILED
+    assert "restore was done but its outcome could not be made durable" in ack.error
+    job = first.executor.jobs["j1"]
+    assert (job.state, job.residency) == (JobState.RUNNING, Residency.DEVICE)
+    disk.heal()
+    assert await first.executor.persist()
+    await first.close()
+    backend = CountingSim()
+    second = Rig(tmp_path, backend)
+    await second.executor.adopt(load_state(first.state_file, "n1"))
+    second.worker("j1", gb=0.01)
+    checkpointed = await second.run("d3", CKPT, "j1", 4)
+    assert (checkpointed.status, checkpointed.bytes_moved) == (AckStatus.OK, GB // 100)
+    assert backend.checkpoints == 1
+    await second.close()
+
+
+async def test_a_failed_write_after_a_move_is_retried_before_the_ack(rig: Rig) -> None:
+    rig.worker("j1", gb=0.01)
+    await fill_disk(rig, good=1, bad=1)  # the first write after the checkpoint fails
+    ack = await rig.run("d1", CKPT, "j1", 3)
+    assert ack.status == AckStatus.OK
+    assert rig.count("timeslice_agent_state_write_failures_total") == 1
+    # Acked OK only once written: a restart now finds the job parked, with its ack.
+    on_disk = load_state(rig.state_file, "n1")
+    assert on_disk is not None and on_disk.jobs["j1"].state is JobState.SAVED
+    assert [a.directive_id for a in on_disk.acks] == ["d1"]
