@@ -357,6 +357,7 @@ class AgentHub(AgentHubBase):
         what the node holds, which lets its driver restore a holder granted meanwhile.
         """
         on_device: dict[str, list[str]] = {}
+        reported: dict[str, list[str]] = {}
         for report in jobs:
             try:
                 group = validate_group_id(report.group_id)
@@ -364,6 +365,7 @@ class AgentHub(AgentHubBase):
             except InvalidArgument as exc:
                 log.warning("agent %s: ignoring an invalid job report: %s", node, exc)
                 continue
+            reported.setdefault(group, []).append(job)
             held = on_device.setdefault(group, [])
             if report.state in _ON_DEVICE:
                 held.append(job)
@@ -377,7 +379,9 @@ class AgentHub(AgentHubBase):
                     report.state.name.lower(),
                 )
         for group, held in sorted(on_device.items()):
-            if await self._store.settle_unknown_residency(group, node, held):
+            if await self._store.settle_unknown_residency(
+                group, node, held, runs_here=reported[group]
+            ):
                 log.info(
                     "agent %s is back in %s: resident there: %s",
                     node,

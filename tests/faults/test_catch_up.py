@@ -9,6 +9,7 @@ node-1 get their state back without waiting for b's next switch.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -93,6 +94,59 @@ async def test_a_holder_granted_without_a_fenced_node_is_restored_there_when_it_
     finally:
         if not resumed:
             os.kill(paused_pid, signal.SIGCONT)
+        for w in workers:
+            w.close()
+    check_fencing(journals(cluster))
+    check_two_phase(journals(cluster))
+
+
+async def test_a_holder_granted_while_a_node_was_away_is_restored_there_when_it_returns(
+    cluster_factory: ClusterFactory,
+) -> None:
+    """As above for a node that was simply away (its agent died and its record expired)
+    before the switch: the switch plans without it, and its return must still bring the
+    holder's state there, with nobody waiting to make the driver look."""
+    cluster = cluster_factory(
+        replicas=1, agents=2, orchestrator_args=["--agent-ttl", "2", "--directive-timeout", "10"]
+    )
+    sockets = [str(cluster.agent_sockets[n]) for n in ("node-0", "node-1")]
+    workers = [register("g", job_id=j, socket=s) for j in ("a", "b") for s in sockets]
+    try:
+        async with (
+            AsyncTimeSliceClient(cluster.targets, job_id="a") as a,
+            AsyncTimeSliceClient(cluster.targets, job_id="b") as b,
+            AsyncTimeSliceClient(cluster.targets, job_id="observer") as observer,
+        ):
+            for client in (a, b, a):
+                await client.acquire("g", timeout=30)
+                await client.yield_("g")
+            await wait_for_status(
+                observer,
+                "g",
+                lambda s: (
+                    {n.node: n.resident_job_id for n in s.nodes} == {"node-0": "a", "node-1": "a"}
+                ),
+                10,
+            )
+            cluster.kill_agent("node-1")
+            await asyncio.sleep(4)  # its agent record expires (agent TTL 2 s)
+            grant = await b.acquire("g", timeout=30)  # planned without node-1
+            status = await observer.status("g")
+            assert {n.node: n.resident_job_id for n in status.nodes}["node-0"] == "b"
+
+            await asyncio.to_thread(cluster.start_agent, "node-1")
+            caught_up = await wait_for_status(
+                observer,
+                "g",
+                lambda s: (
+                    {n.node: n.resident_job_id for n in s.nodes} == {"node-0": "b", "node-1": "b"}
+                    and s.switch is None
+                ),
+                30,
+            )
+            assert caught_up.holder_job_id == "b" and caught_up.holder_epoch == grant.epoch
+            await b.yield_("g")
+    finally:
         for w in workers:
             w.close()
     check_fencing(journals(cluster))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 
 import pytest
 
@@ -183,13 +183,15 @@ async def test_an_agent_back_after_its_lease_ran_out_is_published_with_its_resid
     async with _mirror(store) as (mirror, shown):
         settle = store.settle_unknown_residency
 
-        async def settle_once_seen(group: str, node: str, on_device: list[str]) -> bool:
+        async def settle_once_seen(
+            group: str, node: str, on_device: list[str], **more: Collection[str]
+        ) -> bool:
             # A quick driver: were the record published already, the mirror (and so a
             # driver) shows it before the residency is settled.
             published = await store.etcd.get(store.keys.agent(node))
             if published is not None:
                 await mirror.wait_for_revision(published.mod_revision, 10)
-            return await settle(group, node, on_device)
+            return await settle(group, node, on_device, **more)
 
         monkeypatch.setattr(store, "settle_unknown_residency", settle_once_seen)
         hub = AgentHub(store, "r-here", 30, Metrics())

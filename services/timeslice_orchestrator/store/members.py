@@ -8,6 +8,8 @@ agent that reconnects to another replica stays a member of its groups throughout
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from timeslice_orchestrator.store.base import StoreBase
 from timeslice_orchestrator.store.etcd import (
     Delete,
@@ -26,6 +28,7 @@ from timeslice_orchestrator.store.records import (
     AgentRecord,
     FenceRecord,
     GroupStats,
+    HolderRecord,
     MembersRecord,
     ResidentRecord,
     Stored,
@@ -100,14 +103,20 @@ class MemberStore(StoreBase):
         )
         return result.succeeded
 
-    async def settle_unknown_residency(self, group: str, node: str, on_device: list[str]) -> bool:
+    async def settle_unknown_residency(
+        self, group: str, node: str, on_device: list[str], *, runs_here: Collection[str] = ()
+    ) -> bool:
         """Take an agent's word for ``node`` in ``group`` when the group does not know what the
         node holds (it was fenced, or its agent's lease ran out, while the group went on).
 
         Written even when nothing of the group is on the node's devices: the write itself
         makes the group's driver look again, since a holder granted meanwhile may need its
         state restored there. A node the group knows about keeps the driver's record (only
-        :meth:`forget_residency` corrects that). Returns whether it wrote.
+        :meth:`forget_residency` corrects that), but when the group's holder runs on the node
+        (``runs_here``: the jobs the agent reports in the group) and is not on its devices,
+        the record is written again as it is: the node was away when the hold began (a switch
+        or a grant in place planned without it), and that write is what makes the driver
+        restore the holder there. Returns whether it wrote.
         """
         key = self.keys.resident(group)
         current = await self.etcd.get(key)
@@ -115,13 +124,24 @@ class MemberStore(StoreBase):
             return False  # never granted: nothing to settle
         record = ResidentRecord.decode(current.value)
         if node in record.nodes:
-            return False
-        if on_device:
+            if not await self._holder_missing(group, runs_here, record.nodes[node]):
+                return False
+        elif on_device:
             record.nodes[node] = list(on_device)
         result = await self.etcd.txn(
             Txn([modified_at(key, current.mod_revision)], [Put(key, record.encode())])
         )
         return result.succeeded
+
+    async def _holder_missing(
+        self, group: str, runs_here: Collection[str], resident: list[str]
+    ) -> bool:
+        """Whether ``group``'s holder runs on a node (``runs_here``) without its state there."""
+        kv = await self.etcd.get(self.keys.holder(group))
+        if kv is None:
+            return False
+        holder = HolderRecord.decode(kv.value).job
+        return holder in runs_here and holder not in resident
 
     async def set_node_residency(
         self, group: str, node: str, jobs: list[str], note: str = ""
