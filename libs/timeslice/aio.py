@@ -30,8 +30,10 @@ loop and awaited there, so keepalives never depend on the caller's loop being re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import threading
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar, cast
@@ -85,6 +87,27 @@ _CLOSE_BUDGET = 3.0
 def rebuild_client(cls: Callable[..., T], settings: dict[str, Any]) -> T:
     """Unpickle a client: a new one from the settings of the pickled one."""
     return cls(**settings)
+
+
+class _OpenWatch:
+    """One running :meth:`AsyncTimeSliceClient.watch`: its connections, on its consumer's loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, transport: Transport) -> None:
+        self.loop = loop
+        self.transport = transport
+
+    def end(self) -> None:
+        """Close its connections, from any thread: a read in progress fails at once."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop:
+            self.transport.close()
+            return
+        # Channels belong to their loop: close them there.
+        with contextlib.suppress(RuntimeError):  # that loop is closed, and the watch with it
+            self.loop.call_soon_threadsafe(self.transport.close)
 
 
 class AsyncTimeSliceClient:
@@ -154,6 +177,9 @@ class AsyncTimeSliceClient:
         self._releasing: dict[str, PendingRelease] = {}
         self._acquiring: set[str] = set()
         self._closed = False
+        # Watches run on their consumers' loops, maybe in other threads than close().
+        self._watches: set[_OpenWatch] = set()
+        self._watches_lock = threading.Lock()
         self._yield_requests: set[str] = set()
         self._on_yield_request = on_yield_request
         self.keepalives_sent = 0
@@ -367,6 +393,10 @@ class AsyncTimeSliceClient:
         transparently) consumers just keep the latest. Raises :class:`Unavailable` when no
         replica answers for ``call_timeout``. Close the iterator (``aclosing``, or leave
         the ``async for``) to cancel the stream.
+
+        Raises:
+            Cancelled: the client was closed: :meth:`close` ends every open watch, as it
+                does a waiting acquire, and closes its connections.
         """
         group = validate_group_id(group_id)
         self._check_open()
@@ -390,17 +420,37 @@ class AsyncTimeSliceClient:
             outage_limit=lambda: self._call_timeout,
             on_failure=on_failure,
         )
+        watch = _OpenWatch(asyncio.get_running_loop(), transport)
+        with self._watches_lock:
+            self._watches.add(watch)
         try:
-            async for event in events:
-                yield event
+            # close() may have run in another thread since the check above, and not seen us.
+            self._check_open()
+            async with contextlib.aclosing(events):
+                while True:
+                    try:
+                        event = await anext(events)
+                    except StopAsyncIteration:
+                        return
+                    except Exception as exc:
+                        if self._closed:
+                            # Whatever broke, it was close() cutting the connections.
+                            raise self._watch_closed(group) from exc
+                        raise
+                    if self._closed:
+                        # Read before the close, given after it: the watch has ended.
+                        raise self._watch_closed(group)
+                    yield event
         finally:
-            await events.aclose()
+            with self._watches_lock:
+                self._watches.discard(watch)
             transport.close()
 
     async def close(self) -> None:
         """End the session (CloseSession, best effort) and close the connections.
 
-        Everything the session held is released by the orchestrator. Idempotent.
+        Everything the session held is released by the orchestrator. A waiting acquire and
+        every open :meth:`watch` raise :class:`Cancelled`. Idempotent.
         """
         if self._closed:
             return
@@ -422,6 +472,11 @@ class AsyncTimeSliceClient:
     def _check_open(self) -> None:
         if self._closed:
             raise Cancelled(f"the timeslice client of job {self._job_id} was closed")
+
+    def _watch_closed(self, group: str) -> Cancelled:
+        return Cancelled(
+            f"the timeslice client of job {self._job_id} was closed while watching {group}"
+        )
 
     async def _unary(self, what: str, call: Callable[[TimeSliceStub, float], Awaitable[T]]) -> T:
         self._check_open()
@@ -672,6 +727,10 @@ class AsyncTimeSliceClient:
         if self._closed:
             return
         self._closed = True
+        with self._watches_lock:
+            watches = list(self._watches)
+        for watch in watches:
+            watch.end()
         session, self._session = self._session, None
         self._grants.clear()
         if session is not None:

@@ -567,6 +567,30 @@ async def test_close_interrupts_a_waiting_acquire(orch: FakeOrchestrator) -> Non
         await holder.yield_("g1")
 
 
+async def test_close_ends_an_open_watch(orch: FakeOrchestrator) -> None:
+    async with client_for(orch, "holder") as holder:
+        client = client_for(orch)
+        holders: list[str] = []
+        watching = asyncio.Event()
+
+        async def consume() -> None:
+            async for event in client.watch("g1"):
+                assert event.status is not None
+                holders.append(event.status.holder_job_id)
+                watching.set()
+
+        watch = asyncio.create_task(consume())
+        await asyncio.wait_for(watching.wait(), 5)
+        await client.close()
+        await holder.acquire("g1")
+        with pytest.raises(Cancelled):
+            await asyncio.wait_for(watch, 5)
+        assert holders == [""], "an event after close() reached the consumer"
+        # Its connection is closed too: the orchestrator's end of the stream is gone.
+        await orch.until(lambda s: s.watching == 0)
+        await holder.yield_("g1")
+
+
 async def test_blocking_use_on_the_clients_own_loop_is_refused(orch: FakeOrchestrator) -> None:
     async with client_for(orch) as client:
         with pytest.raises(InvalidArgument, match="block"):

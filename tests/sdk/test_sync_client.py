@@ -115,6 +115,32 @@ async def test_sync_client_decorates_async_functions(orch: FakeOrchestrator, job
         await asyncio.to_thread(client.close)
 
 
+async def test_close_ends_a_watch_running_on_another_loop(
+    orch: FakeOrchestrator, job_env: str
+) -> None:
+    client = TimeSliceOrchestratorClient(orch.target)
+    async with AsyncTimeSliceClient(orch.target, job_id="holder") as holder:
+        holders: list[str] = []
+        watching = asyncio.Event()
+
+        async def consume() -> None:
+            # On this loop; close() runs on the client's own loop, in its thread.
+            async for event in client.aio.watch("g1"):
+                assert event.status is not None
+                holders.append(event.status.holder_job_id)
+                watching.set()
+
+        watch = asyncio.create_task(consume())
+        await asyncio.wait_for(watching.wait(), 5)
+        await asyncio.to_thread(client.close)
+        await holder.acquire("g1")
+        with pytest.raises(Cancelled):
+            await asyncio.wait_for(watch, 5)
+        assert holders == [""], "an event after close() reached the consumer"
+        await asyncio.to_thread(orch.wait_for, lambda s: s.watching == 0)
+        await holder.yield_("g1")
+
+
 def test_keepalive_runs_while_the_caller_computes(orch: FakeOrchestrator, job_env: str) -> None:
     with TimeSliceOrchestratorClient(orch.target, session_ttl=0.6) as client:
         client.acquire("g1")
