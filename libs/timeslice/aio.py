@@ -60,7 +60,7 @@ from timeslice.errors import (
 from timeslice.ids import validate_group_id, validate_job_id
 from timeslice.runner import ClientRunner
 from timeslice.targets import Target, targets_from_env
-from timeslice.tasks import Supervisor
+from timeslice.tasks import Supervisor, run_to_completion
 from timeslice.tls import client_tls
 from timeslice_proto.timeslice.v1 import (
     GetGroupStatusRequest,
@@ -325,8 +325,11 @@ class AsyncTimeSliceClient:
 
         Groups are acquired one by one in one global order (sorted by id), the classic rule
         that makes waiting deadlock-free: two jobs can never each hold a group the other waits
-        for. All or nothing: on a timeout or error, the groups already held are yielded
-        before the error propagates. ``timeout`` bounds the whole call.
+        for. All or nothing: on a timeout, error or cancellation, the groups already held are
+        yielded before the error propagates, even if the caller is cancelled meanwhile (a
+        yield the orchestrator does not confirm goes on in the background, as with
+        :meth:`yield_`). ``timeout`` bounds the wait for the groups; the rollback may take up
+        to ``call_timeout`` more per group held.
         """
         groups = sorted({validate_group_id(g) for g in group_ids})
         if not groups:
@@ -340,9 +343,25 @@ class AsyncTimeSliceClient:
                 left = None if deadline is None else max(0.001, deadline - loop.time())
                 held[group] = await self.acquire(group, timeout=left, priority=priority)
         except BaseException:
-            await self.yield_all(list(held))
+            # A cancel that lands in the rollback (a blocking caller's deadline, Ctrl-C) must
+            # not stop it halfway, leaving held the groups the caller is told were given back;
+            # each yield is bounded by call_timeout, so the rollback is too.
+            await run_to_completion(self._roll_back(list(held)))
             raise
         return held
+
+    async def _roll_back(self, groups: list[str]) -> None:
+        """Yield what a failed acquire_all holds; its failures are logged, not raised, so that
+        the caller learns why the acquire failed."""
+        try:
+            await self.yield_all(groups)
+        except TimeSliceError as exc:
+            log.warning(
+                "rollback of acquire_all by job %s: not every yield was confirmed (%s); "
+                "their releases go on in the background",
+                self._job_id,
+                exc,
+            )
 
     async def yield_all(self, group_ids: Sequence[str]) -> None:
         """Yield every group in ``group_ids`` (reverse order); errors are raised after all."""

@@ -542,6 +542,24 @@ async def test_watch_streams_status_changes(orch: FakeOrchestrator) -> None:
         await client.yield_("g1")
 
 
+async def test_acquire_all_rolls_back_every_group_even_if_cancelled_meanwhile(
+    orch: FakeOrchestrator,
+) -> None:
+    async with (
+        client_for(orch, "other") as other,
+        client_for(orch, call_timeout=1) as client,
+    ):
+        await other.acquire("g3")
+        # No Yield is answered: each yield of the rollback takes the whole call timeout.
+        orch.do(lambda s: setattr(s, "yield_delay", 60.0))
+        task = asyncio.create_task(client.acquire_all(["g1", "g2", "g3"], timeout=0.5))
+        await orch.until(lambda s: s.calls.count("Yield") >= 1)  # the rollback has started
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
+        assert client.grants() == {}, "the rollback stopped at the cancel"
+
+
 async def test_close_ends_the_session_and_is_idempotent(orch: FakeOrchestrator) -> None:
     client = client_for(orch)
     await client.acquire("g1")

@@ -255,3 +255,21 @@ def test_open_clients_are_closed_at_exit(orch: FakeOrchestrator) -> None:
     assert result.stdout.strip() == "granted"
     assert orch.do(lambda s: s.calls.count("CloseSession")) == 1
     assert orch.do(lambda s: s.holder_of("g1")) is None
+
+
+def test_acquire_all_rolls_back_every_group_while_yields_hang(
+    orch: FakeOrchestrator, job_env: str
+) -> None:
+    with (
+        TimeSliceOrchestratorClient(orch.target, job_id="other") as other,
+        TimeSliceOrchestratorClient(orch.target, call_timeout=1) as client,
+    ):
+        other.acquire("g5")
+        # No Yield is answered: each yield of the rollback takes the whole call timeout.
+        orch.do(lambda s: setattr(s, "yield_delay", 60.0))
+        # The reason is the acquire's, not a yield's of the rollback, nor the loop's deadline.
+        with pytest.raises(Timeout, match="not granted group g5"):
+            client.acquire_all(["g1", "g2", "g3", "g4", "g5"], timeout=1)
+        # All or nothing: every group was yielded (its release goes on in the background).
+        assert client.grants() == {}
+        assert orch.do(lambda s: s.calls.count("Yield")) >= 4
