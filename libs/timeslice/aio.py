@@ -17,7 +17,9 @@ The client is put together from small parts:
 Sessions: the first ``acquire`` opens a session (an etcd lease on the orchestrator side that
 owns the job's queue entries and holds) and a supervised background task keeps it alive every
 ttl/3. If the orchestrator says the session expired, everything it held is gone: the client
-forgets its grants and opens a new session on the next ``acquire``.
+forgets its grants and opens a new session on the next ``acquire``. So it does when no
+keepalive has succeeded for the session's TTL (an outage): the lease has expired on the
+server by then, whether or not the client heard it say so.
 
 Event loops: the client binds to the first event loop that uses it. Called from another
 running loop while its own loop runs in another thread (the way
@@ -28,8 +30,10 @@ loop and awaited there, so keepalives never depend on the caller's loop being re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import threading
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar, cast
@@ -56,7 +60,7 @@ from timeslice.errors import (
 from timeslice.ids import validate_group_id, validate_job_id
 from timeslice.runner import ClientRunner
 from timeslice.targets import Target, targets_from_env
-from timeslice.tasks import Supervisor
+from timeslice.tasks import Supervisor, run_to_completion
 from timeslice.tls import client_tls
 from timeslice_proto.timeslice.v1 import (
     GetGroupStatusRequest,
@@ -85,6 +89,27 @@ def rebuild_client(cls: Callable[..., T], settings: dict[str, Any]) -> T:
     return cls(**settings)
 
 
+class _OpenWatch:
+    """One running :meth:`AsyncTimeSliceClient.watch`: its connections, on its consumer's loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, transport: Transport) -> None:
+        self.loop = loop
+        self.transport = transport
+
+    def end(self) -> None:
+        """Close its connections, from any thread: a read in progress fails at once."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop:
+            self.transport.close()
+            return
+        # Channels belong to their loop: close them there.
+        with contextlib.suppress(RuntimeError):  # that loop is closed, and the watch with it
+            self.loop.call_soon_threadsafe(self.transport.close)
+
+
 class AsyncTimeSliceClient:
     """asyncio client of the timeslice orchestrator.
 
@@ -95,7 +120,8 @@ class AsyncTimeSliceClient:
             Default: the ``TIMESLICE_TARGET`` environment variable, else ``localhost:50051``.
         job_id: the job this client acts for. Default: ``TIMESLICE_JOB_ID``.
         session_ttl: lease TTL of the session in seconds; keepalives go every ttl/3. Holds
-            and queue entries of a client that dies are released about this long after.
+            and queue entries of a client that dies are released about this long after, and
+            a client whose keepalives all fail for this long counts its session as lost.
         call_timeout: the bound on every unary call, retries and failover included.
         on_yield_request: called with a group id when the orchestrator starts asking this
             job to yield it (see :meth:`yield_requested`).
@@ -151,6 +177,9 @@ class AsyncTimeSliceClient:
         self._releasing: dict[str, PendingRelease] = {}
         self._acquiring: set[str] = set()
         self._closed = False
+        # Watches run on their consumers' loops, maybe in other threads than close().
+        self._watches: set[_OpenWatch] = set()
+        self._watches_lock = threading.Lock()
         self._yield_requests: set[str] = set()
         self._on_yield_request = on_yield_request
         self.keepalives_sent = 0
@@ -296,8 +325,11 @@ class AsyncTimeSliceClient:
 
         Groups are acquired one by one in one global order (sorted by id), the classic rule
         that makes waiting deadlock-free: two jobs can never each hold a group the other waits
-        for. All or nothing: on a timeout or error, the groups already held are yielded
-        before the error propagates. ``timeout`` bounds the whole call.
+        for. All or nothing: on a timeout, error or cancellation, the groups already held are
+        yielded before the error propagates, even if the caller is cancelled meanwhile (a
+        yield the orchestrator does not confirm goes on in the background, as with
+        :meth:`yield_`). ``timeout`` bounds the wait for the groups; the rollback may take up
+        to ``call_timeout`` more per group held.
         """
         groups = sorted({validate_group_id(g) for g in group_ids})
         if not groups:
@@ -311,9 +343,25 @@ class AsyncTimeSliceClient:
                 left = None if deadline is None else max(0.001, deadline - loop.time())
                 held[group] = await self.acquire(group, timeout=left, priority=priority)
         except BaseException:
-            await self.yield_all(list(held))
+            # A cancel that lands in the rollback (a blocking caller's deadline, Ctrl-C) must
+            # not stop it halfway, leaving held the groups the caller is told were given back;
+            # each yield is bounded by call_timeout, so the rollback is too.
+            await run_to_completion(self._roll_back(list(held)))
             raise
         return held
+
+    async def _roll_back(self, groups: list[str]) -> None:
+        """Yield what a failed acquire_all holds; its failures are logged, not raised, so that
+        the caller learns why the acquire failed."""
+        try:
+            await self.yield_all(groups)
+        except TimeSliceError as exc:
+            log.warning(
+                "rollback of acquire_all by job %s: not every yield was confirmed (%s); "
+                "their releases go on in the background",
+                self._job_id,
+                exc,
+            )
 
     async def yield_all(self, group_ids: Sequence[str]) -> None:
         """Yield every group in ``group_ids`` (reverse order); errors are raised after all."""
@@ -364,6 +412,10 @@ class AsyncTimeSliceClient:
         transparently) consumers just keep the latest. Raises :class:`Unavailable` when no
         replica answers for ``call_timeout``. Close the iterator (``aclosing``, or leave
         the ``async for``) to cancel the stream.
+
+        Raises:
+            Cancelled: the client was closed: :meth:`close` ends every open watch, as it
+                does a waiting acquire, and closes its connections.
         """
         group = validate_group_id(group_id)
         self._check_open()
@@ -387,17 +439,37 @@ class AsyncTimeSliceClient:
             outage_limit=lambda: self._call_timeout,
             on_failure=on_failure,
         )
+        watch = _OpenWatch(asyncio.get_running_loop(), transport)
+        with self._watches_lock:
+            self._watches.add(watch)
         try:
-            async for event in events:
-                yield event
+            # close() may have run in another thread since the check above, and not seen us.
+            self._check_open()
+            async with contextlib.aclosing(events):
+                while True:
+                    try:
+                        event = await anext(events)
+                    except StopAsyncIteration:
+                        return
+                    except Exception as exc:
+                        if self._closed:
+                            # Whatever broke, it was close() cutting the connections.
+                            raise self._watch_closed(group) from exc
+                        raise
+                    if self._closed:
+                        # Read before the close, given after it: the watch has ended.
+                        raise self._watch_closed(group)
+                    yield event
         finally:
-            await events.aclose()
+            with self._watches_lock:
+                self._watches.discard(watch)
             transport.close()
 
     async def close(self) -> None:
         """End the session (CloseSession, best effort) and close the connections.
 
-        Everything the session held is released by the orchestrator. Idempotent.
+        Everything the session held is released by the orchestrator. A waiting acquire and
+        every open :meth:`watch` raise :class:`Cancelled`. Idempotent.
         """
         if self._closed:
             return
@@ -419,6 +491,11 @@ class AsyncTimeSliceClient:
     def _check_open(self) -> None:
         if self._closed:
             raise Cancelled(f"the timeslice client of job {self._job_id} was closed")
+
+    def _watch_closed(self, group: str) -> Cancelled:
+        return Cancelled(
+            f"the timeslice client of job {self._job_id} was closed while watching {group}"
+        )
 
     async def _unary(self, what: str, call: Callable[[TimeSliceStub, float], Awaitable[T]]) -> T:
         self._check_open()
@@ -669,6 +746,10 @@ class AsyncTimeSliceClient:
         if self._closed:
             return
         self._closed = True
+        with self._watches_lock:
+            watches = list(self._watches)
+        for watch in watches:
+            watch.end()
         session, self._session = self._session, None
         self._grants.clear()
         if session is not None:

@@ -244,11 +244,15 @@ class TimeSliceOrchestratorClient:
         """Hold every group at once, deadlock-free; see :meth:`AsyncTimeSliceClient.acquire_all`."""
         self._check_open()
         wait = check_seconds(timeout, "timeout", allow_none=True)
+        # After the wait: giving back a grant that raced the deadline, then the rollback, up to
+        # a yield per group held, each bounded by call_timeout. A shorter bound would return
+        # while the rollback goes on, the groups still held.
+        cleanup = (len(group_ids) + 1) * self._call_timeout
         return call_in_loop(
             self._loop,
             self._client.acquire_all(group_ids, timeout=wait, priority=priority),
-            wait=None if wait is None else wait + 2 * self._call_timeout + _SLACK,
-            grace=self._call_timeout,
+            wait=None if wait is None else wait + cleanup + _SLACK,
+            grace=cleanup,
             what=f"acquire_all({', '.join(group_ids)})",
         )
 

@@ -155,6 +155,8 @@ class OrchestratorState:
         self.calls: list[str] = []
         self.keepalives = 0
         self.cancelled_acquires = 0
+        # WatchGroup streams open now (a client that closes its connections ends its own).
+        self.watching = 0
         self.released_unsent = 0
         # method name -> error to answer with (persistent until removed)
         self.fail: dict[str, grpclib.GRPCError] = {}
@@ -381,10 +383,14 @@ class Frontend(TimeSliceBase):
     async def watch_group(self, message: WatchGroupRequest) -> AsyncIterator[GroupEvent]:
         self._enter("WatchGroup")
         g = self.state.group(message.group_id)
-        while True:
-            changed = g.changed
-            yield GroupEvent(revision=g.revision, status=self.state.status(g.name))
-            await changed.wait()
+        self.state.watching += 1
+        try:
+            while True:
+                changed = g.changed
+                yield GroupEvent(revision=g.revision, status=self.state.status(g.name))
+                await changed.wait()
+        finally:
+            self.state.watching -= 1
 
 
 class TcpProxy:

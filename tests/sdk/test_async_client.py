@@ -542,6 +542,24 @@ async def test_watch_streams_status_changes(orch: FakeOrchestrator) -> None:
         await client.yield_("g1")
 
 
+async def test_acquire_all_rolls_back_every_group_even_if_cancelled_meanwhile(
+    orch: FakeOrchestrator,
+) -> None:
+    async with (
+        client_for(orch, "other") as other,
+        client_for(orch, call_timeout=1) as client,
+    ):
+        await other.acquire("g3")
+        # No Yield is answered: each yield of the rollback takes the whole call timeout.
+        orch.do(lambda s: setattr(s, "yield_delay", 60.0))
+        task = asyncio.create_task(client.acquire_all(["g1", "g2", "g3"], timeout=0.5))
+        await orch.until(lambda s: s.calls.count("Yield") >= 1)  # the rollback has started
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
+        assert client.grants() == {}, "the rollback stopped at the cancel"
+
+
 async def test_close_ends_the_session_and_is_idempotent(orch: FakeOrchestrator) -> None:
     client = client_for(orch)
     await client.acquire("g1")
@@ -564,6 +582,30 @@ async def test_close_interrupts_a_waiting_acquire(orch: FakeOrchestrator) -> Non
         with pytest.raises(Cancelled):
             await asyncio.wait_for(waiting, 5)
         assert orch.do(lambda s: s.queue_of("g1")) == []
+        await holder.yield_("g1")
+
+
+async def test_close_ends_an_open_watch(orch: FakeOrchestrator) -> None:
+    async with client_for(orch, "holder") as holder:
+        client = client_for(orch)
+        holders: list[str] = []
+        watching = asyncio.Event()
+
+        async def consume() -> None:
+            async for event in client.watch("g1"):
+                assert event.status is not None
+                holders.append(event.status.holder_job_id)
+                watching.set()
+
+        watch = asyncio.create_task(consume())
+        await asyncio.wait_for(watching.wait(), 5)
+        await client.close()
+        await holder.acquire("g1")
+        with pytest.raises(Cancelled):
+            await asyncio.wait_for(watch, 5)
+        assert holders == [""], "an event after close() reached the consumer"
+        # Its connection is closed too: the orchestrator's end of the stream is gone.
+        await orch.until(lambda s: s.watching == 0)
         await holder.yield_("g1")
 
 

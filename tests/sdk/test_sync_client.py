@@ -115,6 +115,32 @@ async def test_sync_client_decorates_async_functions(orch: FakeOrchestrator, job
         await asyncio.to_thread(client.close)
 
 
+async def test_close_ends_a_watch_running_on_another_loop(
+    orch: FakeOrchestrator, job_env: str
+) -> None:
+    client = TimeSliceOrchestratorClient(orch.target)
+    async with AsyncTimeSliceClient(orch.target, job_id="holder") as holder:
+        holders: list[str] = []
+        watching = asyncio.Event()
+
+        async def consume() -> None:
+            # On this loop; close() runs on the client's own loop, in its thread.
+            async for event in client.aio.watch("g1"):
+                assert event.status is not None
+                holders.append(event.status.holder_job_id)
+                watching.set()
+
+        watch = asyncio.create_task(consume())
+        await asyncio.wait_for(watching.wait(), 5)
+        await asyncio.to_thread(client.close)
+        await holder.acquire("g1")
+        with pytest.raises(Cancelled):
+            await asyncio.wait_for(watch, 5)
+        assert holders == [""], "an event after close() reached the consumer"
+        await asyncio.to_thread(orch.wait_for, lambda s: s.watching == 0)
+        await holder.yield_("g1")
+
+
 def test_keepalive_runs_while_the_caller_computes(orch: FakeOrchestrator, job_env: str) -> None:
     with TimeSliceOrchestratorClient(orch.target, session_ttl=0.6) as client:
         client.acquire("g1")
@@ -229,3 +255,21 @@ def test_open_clients_are_closed_at_exit(orch: FakeOrchestrator) -> None:
     assert result.stdout.strip() == "granted"
     assert orch.do(lambda s: s.calls.count("CloseSession")) == 1
     assert orch.do(lambda s: s.holder_of("g1")) is None
+
+
+def test_acquire_all_rolls_back_every_group_while_yields_hang(
+    orch: FakeOrchestrator, job_env: str
+) -> None:
+    with (
+        TimeSliceOrchestratorClient(orch.target, job_id="other") as other,
+        TimeSliceOrchestratorClient(orch.target, call_timeout=1) as client,
+    ):
+        other.acquire("g5")
+        # No Yield is answered: each yield of the rollback takes the whole call timeout.
+        orch.do(lambda s: setattr(s, "yield_delay", 60.0))
+        # The reason is the acquire's, not a yield's of the rollback, nor the loop's deadline.
+        with pytest.raises(Timeout, match="not granted group g5"):
+            client.acquire_all(["g1", "g2", "g3", "g4", "g5"], timeout=1)
+        # All or nothing: every group was yielded (its release goes on in the background).
+        assert client.grants() == {}
+        assert orch.do(lambda s: s.calls.count("Yield")) >= 4
