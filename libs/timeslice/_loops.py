@@ -64,6 +64,20 @@ async def _as_coroutine(work: Awaitable[object]) -> object:
     return await work
 
 
+def _undo_in(
+    loop: asyncio.AbstractEventLoop, taking_back: Coroutine[Any, Any, object] | None
+) -> concurrent.futures.Future[object] | None:
+    """Schedule an undo on ``loop``; None when there is none, or the loop is gone (the client
+    was closed meanwhile, and its grants with it): the caller's own error goes on."""
+    if taking_back is None:
+        return None
+    try:
+        return asyncio.run_coroutine_threadsafe(taking_back, loop)
+    except RuntimeError:
+        taking_back.close()
+        return None
+
+
 async def await_in_loop(
     loop: asyncio.AbstractEventLoop,
     coro: Coroutine[Any, Any, T],
@@ -81,9 +95,8 @@ async def await_in_loop(
     try:
         return await asyncio.wrap_future(future)
     except BaseException:
-        taking_back = handoff.abandon()
-        if taking_back is not None:
-            undone = asyncio.run_coroutine_threadsafe(taking_back, loop)
+        undone = _undo_in(loop, handoff.abandon())
+        if undone is not None:
             await asyncio.wait([asyncio.wrap_future(undone)], timeout=grace)
         raise
 
@@ -116,9 +129,8 @@ def call_in_loop(
 
     def give_up() -> None:
         future.cancel()
-        taking_back = handoff.abandon()
-        if taking_back is not None:
-            undone = asyncio.run_coroutine_threadsafe(taking_back, loop)
+        undone = _undo_in(loop, handoff.abandon())
+        if undone is not None:
             concurrent.futures.wait([undone], grace)
         else:
             finished.wait(grace)

@@ -22,7 +22,7 @@ from timeslice._scope import AcceleratorScope
 from timeslice._types import Grant
 from timeslice._validate import check_priority, check_seconds
 from timeslice.aio import AsyncTimeSliceClient, rebuild_client
-from timeslice.errors import Cancelled, InternalError, InvalidArgument
+from timeslice.errors import Cancelled, InternalError, InvalidArgument, TimeSliceError
 from timeslice.ids import validate_group_id
 from timeslice_proto.timeslice.v1 import GroupStatus, GroupSummary
 
@@ -254,7 +254,15 @@ class TimeSliceOrchestratorClient:
             wait=None if wait is None else wait + cleanup + _SLACK,
             grace=cleanup,
             what=f"acquire_all({', '.join(group_ids)})",
+            # Held just as this caller gave up (Ctrl-C, its deadline): given back.
+            undo=self._give_back_all,
         )
+
+    async def _give_back_all(self, held: dict[str, Grant]) -> None:
+        try:
+            await self._client.yield_all(list(held))
+        except TimeSliceError as exc:  # the caller's own error is what propagates
+            log.warning("could not give back %s after its caller left: %s", sorted(held), exc)
 
     def yield_all(self, group_ids: Sequence[str]) -> None:
         """Yield every group in ``group_ids``."""

@@ -624,7 +624,7 @@ class SwitchDriver:
             )
             if ended:
                 self._metrics.switches.labels(outcome="restore_failed").inc()
-                if record.prefetch and head is not None:
+                if record.prefetch:
                     log.warning("group %s: prefetch of %s failed: %s", group, record.to_job, error)
                 else:
                     log.error("group %s: %s isolated: %s", group, record.to_job, error)

@@ -84,7 +84,7 @@ async def _until_gone(check: Callable[[], Awaitable[bool]]) -> None:
 async def test_leaving_as_a_free_group_is_taken_gives_it_back(
     store: GroupStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async with _service(store) as (locks, _):
+    async with _service(store) as (locks, mirror):
         sid, secret, _ = await locks.open_session("b", 30, "host", 1)
         held = _Held(store.take_free)
         monkeypatch.setattr(store, "take_free", held)
@@ -95,8 +95,14 @@ async def test_leaving_as_a_free_group_is_taken_gives_it_back(
             return await holder(store) is None
 
         await _until_gone(free)
-        # And the job can take it again (no AlreadyExists from a hold it never got).
+        # And the job can take it again (no AlreadyExists from a hold it never got), once
+        # this replica's mirror shows the group free as etcd does.
         monkeypatch.undo()
+
+        async def shown_free() -> bool:
+            return mirror.holder("g") is None
+
+        await _until_gone(shown_free)
         async with asyncio.timeout(10):
             granted = await _first_step(locks.acquire(sid, "b", "g", 0, secret=secret))
         assert granted.stage is AcquireStage.GRANTED

@@ -271,7 +271,13 @@ class _Spawner:
         done: Future[subprocess.Popen[bytes]] = Future()
         self._requests.put((start, done))
         # A start is a fork and an exec (milliseconds); the bound only guards against a wedge.
-        return done.result(timeout=60)
+        try:
+            return done.result(timeout=60)
+        except TimeoutError:
+            if not done.cancel():
+                # Started meanwhile, for nobody: stop it rather than leave it running.
+                done.add_done_callback(_kill_unclaimed)
+            raise
 
     def _serve(self) -> None:
         while True:
@@ -282,6 +288,11 @@ class _Spawner:
                 done.set_result(start())
             except BaseException as exc:  # handed to the caller, which raises it
                 done.set_exception(exc)
+
+
+def _kill_unclaimed(done: Future[subprocess.Popen[bytes]]) -> None:
+    if not done.cancelled() and done.exception() is None:
+        kill(done.result())
 
 
 _SPAWNER = _Spawner()

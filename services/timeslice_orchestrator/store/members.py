@@ -8,6 +8,7 @@ agent that reconnects to another replica stays a member of its groups throughout
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection
 
 from timeslice_orchestrator.store.base import StoreBase
@@ -18,6 +19,7 @@ from timeslice_orchestrator.store.etcd import (
     LeaseKeeper,
     Op,
     Put,
+    StoreError,
     StoreUnavailable,
     Txn,
     absent,
@@ -33,6 +35,8 @@ from timeslice_orchestrator.store.records import (
     ResidentRecord,
     Stored,
 )
+
+log = logging.getLogger(__name__)
 
 # Read-modify-write attempts of one group's residency before giving up (a busy group).
 _RESIDENCY_ATTEMPTS = 8
@@ -191,16 +195,23 @@ class MemberStore(StoreBase):
             Txn([], [Put(self.keys.fence(node), fence.encode()), Delete(self.keys.agent(node))])
         )
         note = f"node {node} fenced out: {fence.reason}"
+        # A lease left alive would keep the node's stream open on the replica holding it,
+        # which re-publishes the record on that lease at the agent's next worker change: a
+        # rejoin with neither the reconcile nor the fence revision. Revoked after the marks,
+        # not before, so that a hello it prompts is never overwritten by one.
+        lease = agent.lease if agent is not None else 0
         try:
             for group in fence.groups:
                 await self.set_node_residency(group, node, [], note)
-        finally:
-            # A lease left alive would keep the node's stream open on the replica holding it,
-            # which re-publishes the record on that lease at the agent's next worker change:
-            # a rejoin with neither the reconcile nor the fence revision. Revoked after the
-            # marks, not before, so that a hello it prompts is never overwritten by one.
-            if agent is not None and agent.lease:
-                await self.etcd.revoke_lease(agent.lease)
+        except BaseException:
+            if lease:
+                try:
+                    await self.etcd.revoke_lease(lease)
+                except StoreError as exc:  # what failed the marks is what propagates
+                    log.warning("could not revoke the agent lease of fenced %s: %s", node, exc)
+            raise
+        if lease:
+            await self.etcd.revoke_lease(lease)
         return result.revision
 
     async def fence_of(self, node: str) -> Stored[FenceRecord] | None:
