@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Collection
 
 import pytest
 
+from tests.integration.polling import until
 from timeslice_orchestrator.hub import AgentHub
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.store.cache import AGENTS_TOPIC, Mirror
@@ -42,14 +42,6 @@ NODE = "node-1"
 AGENT_TTL = 3
 
 
-async def _until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
-
-
 class Agent:
     """One stream of the node's agent into ``hub``: what it says, and what it is told."""
 
@@ -70,7 +62,7 @@ class Agent:
 
     async def welcomed(self) -> int:
         """The fence revision its Welcome told it."""
-        await _until(lambda: bool(self.told) or self.stream.done())
+        await until(lambda: bool(self.told) or self.stream.done())
         welcome = self.told[0].welcome
         assert welcome is not None
         return welcome.fence_revision
@@ -129,7 +121,7 @@ async def test_a_fence_that_fails_to_mark_residency_still_ends_the_nodes_session
         holder = AgentHub(store, "r-holder", AGENT_TTL, Metrics())
         first = Agent(holder, _hello({"a": JobState.IDLE, "c": JobState.IDLE}))
         assert await first.welcomed() == 0
-        await _until(lambda: NODE in mirror.agents())
+        await until(lambda: NODE in mirror.agents())
         kv = await store.etcd.get(store.keys.agent(NODE))
         assert kv is not None and kv.lease
         lease = kv.lease
@@ -151,7 +143,7 @@ async def test_a_fence_that_fails_to_mark_residency_still_ends_the_nodes_session
             await etcd.close()
         fence = await store.fence_of(NODE)
         assert fence is not None
-        await _until(lambda: NODE not in mirror.agents())
+        await until(lambda: NODE not in mirror.agents())
         shown.clear()
 
         # The node's session is over all the same: its agent lease is gone, so the replica
@@ -168,7 +160,7 @@ async def test_a_fence_that_fails_to_mark_residency_still_ends_the_nodes_session
         # The residency the fence could not mark still lists c, which the node parked since.
         second = Agent(holder, _hello({"a": JobState.IDLE, "c": JobState.SAVED}))
         assert await second.welcomed() == fence.mod_revision
-        await _until(lambda: bool(shown))
+        await until(lambda: bool(shown))
         assert shown[0] == ["a"]
         await second.hang_up()
         await first.hang_up()
@@ -197,6 +189,6 @@ async def test_an_agent_back_after_its_lease_ran_out_is_published_with_its_resid
         hub = AgentHub(store, "r-here", 30, Metrics())
         agent = Agent(hub, _hello({"a": JobState.IDLE}))
         assert await agent.welcomed() == 0
-        await _until(lambda: bool(shown))
+        await until(lambda: bool(shown))
         assert shown[0] == ["a"], "the record was published before the residency was settled"
         await agent.hang_up()

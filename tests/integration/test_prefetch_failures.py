@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import cast
@@ -24,6 +23,7 @@ from tests.integration.groupstore import (
     queued,
     resident_revision,
 )
+from tests.integration.polling import until
 from timeslice_orchestrator.driver import DriverConfig, SwitchDriver
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.relay import DirectiveRouter
@@ -60,14 +60,6 @@ class _Agents:
         return [d for d in self.sent if d.kind == kind]
 
 
-async def _until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
-
-
 @asynccontextmanager
 async def _held(store: GroupStore, agents: _Agents, resident: list[str]) -> AsyncIterator[Mirror]:
     """Group g held by a, with ``resident`` on node n0's devices (80 GB, 30 GB a job), b
@@ -96,7 +88,7 @@ async def _held(store: GroupStore, agents: _Agents, resident: list[str]) -> Asyn
         )
         assert epoch is not None
         await enqueue(store, await open_session(store, "b"))
-        await _until(lambda: mirror.group("g").queued("b") is not None)
+        await until(lambda: mirror.group("g").queued("b") is not None)
         config = DriverConfig(replica_id=auth.replica_id, co_residency=True, prefetch=True)
         router = cast(DirectiveRouter, agents)
         switch_driver = SwitchDriver(store, mirror, router, Metrics(), config, auth.lease)
@@ -116,10 +108,10 @@ async def test_a_failed_prefetch_restore_leaves_the_waiter_queued(store: GroupSt
 
     agents = _Agents(answer)
     async with _held(store, agents, ["a"]) as mirror:  # b fits beside a: nothing leaves
-        await _until(lambda: bool(agents.of(DirectiveKind.RESTORE)))
+        await until(lambda: bool(agents.of(DirectiveKind.RESTORE)))
         # The prefetch's end as written (its failure noted), not merely no switch in view:
         # the mirror may not have shown the switch record yet.
-        await _until(
+        await until(
             lambda: mirror.group("g").switch is None and "b:" in mirror.group("g").stats.last_error
         )
         await queued(store, "g", "b")  # still in line: the switch will restore it
@@ -143,11 +135,11 @@ async def test_a_failing_prefetch_is_retried_at_the_backoffs_pace(
     # b fits beside a only once c leaves; the agent refuses c's checkpoint (rolled back:
     # c stays) or b's restore (c is gone by then) every time.
     async with _held(store, agents, ["c", "a"]) as mirror:
-        await _until(lambda: any(no(d) for d in agents.sent))
+        await until(lambda: any(no(d) for d in agents.sent))
         await asyncio.sleep(1.5)
         tries = sum(no(d) for d in agents.sent)  # each prefetch is refused once
         assert tries <= 5, f"{tries} prefetches in 1.5 s"
-        await _until(lambda: mirror.group("g").switch is None)
+        await until(lambda: mirror.group("g").switch is None)
         await queued(store, "g", "b")
         left = ["c", "a"] if refused == "checkpoint" else ["a"]
         assert mirror.group("g").residency().nodes == {"n0": left}

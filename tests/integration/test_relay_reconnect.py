@@ -15,10 +15,10 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
 
 import pytest
 
+from tests.integration.polling import until
 from timeslice_orchestrator.hub import AgentHub, AgentUnavailable
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.relay import DirectiveRouter, _encode
@@ -29,14 +29,6 @@ from timeslice_orchestrator.store.relay import RelayStore
 from timeslice_proto.timeslice.v1 import AckStatus, Directive, DirectiveAck, DirectiveKind
 
 TIMEOUT = 20.0  # the directive's deadline: the test must end far sooner
-
-
-async def _until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
 
 
 @pytest.mark.parametrize(
@@ -55,14 +47,14 @@ async def test_a_relayed_directive_fails_fast_when_its_agent_reconnects(
         agent_lease = await store.etcd.grant_lease(30)
         first = AgentRecord("node-1", "r-other", "sim", True, connected_at=time.time())
         await store.publish_agent(first, agent_lease)
-        await _until(lambda: "node-1" in mirror.agents())
+        await until(lambda: "node-1" in mirror.agents())
 
         directive = Directive(
             directive_id="d1", kind=DirectiveKind.CHECKPOINT, group_id="g", job_id="a", epoch=7
         )
         started = time.monotonic()
         sending = asyncio.create_task(router.execute("node-1", directive, TIMEOUT))
-        await _until(lambda: mirror.relay("node-1", "d1") is not None)
+        await until(lambda: mirror.relay("node-1", "d1") is not None)
 
         # The agent drops its stream and says hello again: a new record, new connection time.
         again = dataclasses.replace(first, replica=replica_after, connected_at=time.time() + 1)
@@ -72,7 +64,7 @@ async def test_a_relayed_directive_fails_fast_when_its_agent_reconnects(
             await asyncio.wait_for(sending, TIMEOUT / 2)
         assert time.monotonic() - started < 5.0
         # The post is withdrawn, so the driver can send the same directive id again.
-        await _until(lambda: mirror.relay("node-1", "d1") is None)
+        await until(lambda: mirror.relay("node-1", "d1") is None)
     finally:
         watching.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -97,14 +89,14 @@ async def test_a_directive_posted_already_is_joined_and_reposted_if_withdrawn(
         agent_lease = await store.etcd.grant_lease(30)
         agent = AgentRecord("node-1", "r-other", "sim", True, connected_at=time.time())
         await store.publish_agent(agent, agent_lease)
-        await _until(lambda: "node-1" in mirror.agents())
+        await until(lambda: "node-1" in mirror.agents())
         directive = Directive(
             directive_id="d2", kind=DirectiveKind.CHECKPOINT, group_id="g", job_id="a", epoch=9
         )
         # The earlier send's post, left in etcd.
         earlier = RelayRecord(driver="r-here", directive=_encode(directive))
         assert await relay.post("node-1", "d2", earlier, lease)
-        await _until(lambda: mirror.relay("node-1", "d2") is not None)
+        await until(lambda: mirror.relay("node-1", "d2") is not None)
         first = mirror.relay("node-1", "d2")
         assert first is not None
 
@@ -120,7 +112,7 @@ async def test_a_directive_posted_already_is_joined_and_reposted_if_withdrawn(
             shown = mirror.relay("node-1", "d2")
             return shown is not None and shown.create_revision > first.create_revision
 
-        await _until(reposted, timeout=5)
+        await until(reposted, timeout=5)
         # The other replica forwards it and attaches the agent's ack.
         posted = mirror.relay("node-1", "d2")
         assert posted is not None
