@@ -4,11 +4,6 @@ Modelled on etcd's ``concurrency.Session``: :meth:`Session.open` grants the leas
 task keeps it alive every ttl/3, :attr:`Session.done` says when it is gone (expired on the
 server, or closed), and :meth:`Session.close` ends it at once. Whoever owns the session learns
 of a loss through ``on_lost``, once, and forgets what the session held.
-
-Like etcd's clientv3, the session also expires on the client's side: when no KeepAlive has
-succeeded for a whole TTL (every replica unreachable, or the one we talk to stalled), the lease
-is gone on the server whatever the client believes, and another job may already hold what it
-held. So the session is lost then, the same way as when the orchestrator says it expired.
 """
 
 from __future__ import annotations
@@ -51,15 +46,10 @@ class Session:
         secret: the session's secret, from OpenSession: every call on the session carries
             it (the orchestrator refuses the id alone). Never logged or shown.
         ttl: seconds the keepalive cadence is based on.
-        lease_ttl: the TTL the orchestrator granted the lease (default: ``ttl``).
         call_timeout: the bound on one KeepAlive, retries included (never above ttl/3).
         on_keepalive: called with every KeepAlive answer (it carries the yield requests).
-        on_lost: called once when the orchestrator says the session is gone, no keepalive
-            succeeded for a whole ``ttl``, or the keepalive task crashed, with the reason;
-            not called by :meth:`close`.
-        renewed_at: when (event loop time) the call that granted the lease was sent; the
-            session expires locally when no keepalive succeeded for ``lease_ttl`` seconds
-            after it or after the last keepalive that did. Default: now.
+        on_lost: called once when the orchestrator says the session is gone, or the
+            keepalive task crashed, with the reason; not called by :meth:`close`.
     """
 
     def __init__(
@@ -72,8 +62,6 @@ class Session:
         call_timeout: float,
         on_keepalive: Callable[[KeepAliveResponse], None],
         on_lost: Callable[[Session, str], None],
-        lease_ttl: float | None = None,
-        renewed_at: float | None = None,
     ) -> None:
         self._transport = transport
         self.session_id = session_id
@@ -86,12 +74,6 @@ class Session:
         self._done = False
         self.lost_reason: str | None = None
         """Why the session was lost, if it was."""
-        self._lease_ttl = ttl if lease_ttl is None else lease_ttl
-        if renewed_at is None:
-            renewed_at = asyncio.get_running_loop().time()
-        # Counted from when the renewing call was sent, not answered: the server renewed the
-        # lease in between, so its own expiry is never earlier than ours.
-        self._expires_at = renewed_at + self._lease_ttl
 
     @classmethod
     async def open(
@@ -116,7 +98,6 @@ class Session:
         async def call(stub: TimeSliceStub, timeout: float) -> OpenSessionResponse:
             return await stub.open_session(request, timeout=timeout)
 
-        sent_at = asyncio.get_running_loop().time()
         response = await transport.unary("OpenSession", call, budget=call_timeout)
         if not response.session_id:
             raise InternalError("OpenSession returned an empty session id")
@@ -133,8 +114,6 @@ class Session:
             call_timeout=call_timeout,
             on_keepalive=on_keepalive,
             on_lost=on_lost,
-            lease_ttl=granted_ttl,
-            renewed_at=sent_at,
         )
 
     @property
@@ -198,35 +177,19 @@ class Session:
         interval = self.ttl / 3
         next_at = loop.time() + interval
         request = KeepAliveRequest(session_id=self.session_id, session_secret=self.secret)
-        last_error: TimeSliceError | None = None
 
         async def call(stub: TimeSliceStub, timeout: float) -> KeepAliveResponse:
             return await stub.keep_alive(request, timeout=timeout)
 
         while not self._done:
-            # Wake at the expiry too: after failed keepalives it may come before the next one.
-            await asyncio.sleep(max(0.0, min(next_at, self._expires_at) - loop.time()))
+            await asyncio.sleep(max(0.0, next_at - loop.time()))
+            # A fixed cadence; after a stall, resume from now rather than firing a burst.
+            next_at = max(next_at + interval, loop.time())
             if self._done:
                 return
-            sent_at = loop.time()
-            left = self._expires_at - sent_at
-            if left <= 0:
-                why = (
-                    f"last error: {last_error}"
-                    if last_error is not None
-                    else "no keepalive was sent in time: was the event loop blocked?"
-                )
-                self.lose(
-                    f"no KeepAlive succeeded for {self._lease_ttl:g}s, the lease's TTL: the "
-                    f"session has expired on the orchestrator ({why})"
-                )
-                return
-            # A fixed cadence; after a stall, resume from now rather than firing a burst.
-            next_at = max(next_at + interval, sent_at)
             try:
-                # An answer after the expiry would come too late to count on: stop waiting then.
                 reply = await self._transport.unary(
-                    "KeepAlive", call, budget=min(self._call_timeout, interval, left)
+                    "KeepAlive", call, budget=min(self._call_timeout, interval)
                 )
             except (SessionExpired, NotFound) as exc:
                 self.lose(f"KeepAlive: {exc}")
@@ -234,9 +197,6 @@ class Session:
             except TimeSliceError as exc:
                 if self._done:
                     return
-                last_error = exc
                 log.warning("keepalive of session %s failed, retrying: %s", self.session_id, exc)
                 continue
-            self._expires_at = sent_at + self._lease_ttl
-            last_error = None
             self._on_keepalive(reply)

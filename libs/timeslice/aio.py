@@ -17,9 +17,7 @@ The client is put together from small parts:
 Sessions: the first ``acquire`` opens a session (an etcd lease on the orchestrator side that
 owns the job's queue entries and holds) and a supervised background task keeps it alive every
 ttl/3. If the orchestrator says the session expired, everything it held is gone: the client
-forgets its grants and opens a new session on the next ``acquire``. So it does when no
-keepalive has succeeded for the session's TTL (an outage): the lease has expired on the
-server by then, whether or not the client heard it say so.
+forgets its grants and opens a new session on the next ``acquire``.
 
 Event loops: the client binds to the first event loop that uses it. Called from another
 running loop while its own loop runs in another thread (the way
@@ -120,8 +118,7 @@ class AsyncTimeSliceClient:
             Default: the ``TIMESLICE_TARGET`` environment variable, else ``localhost:50051``.
         job_id: the job this client acts for. Default: ``TIMESLICE_JOB_ID``.
         session_ttl: lease TTL of the session in seconds; keepalives go every ttl/3. Holds
-            and queue entries of a client that dies are released about this long after, and
-            a client whose keepalives all fail for this long counts its session as lost.
+            and queue entries of a client that dies are released about this long after.
         call_timeout: the bound on every unary call, retries and failover included.
         on_yield_request: called with a group id when the orchestrator starts asking this
             job to yield it (see :meth:`yield_requested`).

@@ -459,13 +459,8 @@ async def test_quorum_lost_then_back_keeps_hold_and_queue(
     assert etcd is not None
     socket = str(cluster.agent_sockets["node-0"])
     workers = [register("g", job_id=j, socket=socket) for j in JOBS]
-    # Sessions that outlive the outage by far: a client that cannot renew its session for a
-    # whole TTL counts it lost (it cannot tell this outage from one where the lease expired).
     clients = {
-        j: AsyncTimeSliceClient(
-            cluster.targets, job_id=j, call_timeout=CALL_TIMEOUT, session_ttl=60
-        )
-        for j in JOBS
+        j: AsyncTimeSliceClient(cluster.targets, job_id=j, call_timeout=CALL_TIMEOUT) for j in JOBS
     }
     waits: list[asyncio.Task[Grant]] = []
     try:

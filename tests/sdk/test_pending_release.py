@@ -32,16 +32,6 @@ def _yield_answers(state: OrchestratorState) -> None:
     state.fail.pop("Yield", None)
 
 
-def _etcd_away(state: OrchestratorState) -> None:
-    for method in ("KeepAlive", "OpenSession"):
-        state.fail[method] = grpclib.GRPCError(Status.UNAVAILABLE, "[unavailable] etcd is away")
-
-
-def _etcd_back(state: OrchestratorState) -> None:
-    for method in ("KeepAlive", "OpenSession", "Yield"):
-        state.fail.pop(method, None)
-
-
 async def _failed_yield(orch: FakeOrchestrator, client: AsyncTimeSliceClient) -> None:
     orch.do(_yield_unavailable)
     # Unavailable, or Timeout when the last answer came too late for the budget (a loaded
@@ -134,31 +124,3 @@ async def test_close_ends_a_pending_release_quietly(
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     # CloseSession ended the session, and its hold with it.
     assert orch.do(lambda s: s.holder_of("g1")) is None
-
-
-async def test_an_acquire_behind_an_unconfirmed_yield_ends_when_the_session_expires(
-    orch: FakeOrchestrator,
-) -> None:
-    async with AsyncTimeSliceClient(
-        orch.target, job_id="job-a", call_timeout=CALL_TIMEOUT, session_ttl=3
-    ) as client:
-        await client.acquire("g1")
-        session = client.session_id
-        assert session is not None
-        # etcd goes away for longer than the session's TTL: nothing is confirmed any more.
-        orch.do(_etcd_away)
-        await _failed_yield(orch, client)
-        # No timeout: only the session's expiry can end the wait for the release.
-        again = asyncio.create_task(client.acquire("g1"))
-        with pytest.raises(Unavailable):
-            await asyncio.wait_for(again, 10)
-        assert client.session_id is None
-        assert client.grants() == {}
-        assert client.last_session_loss is not None
-        assert "no KeepAlive succeeded" in client.last_session_loss
-        # etcd is back, and has expired the lease: the group is the job's to acquire again.
-        orch.do(_etcd_back)
-        orch.do(lambda s: s.end_session(session))
-        grant = await client.acquire("g1", timeout=5)
-        assert client.session_id not in (None, session)
-        assert client.grants() == {"g1": grant}
