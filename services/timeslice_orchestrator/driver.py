@@ -624,10 +624,12 @@ class SwitchDriver:
             )
             if ended:
                 self._metrics.switches.labels(outcome="restore_failed").inc()
-                if record.prefetch:
+                if record.prefetch and head is not None:
                     log.warning("group %s: prefetch of %s failed: %s", group, record.to_job, error)
-                else:
+                elif head is not None:
                     log.error("group %s: %s isolated: %s", group, record.to_job, error)
+                else:
+                    log.warning("group %s: restore of %s failed: %s", group, record.to_job, error)
             return Next.AGAIN
         if record.prefetch or head is None:
             # A prefetch ends here, and so does a switch whose waiter left, a catch-up and

@@ -18,7 +18,10 @@ import pytest
 
 from tests.conftest import ClusterFactory
 from tests.faults.harness import journals, wait_for_status
+from tests.integration.etcdview import etcd_client
 from timeslice import AsyncTimeSliceClient, register
+from timeslice_orchestrator.store.keys import Keyspace
+from timeslice_tools.dev.cluster import LocalCluster
 from timeslice_tools.history import check_fencing, check_two_phase
 
 SLOW_SIM = ["--sim-bandwidth-gbps", "2", "--sim-state-gb", "2"]  # ~1 s per move
@@ -129,7 +132,7 @@ async def test_a_holder_granted_while_a_node_was_away_is_restored_there_when_it_
                 10,
             )
             cluster.kill_agent("node-1")
-            await asyncio.sleep(4)  # its agent record expires (agent TTL 2 s)
+            await _agent_record_gone(cluster, "node-1")  # expired (agent TTL 2 s): it left
             grant = await b.acquire("g", timeout=30)  # planned without node-1
             status = await observer.status("g")
             assert {n.node: n.resident_job_id for n in status.nodes}["node-0"] == "b"
@@ -151,3 +154,15 @@ async def test_a_holder_granted_while_a_node_was_away_is_restored_there_when_it_
             w.close()
     check_fencing(journals(cluster))
     check_two_phase(journals(cluster))
+
+
+async def _agent_record_gone(cluster: LocalCluster, node: str) -> None:
+    """Until ``node``'s agent record is gone from etcd (its lease expired), within 30 s."""
+    etcd = etcd_client(cluster)
+    try:
+        deadline = time.monotonic() + 30
+        while await etcd.get(Keyspace(cluster.prefix).agent(node)) is not None:
+            assert time.monotonic() < deadline, f"the agent record of {node} never expired"
+            await asyncio.sleep(0.1)
+    finally:
+        await etcd.close()

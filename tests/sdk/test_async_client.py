@@ -552,8 +552,9 @@ async def test_acquire_all_rolls_back_every_group_even_if_cancelled_meanwhile(
         await other.acquire("g3")
         # No Yield is answered: each yield of the rollback takes the whole call timeout.
         orch.do(lambda s: setattr(s, "yield_delay", 60.0))
-        task = asyncio.create_task(client.acquire_all(["g1", "g2", "g3"], timeout=0.5))
-        await orch.until(lambda s: s.calls.count("Yield") >= 1)  # the rollback has started
+        # 3 s: g1 and g2 are surely granted by then on a loaded machine (first connection).
+        task = asyncio.create_task(client.acquire_all(["g1", "g2", "g3"], timeout=3))
+        await orch.until(lambda s: s.calls.count("Yield") >= 1, 20)  # the rollback started
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(task, 10)

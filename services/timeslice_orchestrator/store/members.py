@@ -141,6 +141,8 @@ class MemberStore(StoreBase):
         self, group: str, runs_here: Collection[str], resident: list[str]
     ) -> bool:
         """Whether ``group``'s holder runs on a node (``runs_here``) without its state there."""
+        if all(job in resident for job in runs_here):
+            return False  # the common hello: whoever holds, its state is there (no read)
         kv = await self.etcd.get(self.keys.holder(group))
         if kv is None:
             return False
