@@ -349,6 +349,11 @@ OLD_CHANNEL_GRACE = 30.0
 REQUIRE_LEADER: tuple[tuple[str, str], ...] = (("hasleader", "true"),)
 # How long a member that failed is passed over while another one is available.
 MEMBER_PENALTY = 5.0
+# How long one that answered it has no leader, or that the leader changed, is passed over: it
+# is alive and serves again once the election ends. Shorter than MEMBER_PENALTY so that when
+# every member failed lately (a paused leader, then the election) the next try goes to a live
+# one, not back to the one that did not answer at all.
+ELECTION_PENALTY = 1.0
 # A watch that has heard nothing for this long asks its member, with a small read, whether
 # it still answers; one that does not within WATCH_PROBE_TIMEOUT is failed and the watch
 # moves on. gRPC's own keepalive cannot be relied on for this: it stops pinging a connection
@@ -411,6 +416,14 @@ def _server_timeout(exc: grpc.aio.AioRpcError) -> bool:
     """A member's own timeout (UNKNOWN "context deadline exceeded", as during an election):
     a member fault like UNAVAILABLE; a read goes to the next member, a write is not resent."""
     return exc.code() == grpc.StatusCode.UNKNOWN and "deadline exceeded" in (exc.details() or "")
+
+
+def _in_election(exc: grpc.aio.AioRpcError) -> bool:
+    """The member answered, refusing for want of a leader (an election is under way)."""
+    details = (exc.details() or "").lower()
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and (
+        "leader changed" in details or "no leader" in details
+    )
 
 
 def _not_applied(exc: grpc.aio.AioRpcError) -> bool:
@@ -535,12 +548,12 @@ class EtcdClient:
         self._current = min(range(count), key=lambda i: self._members[i].failed_until)
         return self._members[self._current]
 
-    def _failed(self, member: _Member, why: object) -> None:
-        """``member`` failed as a member does: pass it over for a while."""
+    def _failed(self, member: _Member, why: object, *, penalty: float = MEMBER_PENALTY) -> None:
+        """``member`` failed as a member does: pass it over for ``penalty`` seconds."""
         if len(self._members) == 1:
             return
         first = member.failed_until <= time.monotonic()
-        member.failed_until = time.monotonic() + MEMBER_PENALTY
+        member.failed_until = time.monotonic() + penalty
         member.failed.set()
         member.failed = asyncio.Event()
         if self._members[self._current] is member:
@@ -636,7 +649,11 @@ class EtcdClient:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in _MEMBER_FAULTS and not _server_timeout(exc):
                     raise
-                self._failed(member, f"{exc.code().name}: {exc.details()}")
+                self._failed(
+                    member,
+                    f"{exc.code().name}: {exc.details()}",
+                    penalty=ELECTION_PENALTY if _in_election(exc) else MEMBER_PENALTY,
+                )
                 if len(self._members) == 1 or not (read or _not_applied(exc)):
                     raise
                 if self._all_failed():
