@@ -9,7 +9,10 @@ under a new session.
 Aborting (a cancel, the caller's timeout, a failing ``on_progress``) resets the stream, which
 makes the orchestrator drop the queue entry. A GRANTED may already be on its way at that
 moment; the stream is read in a task of its own (:class:`~timeslice._streams.Prefetch`) so
-that such a grant is still seen, and the client gives it back.
+that such a grant is still seen, and the client gives it back. One that is still on the wire
+when the reset goes out is never seen (the server finished its stream before the reset
+arrived, so it keeps the grant): the client then looks the group up and gives back a hold of
+its own that it has no record of (``AsyncTimeSliceClient._give_back_unseen``).
 """
 
 from __future__ import annotations
@@ -83,6 +86,8 @@ class AcquireCall:
         self.session: Session | None = None
         self.granted: AcquireEvent | None = None
         self.events = 0
+        # Whether a request went out: from then on the server may grant it, seen or not.
+        self.sent = False
         # Sent with every attempt of this acquire so the server can recognise a retry.
         self.request_id = uuid.uuid4().hex
 
@@ -132,6 +137,7 @@ class AcquireCall:
             request_id=self.request_id,
         )
         granted = False
+        self.sent = True
         try:
             # No gRPC deadline: the wait is bounded by the caller's timeout (or not at all), and
             # aborting is done by cancelling, which resets the stream.

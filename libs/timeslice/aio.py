@@ -44,10 +44,12 @@ from timeslice._streams import Retry, retrying_stream
 from timeslice._transport import Transport
 from timeslice._types import AcquireProgress, AcquireStage, Grant
 from timeslice._validate import check_positive, check_priority, check_seconds
+from timeslice.backoff import Backoff
 from timeslice.errors import (
     AlreadyExists,
     Cancelled,
     InvalidArgument,
+    NotFound,
     NotHolder,
     PermissionDenied,
     SessionExpired,
@@ -80,6 +82,9 @@ T = TypeVar("T")
 
 # CloseSession is best effort: the lease expires on its own if the orchestrator is away.
 _CLOSE_BUDGET = 3.0
+# Pauses between two look-ups for an unseen grant while no replica answers.
+_SWEEP_RETRY_INITIAL = 0.1
+_SWEEP_RETRY_MAX = 1.0
 
 
 def rebuild_client(cls: Callable[..., T], settings: dict[str, Any]) -> T:
@@ -173,6 +178,8 @@ class AsyncTimeSliceClient:
         # Yields not confirmed within call_timeout, still being sent (see timeslice._release).
         self._releasing: dict[str, PendingRelease] = {}
         self._acquiring: set[str] = set()
+        # After an aborted acquire: the look-up for a grant it was given unseen, per group.
+        self._sweeps: dict[str, asyncio.Task[None]] = {}
         self._closed = False
         # Watches run on their consumers' loops, maybe in other threads than close().
         self._watches: set[_OpenWatch] = set()
@@ -387,12 +394,7 @@ class AsyncTimeSliceClient:
     async def status(self, group_id: str) -> GroupStatus:
         """The group's holder, queue, residency, switch in flight and faults."""
         group = validate_group_id(group_id)
-
-        async def call(stub: TimeSliceStub, timeout: float) -> GroupStatus:
-            request = GetGroupStatusRequest(group_id=group)
-            return await stub.get_group_status(request, timeout=timeout)
-
-        return await self._runner.run(self._unary(f"GetGroupStatus({group})", call))
+        return await self._runner.run(self._group_status(group))
 
     async def groups(self) -> list[GroupSummary]:
         """One summary per known group."""
@@ -500,6 +502,13 @@ class AsyncTimeSliceClient:
 
     # ------------------------------------------------------------------ sessions
 
+    async def _group_status(self, group: str) -> GroupStatus:
+        async def call(stub: TimeSliceStub, timeout: float) -> GroupStatus:
+            request = GetGroupStatusRequest(group_id=group)
+            return await stub.get_group_status(request, timeout=timeout)
+
+        return await self._unary(f"GetGroupStatus({group})", call)
+
     async def _ensure_session(self) -> Session:
         async with self._session_lock:
             if self._session is not None:
@@ -574,6 +583,7 @@ class AsyncTimeSliceClient:
             )
         self._acquiring.add(group)
         pending = self._pending_release(group)
+        sweep = self._sweeps.get(group)
         call = AcquireCall(
             self._transport,
             job_id=self._job_id,
@@ -594,6 +604,10 @@ class AsyncTimeSliceClient:
                         # Our own yield of the group is still on its way: let it land first
                         # (now, not after its backoff), then queue as anyone would.
                         await pending.wait()
+                    if sweep is not None:
+                        # An earlier acquire of the group was aborted: a grant it may have
+                        # been given unseen goes back first, or this one meets it.
+                        await asyncio.wait((sweep,))
                     await call.until_granted()
             except TimeoutError:
                 if limit.expired():
@@ -615,8 +629,11 @@ class AsyncTimeSliceClient:
             return grant
         except BaseException:
             session = call.session
-            if call.granted is not None and session is not None and session is self._session:
-                await self._give_back_raced(group, session, call.granted.epoch)
+            if session is not None and session is self._session:
+                if call.granted is not None:
+                    await self._give_back_raced(group, session, call.granted.epoch)
+                elif call.sent and not session.done:
+                    self._sweep_later(session, group)
             raise
         finally:
             self._acquiring.discard(group)
@@ -641,6 +658,57 @@ class AsyncTimeSliceClient:
                 epoch,
                 exc,
             )
+
+    def _sweep_later(self, session: Session, group: str) -> None:
+        task = self._tasks.spawn(
+            self._give_back_unseen(session, group), f"timeslice-sweep-{group}", kind="sweep"
+        )
+        self._sweeps[group] = task
+
+        def finished(_: asyncio.Task[None]) -> None:
+            if self._sweeps.get(group) is task:
+                del self._sweeps[group]
+
+        task.add_done_callback(finished)
+
+    async def _give_back_unseen(self, session: Session, group: str) -> None:
+        """Give back a grant made for an aborted acquire that never reached this client.
+
+        The abort resets the Acquire stream. When the server had already sent GRANTED and
+        ended the stream, the reset comes too late for it to take the grant back, and the
+        GRANTED, still on the wire, is dropped with the stream. The hold then sits on our
+        live session with no record here: the group is blocked for everyone, and our next
+        acquire of it is refused ("already holds"). So after an abort the client looks the
+        group up, and yields a hold of this job that it has no grant for. The Yield names
+        our session and the epoch read, so it cannot release anyone else's hold, nor one of
+        ours that a later grant replaced. Retried while no replica answers, until the session
+        ends (which releases the hold anyway).
+        """
+        backoff = Backoff(_SWEEP_RETRY_INITIAL, _SWEEP_RETRY_MAX)
+        while not session.done and not self._closed:
+            try:
+                status = await self._group_status(group)
+                if status.holder_job_id != self._job_id or group in self._grants:
+                    return
+                epoch = status.holder_epoch
+                await self._send_yield(session, group, epoch)
+            except (NotHolder, PermissionDenied, NotFound):
+                return  # not ours (another session of the job), or already gone
+            except SessionExpired as exc:
+                session.lose(f"Yield: {exc}")
+                return
+            except (Unavailable, Timeout) as exc:
+                log.warning("looking for an unseen grant of %s, retrying: %s", group, exc)
+                await asyncio.sleep(backoff.next_delay())
+                continue
+            log.warning(
+                "gave back group %s (epoch %d): it was granted to an acquire of job %s that "
+                "was aborted before the grant arrived",
+                group,
+                epoch,
+                self._job_id,
+            )
+            return
 
     # --------------------------------------------------------------------- yield
 
