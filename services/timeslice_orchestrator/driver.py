@@ -62,6 +62,7 @@ from timeslice_orchestrator.grants import HandOvers, changed, holder_for, in_pla
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.policy import Policy, order
 from timeslice_orchestrator.relay import DirectiveRouter
+from timeslice_orchestrator.retries import Retry, RetryLedger
 from timeslice_orchestrator.store.cache import (
     AGENTS_TOPIC,
     MIRROR_LAG_TIMEOUT,
@@ -125,18 +126,6 @@ class SwitchFailed(Exception):
         super().__init__(f"{phase.value} failed on {len(failures)} node(s): {detail}")
 
 
-# A waiter, as one queue entry: (group, job, create revision of its queue entry).
-_Waiter = tuple[str, str, int]
-
-
-@dataclass(slots=True)
-class _Retry:
-    """Failed switches towards one waiter, and when the next one may start."""
-
-    attempts: int
-    due: float  # time.monotonic()
-
-
 class SwitchDriver:
     """Drives the switches of the groups whose driver key this replica holds."""
 
@@ -168,7 +157,8 @@ class SwitchDriver:
             name="driver",
             on_error=self._pass_failed,
         )
-        self._retries: dict[_Waiter, _Retry] = {}
+        self.retries = RetryLedger()
+        """Failed switches, catch-ups and prefetches of live holds and waiters."""
         self._last_error: dict[str, str] = {}
         # The revision of this driver's last write to each group, until the mirror shows it:
         # a pass planned on an older view would carry on a switch it has just committed.
@@ -227,7 +217,7 @@ class SwitchDriver:
         if step is Next.AGAIN:
             self._queue.add(group)
         elif step is Next.WAIT:
-            self._queue.add_after(group, self._retry_wait(group))
+            self._queue.add_after(group, self.retries.wait(group))
         elif self._has_work(group):
             # A safety net: a group with waiters is looked at now and then even if nothing
             # about it changes.
@@ -240,12 +230,6 @@ class SwitchDriver:
     def _has_work(self, group: str) -> bool:
         return not self._mirror.idle(group)
 
-    def _retry_wait(self, group: str) -> float:
-        """Seconds until the earliest retry of ``group`` that is not yet due."""
-        now = time.monotonic()
-        waits = [r.due - now for (g, _, _), r in self._retries.items() if g == group]
-        return min((w for w in waits if w > 0), default=0.0)
-
     # -- one pass -----------------------------------------------------------------------
 
     async def reconcile(self, group: str) -> Next:
@@ -255,10 +239,16 @@ class SwitchDriver:
             await self._mirror.wait_for_revision(written, MIRROR_LAG_TIMEOUT)
         self._written.pop(group, None)
         if not self._mirror.needs_driver(group):
+            self.retries.forget_group(group)
             return Next.IDLE  # no switch, nobody waits (decided without decoding a record)
         if group in self._hand_overs:
             return Next.IDLE  # a yield here is granting the next waiter; kicked when it ends
         view = self._mirror.group(group)
+        self.retries.forget_ended(
+            group,
+            ((q.job, q.revision) for q in view.queue),
+            (view.holder.record.job, view.holder.create_revision) if view.holder else None,
+        )
         if view.switch is not None:
             # Ours in flight, or left by a driver that died: carry it on from its phase.
             if not await self._drives(view):
@@ -292,7 +282,7 @@ class SwitchDriver:
         assert steps is not None  # nothing is protected without a holder
         if not steps:
             return await self._grant_in_place(view, head)
-        retry = self._retries.get((group, head.job, head.revision))
+        retry = self.retries.get((group, head.job, head.revision))
         if retry is not None and retry.due > time.monotonic():
             return Next.WAIT  # its last switch failed and rolled back just now
         attempt = retry.attempts + 1 if retry is not None else 1
@@ -323,9 +313,9 @@ class SwitchDriver:
         key = (view.group, job, epoch)
         steps = plan(view, job, self._mirror.agents(), self._config.co_residency)
         if not steps:
-            self._retries.pop(key, None)
+            self.retries.pop(key)
             return None
-        retry = self._retries.get(key)
+        retry = self.retries.get(key)
         now = time.monotonic()
         attempt = retry.attempts + 1 if retry is not None else 1
         if attempt > self._config.max_attempts:
@@ -341,7 +331,7 @@ class SwitchDriver:
                 "it gets its state there at its next switch"
             )
         backoff = min(self._config.retry_backoff * 2 ** (attempt - 1), self._config.max_backoff)
-        self._retries[key] = _Retry(attempt, now + backoff)
+        self.retries.put(key, Retry(attempt, now + backoff))
         return await self._begin(view, job, epoch, steps, attempt)
 
     async def _prefetch(self, view: GroupView, head: QueuedJob) -> Next:
@@ -362,9 +352,9 @@ class SwitchDriver:
             protect=view.holder.record.job,
         )  # fmt: skip
         if not steps:
-            self._retries.pop(key, None)
+            self.retries.pop(key)
             return Next.IDLE  # already resident, or it does not fit beside the holder
-        retry = self._retries.get(key)
+        retry = self.retries.get(key)
         now = time.monotonic()
         attempt = retry.attempts + 1 if retry is not None else 1
         if attempt > self._config.max_attempts:
@@ -374,7 +364,7 @@ class SwitchDriver:
         if not await self._drives(view):
             return Next.IDLE
         backoff = min(self._config.retry_backoff * 2 ** (attempt - 1), self._config.max_backoff)
-        self._retries[key] = _Retry(attempt, now + backoff)
+        self.retries.put(key, Retry(attempt, now + backoff))
         return await self._begin(view, head.job, head.revision, steps, attempt)
 
     async def _operate(self, view: GroupView, operation: Stored[OperationRecord]) -> Next:
@@ -680,7 +670,7 @@ class SwitchDriver:
                 head.job,
             )
             return Next.LATER
-        self._retries.pop((group, head.job, head.revision), None)
+        self.retries.pop((group, head.job, head.revision))
         self._metrics.switches.labels(outcome="committed").inc()
         self._metrics.switch_seconds.observe(elapsed)
         self._metrics.grants.labels(kind="switch").inc()
@@ -748,15 +738,15 @@ class SwitchDriver:
         if record.operation:
             return Next.AGAIN  # its outcome (failed) is written; operations are not retried
         key = (group, record.to_job, record.to_revision)
-        retry = self._retries.get(key)
+        retry = self.retries.get(key)
         attempt = max(retry.attempts if retry is not None else 0, record.attempt)
         if attempt < self._config.max_attempts:
             # Not a sleep: the next pass finds the retry not yet due and the work queue
             # brings the group back when it is (our own writes kick it earlier in vain).
             backoff = self._config.retry_backoff * 2 ** (attempt - 1)
-            self._retries[key] = _Retry(attempt, time.monotonic() + backoff)
+            self.retries.put(key, Retry(attempt, time.monotonic() + backoff))
             return Next.WAIT
-        self._retries.pop(key, None)
+        self.retries.pop(key)
         view = self._mirror.group(group)
         head = view.queued(record.to_job)
         if head is None or head.revision != record.to_revision:

@@ -61,7 +61,9 @@ class _Agents:
 
 
 @asynccontextmanager
-async def _held(store: GroupStore, agents: _Agents, resident: list[str]) -> AsyncIterator[Mirror]:
+async def _held(
+    store: GroupStore, agents: _Agents, resident: list[str]
+) -> AsyncIterator[tuple[Mirror, SwitchDriver]]:
     """Group g held by a, with ``resident`` on node n0's devices (80 GB, 30 GB a job), b
     queued, and a prefetching driver running on the stub agents."""
     mirror = Mirror(store.etcd, store.keys)
@@ -93,7 +95,7 @@ async def _held(store: GroupStore, agents: _Agents, resident: list[str]) -> Asyn
         router = cast(DirectiveRouter, agents)
         switch_driver = SwitchDriver(store, mirror, router, Metrics(), config, auth.lease)
         switch_driver.start()
-        yield mirror
+        yield mirror, switch_driver
     finally:
         if switch_driver is not None:
             await switch_driver.stop()
@@ -107,7 +109,7 @@ async def test_a_failed_prefetch_restore_leaves_the_waiter_queued(store: GroupSt
         return AckStatus.FAILED if directive.kind == DirectiveKind.RESTORE else AckStatus.OK
 
     agents = _Agents(answer)
-    async with _held(store, agents, ["a"]) as mirror:  # b fits beside a: nothing leaves
+    async with _held(store, agents, ["a"]) as (mirror, _):  # b fits beside a: nothing leaves
         await until(lambda: bool(agents.of(DirectiveKind.RESTORE)))
         # The prefetch's end as written (its failure noted), not merely no switch in view:
         # the mirror may not have shown the switch record yet.
@@ -134,7 +136,7 @@ async def test_a_failing_prefetch_is_retried_at_the_backoffs_pace(
     agents = _Agents(lambda d: AckStatus.FAILED if no(d) else AckStatus.OK)
     # b fits beside a only once c leaves; the agent refuses c's checkpoint (rolled back:
     # c stays) or b's restore (c is gone by then) every time.
-    async with _held(store, agents, ["c", "a"]) as mirror:
+    async with _held(store, agents, ["c", "a"]) as (mirror, _):
         await until(lambda: any(no(d) for d in agents.sent))
         await asyncio.sleep(1.5)
         tries = sum(no(d) for d in agents.sent)  # each prefetch is refused once
@@ -143,3 +145,18 @@ async def test_a_failing_prefetch_is_retried_at_the_backoffs_pace(
         await queued(store, "g", "b")
         left = ["c", "a"] if refused == "checkpoint" else ["a"]
         assert mirror.group("g").residency().nodes == {"n0": left}
+
+
+async def test_the_retries_of_a_waiter_that_left_are_forgotten(store: GroupStore) -> None:
+    """A failed prefetch is remembered (to pace the next one) only while its waiter waits:
+    a replica does not collect the retries of every waiter that ever left."""
+    agents = _Agents(
+        lambda d: AckStatus.FAILED if d.kind == DirectiveKind.RESTORE else AckStatus.OK
+    )
+    async with _held(store, agents, ["a"]) as (mirror, switch_driver):
+        await until(lambda: bool(agents.of(DirectiveKind.RESTORE)))
+        await until(lambda: mirror.group("g").switch is None)
+        assert len(switch_driver.retries) == 1
+        await store.etcd.delete(store.keys.queue_entry("g", "b"))  # b leaves the queue
+        await until(lambda: not mirror.group("g").queue)
+        await until(lambda: len(switch_driver.retries) == 0)
