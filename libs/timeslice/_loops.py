@@ -34,14 +34,14 @@ class _Handoff(Generic[T]):
         self._undo = undo
         self._lock = threading.Lock()
         self._abandoned = False
-        self._finished = False
-        self._handed: list[T] = []  # the result, once handed over (None is a result too)
+        # The result, once handed over to the caller (None is a result too): emptied when
+        # the caller gives up and takes it to undo.
+        self._handed: list[T] = []
 
     async def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Await ``coro`` (on the call's own loop) and hand its result over."""
         result = await coro
         with self._lock:
-            self._finished = True
             if not self._abandoned:
                 self._handed.append(result)
                 return result
@@ -54,7 +54,7 @@ class _Handoff(Generic[T]):
         already finished with a result; None when the call will undo its own, or has none."""
         with self._lock:
             self._abandoned = True
-            if not self._finished or self._undo is None or not self._handed:
+            if self._undo is None or not self._handed:
                 return None
             result = self._handed.pop()
         return _as_coroutine(self._undo(result))
