@@ -19,7 +19,7 @@ import pytest
 from tests.conftest import ClusterFactory
 from tests.faults.harness import journals, wait_for_status
 from tests.integration.etcdview import etcd_client
-from timeslice import AsyncTimeSliceClient, register
+from timeslice import AsyncTimeSliceClient, Grant, register
 from timeslice_orchestrator.store.keys import Keyspace
 from timeslice_tools.dev.cluster import LocalCluster
 from timeslice_tools.history import check_fencing, check_two_phase
@@ -57,18 +57,7 @@ async def test_a_holder_granted_without_a_fenced_node_is_restored_there_when_it_
             AsyncTimeSliceClient(cluster.targets, job_id="b") as b,
             AsyncTimeSliceClient(cluster.targets, job_id="observer") as observer,
         ):
-            # a, b, a: b's state is checkpointed (parked) on both nodes, a's is on them.
-            for client in (a, b, a):
-                first = await client.acquire("g", timeout=30)
-                await client.yield_("g")
-            await wait_for_status(
-                observer,
-                "g",
-                lambda s: (
-                    {n.node: n.resident_job_id for n in s.nodes} == {"node-0": "a", "node-1": "a"}
-                ),
-                10,
-            )
+            first = await _a_on_both_nodes(a, b, observer)
 
             os.kill(paused_pid, signal.SIGSTOP)
             grant = await b.acquire("g", timeout=30)  # goes on without node-1
@@ -120,17 +109,7 @@ async def test_a_holder_granted_while_a_node_was_away_is_restored_there_when_it_
             AsyncTimeSliceClient(cluster.targets, job_id="b") as b,
             AsyncTimeSliceClient(cluster.targets, job_id="observer") as observer,
         ):
-            for client in (a, b, a):
-                await client.acquire("g", timeout=30)
-                await client.yield_("g")
-            await wait_for_status(
-                observer,
-                "g",
-                lambda s: (
-                    {n.node: n.resident_job_id for n in s.nodes} == {"node-0": "a", "node-1": "a"}
-                ),
-                10,
-            )
+            await _a_on_both_nodes(a, b, observer)
             cluster.kill_agent("node-1")
             await _agent_record_gone(cluster, "node-1")  # expired (agent TTL 2 s): it left
             grant = await b.acquire("g", timeout=30)  # planned without node-1
@@ -154,6 +133,23 @@ async def test_a_holder_granted_while_a_node_was_away_is_restored_there_when_it_
             w.close()
     check_fencing(journals(cluster))
     check_two_phase(journals(cluster))
+
+
+async def _a_on_both_nodes(
+    a: AsyncTimeSliceClient, b: AsyncTimeSliceClient, observer: AsyncTimeSliceClient
+) -> Grant:
+    """a, b, a: b's state is checkpointed (parked) on both nodes, a's is on them. Returns
+    a's last grant."""
+    for client in (a, b, a):
+        last = await client.acquire("g", timeout=30)
+        await client.yield_("g")
+    await wait_for_status(
+        observer,
+        "g",
+        lambda s: {n.node: n.resident_job_id for n in s.nodes} == {"node-0": "a", "node-1": "a"},
+        10,
+    )
+    return last
 
 
 async def _agent_record_gone(cluster: LocalCluster, node: str) -> None:
