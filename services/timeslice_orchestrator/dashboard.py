@@ -42,6 +42,7 @@ from timeslice_orchestrator.holds import HoldTracker
 from timeslice_orchestrator.store.cache import GroupView, RelayPost
 from timeslice_orchestrator.store.records import (
     AgentRecord,
+    CorruptRecord,
     GroupStats,
     HolderRecord,
     Stored,
@@ -278,6 +279,7 @@ class Dashboard:
         self._wall = wall
         self._streams: set[_Stream] = set()
         self._seen: dict[str, _Seen] = {}
+        self._unreadable_seen: set[tuple[str, str]] = set()
         self.recent: deque[SwitchEnd] = deque(maxlen=self.config.recent_switches)
         samples = max(1, int(self.config.history_seconds / self.config.sample_seconds))
         self.history: deque[tuple[float, dict[str, float]]] = deque(maxlen=samples)
@@ -308,7 +310,10 @@ class Dashboard:
         """Remember the groups as they are (no switch ends for what happened before), then
         follow every change."""
         for group in self._mirror.group_names():
-            self._seen[group] = self._seen_now(group)[0]
+            try:
+                self._seen[group] = self._seen_now(group)[0]
+            except CorruptRecord as exc:
+                self._unreadable(group, exc)
         self._mirror.add_listener(self.on_change)
         self._started = True
         self.sample()
@@ -384,7 +389,11 @@ class Dashboard:
         if not self._mirror.has_group(group):
             self._seen.pop(group, None)
             return False
-        now, stats = self._seen_now(group)
+        try:
+            now, stats = self._seen_now(group)
+        except CorruptRecord as exc:
+            self._unreadable(group, exc)
+            return False
         before = self._seen.get(group)
         self._seen[group] = now
         if before is None:
@@ -492,11 +501,31 @@ class Dashboard:
             "revision": self._mirror.revision,
             "now": self._wall(),
             "window": self._tracker.window,
-            "groups": [self.group_json(self._mirror.group(g), agents, acked) for g in chosen],
+            "groups": self._groups_json(chosen, agents, acked),
             "omitted": omitted,
             "recent": [s.to_json() for s in self.recent],
             "history": self._history_json(),
         }
+
+    def _groups_json(
+        self, names: Iterable[str], agents: dict[str, AgentRecord], acked: set[str]
+    ) -> list[dict[str, Any]]:
+        """The groups as the page shows them; one with a record that does not decode is left
+        out (and logged), not the whole page."""
+        out = []
+        for name in names:
+            try:
+                out.append(self.group_json(self._mirror.group(name), agents, acked))
+            except CorruptRecord as exc:
+                self._unreadable(name, exc)
+        return out
+
+    def _unreadable(self, group: str, exc: CorruptRecord) -> None:
+        # Once per group and cause: the page and every change of the group come back here.
+        cause = (group, str(exc))
+        if cause not in self._unreadable_seen and len(self._unreadable_seen) < 256:
+            self._unreadable_seen.add(cause)
+            log.error("dashboard: group %s has a record that does not decode: %s", group, exc)
 
     def _history_json(self) -> list[dict[str, Any]]:
         # Plus a point for now, so a page opened between two samples draws up to now.
@@ -518,13 +547,9 @@ class Dashboard:
             names, stream.dirty = sorted(stream.dirty), set()
             agents = self._mirror.agents()
             acked = self._acked()
-            changed = []
-            removed = []
-            for name in names:
-                if self._mirror.has_group(name):
-                    changed.append(self.group_json(self._mirror.group(name), agents, acked))
-                else:
-                    removed.append(name)
+            present = [name for name in names if self._mirror.has_group(name)]
+            changed = self._groups_json(present, agents, acked)
+            removed = [name for name in names if name not in present]
             chunks.append(
                 _event(
                     "groups",

@@ -207,8 +207,14 @@ def test_every_key_parses_back_into_its_parts() -> None:
         assert keys.parse(key) == ref, key
     assert keys.queue("g") == b"/ts/prod/groups/g/queue/"
     assert keys.root == b"/ts/prod/"
-    for foreign in (b"/ts/prodx/groups/g/holder", b"/ts/other/sessions/1", b"/ts/prod/else/x"):
-        assert keys.parse(foreign) is None
+    foreign = (
+        b"/ts/prodx/groups/g/holder",
+        b"/ts/other/sessions/1",
+        b"/ts/prod/else/x",
+        b"/ts/prod/groups/\xff\xfe/holder",  # not UTF-8: nobody of ours wrote it
+    )
+    for key in foreign:
+        assert keys.parse(key) is None
     assert {r.topic for r in cases.values()} == {"sessions", "agents", "relay", "group:g"}
     with pytest.raises(ValueError):
         Keyspace("ts/prod")

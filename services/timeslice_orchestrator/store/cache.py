@@ -185,6 +185,8 @@ class Mirror:
         self.synced = asyncio.Event()
         self._conditions: dict[str, asyncio.Condition] = {}
         self._listeners: list[Callable[[set[str]], None]] = []
+        self.listener_errors = 0
+        """Listener calls that raised (each logged); the mirror went on."""
         self._versions: dict[str, int] = {}
         self._revision_waiters: list[tuple[int, int, asyncio.Future[None]]] = []
         # Since when (time.monotonic()) the mirror has been behind a write it was told of and
@@ -693,4 +695,10 @@ class Mirror:
                 async with cond:
                     cond.notify_all()
         for listener in self._listeners:
-            listener(topics)
+            try:
+                listener(topics)
+            except Exception:
+                # An observer's bug (a record it cannot decode) must not stop the mirror that
+                # every call of this replica reads, nor keep the change from the others.
+                self.listener_errors += 1
+                log.exception("mirror listener %r failed on %s", listener, sorted(topics))

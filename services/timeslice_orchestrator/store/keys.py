@@ -121,7 +121,10 @@ class Keyspace:
         root = self._root
         if not key.startswith(root):
             return None
-        parts = key[len(root) :].decode().split("/")
+        try:
+            parts = key[len(root) :].decode().split("/")
+        except UnicodeDecodeError:
+            return None  # every key of ours is UTF-8: someone else wrote this one
         match parts:
             case ["sessions", session_id]:
                 return KeyRef(Kind.SESSION, name=session_id)
