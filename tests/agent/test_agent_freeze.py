@@ -150,3 +150,26 @@ async def test_failed_freeze_resumes_what_it_stopped(
     finally:
         other.kill()
         other.wait()
+
+
+async def test_a_restore_with_a_vanished_rank_resumes_none_of_the_others(
+    sleeper: subprocess.Popen[bytes],
+) -> None:
+    """All or nothing: the job stays parked, as the agent and the orchestrator record it,
+    instead of its live ranks running on devices the next job is given."""
+    backend = FreezeBackend()
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        await backend.checkpoint(_ctx(_worker(sleeper.pid), _worker(other.pid)))
+        assert await _wait_state(other.pid, "T") == "T"
+        os.kill(sleeper.pid, 18)
+        sleeper.kill()
+        sleeper.wait()
+        with pytest.raises(BackendError, match="vanished while frozen; the others stay frozen"):
+            await backend.restore(_ctx(saved_pids=(sleeper.pid, other.pid)))
+        await asyncio.sleep(0.2)
+        assert process_state(other.pid) == "T"
+    finally:
+        os.kill(other.pid, 18)
+        other.kill()
+        other.wait()

@@ -183,6 +183,15 @@ class FreezeBackend(Backend):
         log.info("froze job %s: pids %s in %.3f s", job.job_id, list(pids), elapsed)
         return Transfer(bytes_moved=0, elapsed_seconds=elapsed)
 
+    @staticmethod
+    def _stop_again(handles: _Handles, resumed: list[int]) -> None:
+        """Undo a restore that failed halfway: the ranks it resumed are stopped again."""
+        for pid in resumed:
+            try:
+                handles.signal(pid, signal.SIGSTOP)
+            except OSError:
+                log.exception("could not stop pid %d again after a failed restore", pid)
+
     async def restore(self, job: JobContext) -> Transfer:
         self.admit_restore(job)
         acquirers = {w.pid for w in job.workers if w.acquirer}
@@ -196,20 +205,31 @@ class FreezeBackend(Backend):
             # is reported below. Every other pid must still be the job's pinned process.
             replaced = await asyncio.to_thread(self._replaced, job, pids)
             vanished = sorted(set(handles.gone) | set(replaced))
-            live = [p for p in pids if p not in vanished]
-            await check_targets(job, live, own_pid=self._own_pid)
-            for pid in live:
+            if vanished:
+                # All or nothing: the job stays parked, every rank stopped, as the agent and
+                # the orchestrator record it. Resuming the others would run them on devices
+                # another job is being given (an NCCL rank spinning for its dead peer).
+                raise BackendError(
+                    f"processes {vanished} of job {job.job_id} vanished while frozen; "
+                    "the others stay frozen"
+                )
+            await check_targets(job, pids, own_pid=self._own_pid)
+            resumed: list[int] = []
+            for pid in pids:
                 try:
                     handles.signal(pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    vanished.append(pid)
-                except PermissionError:
-                    raise BackendError(f"no permission to signal process {pid}") from None
+                except (ProcessLookupError, PermissionError) as exc:
+                    self._stop_again(handles, resumed)
+                    if isinstance(exc, PermissionError):
+                        raise BackendError(f"no permission to signal process {pid}") from None
+                    raise BackendError(
+                        f"process {pid} of job {job.job_id} vanished while frozen; "
+                        "the others stay frozen"
+                    ) from None
+                resumed.append(pid)
         finally:
             handles.close()
         elapsed = time.monotonic() - started
-        if vanished:
-            raise BackendError(f"processes {vanished} of job {job.job_id} vanished while frozen")
         log.info("resumed job %s: pids %s in %.3f s", job.job_id, pids, elapsed)
         return Transfer(bytes_moved=0, elapsed_seconds=elapsed)
 
