@@ -33,6 +33,8 @@ class Supervisor:
         self._on_failure = on_failure
         self._tasks: dict[asyncio.Task[Any], tuple[str, bool]] = {}
         self._fatal: asyncio.Future[BaseException] | None = None
+        # Tasks cancelled through this supervisor: their end is no failure, critical or not.
+        self._cancelled: set[asyncio.Task[Any]] = set()
 
     def spawn(
         self,
@@ -77,9 +79,17 @@ class Supervisor:
 
     def _on_done(self, task: asyncio.Task[Any]) -> None:
         kind, critical = self._tasks.pop(task, ("task", False))
+        on_purpose = task in self._cancelled
+        self._cancelled.discard(task)
+        exc: BaseException | None
         if task.cancelled():
-            return
-        exc = task.exception()
+            if not critical or on_purpose:
+                return
+            # Nobody asked it to stop: a CancelledError raised from below (a gRPC call whose
+            # channel was closed under it). Silent, it would leave the process up without it.
+            exc = RuntimeError(f"task {task.get_name()} was cancelled from below")
+        else:
+            exc = task.exception()
         if exc is not None:
             log.error(
                 "task %s (%s) of %s failed: %r", task.get_name(), kind, self._owner, exc,
@@ -94,17 +104,24 @@ class Supervisor:
 
     async def wait_fatal(self) -> BaseException:
         """Return the failure of the first critical task that ends."""
-        return await self._fatal_future()
+        # Shielded: a waiter that gives up must not cancel the one future every waiter shares.
+        return await asyncio.shield(self._fatal_future())
 
     def running(self, kind: str | None = None) -> list[asyncio.Task[Any]]:
         """Tasks still running, optionally only those of one kind."""
         return [t for t, (k, _) in self._tasks.items() if kind is None or k == kind]
 
+    def cancel(self, task: asyncio.Task[Any]) -> None:
+        """Stop one supervised task on purpose: its end, even a critical one's, is expected."""
+        if task in self._tasks:
+            self._cancelled.add(task)
+        task.cancel()
+
     async def cancel_all(self, timeout: float) -> None:
         """Cancel every task and wait (bounded) for them to finish."""
         tasks = list(self._tasks)
         for task in tasks:
-            task.cancel()
+            self.cancel(task)
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=timeout)
             for task in pending:

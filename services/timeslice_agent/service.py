@@ -438,7 +438,7 @@ class Agent:
         await self.executor.drain(DRAIN_SECONDS)
         self._stopping = True
         if self._link_task is not None:
-            self._link_task.cancel()
+            self.supervisor.cancel(self._link_task)
             await asyncio.wait({self._link_task}, timeout=CLOSE_SECONDS)
         if self._grpc is not None:
             self._grpc.close()

@@ -377,7 +377,7 @@ class Orchestrator:
             self._locks.draining = True
         if self._membership is not None:
             # First, so that no term starts while this one is taken down.
-            self._membership.cancel()
+            self._tasks.cancel(self._membership)
             await asyncio.wait({self._membership}, timeout=CLOSE_SECONDS)
         term, self._term = self._term, None
         if term is not None:

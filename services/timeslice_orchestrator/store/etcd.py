@@ -291,6 +291,12 @@ class _LeaseStream:
                 raise _StreamBroken(f"lease keepalive stream failed: {exc.code().name}") from exc
             except asyncio.InvalidStateError as exc:  # it ended between the check and the write
                 raise _StreamBroken("the lease keepalive stream has ended") from exc
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is None or task.cancelling() == 0:
+                    # Cancelled from below, not by our caller: its channel was closed.
+                    raise _StreamBroken("the lease keepalive stream's channel closed") from None
+                raise
             if reply is grpc.aio.EOF:
                 raise _StreamBroken("etcd closed the lease keepalive stream")
             self.used = True
@@ -597,8 +603,14 @@ class EtcdClient:
             log.warning("etcd TLS files changed but do not load yet: %s", exc)
             return False
         self._tls_stamp = stamp
-        self._retiring.extend((now + OLD_CHANNEL_GRACE, m.channel) for m in self._members)
+        retired = self._members
+        self._retiring.extend((now + OLD_CHANNEL_GRACE, m.channel) for m in retired)
         self._open_channels(credentials)
+        # Nothing long-lived may stay on a channel that will be closed: closing cancels its
+        # calls from below. Watches move now (as off a failed member); a keepalive stream is
+        # replaced at its next refresh.
+        for member in retired:
+            member.failed.set()
         log.info("etcd TLS certificate reloaded from %s", ", ".join(self._tls.paths()))
         return True
 
@@ -801,6 +813,9 @@ class EtcdClient:
         self._sweep(loop.time())
         while True:
             stream = self._keepalives.get(lease_id)
+            if stream is not None and stream.member not in self._members and not stream.busy:
+                self._drop_stream(lease_id, stream)  # on a retired channel (a TLS reload)
+                stream = None
             if stream is None:
                 stream = self._keepalives[lease_id] = _LeaseStream(self._pick(), lease_id)
             reused = stream.used
@@ -917,9 +932,13 @@ class EtcdClient:
             ) from exc
         except asyncio.CancelledError:
             task = asyncio.current_task()
-            if abandoned.is_set() and (task is None or task.cancelling() == 0):
+            if task is None or task.cancelling() == 0:
+                # Nobody cancelled the watcher: its call was, by the member failing over
+                # (``abandoned``) or by its channel closing (a TLS reload retires channels).
+                # Either way the watch resumes, not ends as if asked to.
+                why = "failed" if abandoned.is_set() else "closed its channel"
                 raise StoreUnavailable(
-                    f"etcd member {member.endpoint} failed: the watch moves to another"
+                    f"etcd member {member.endpoint} {why}: the watch moves on"
                 ) from None
             raise
         finally:
