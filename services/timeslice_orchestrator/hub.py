@@ -89,6 +89,7 @@ class AgentConnection:
     lease: int = 0  # the agent lease: kept alive while this stream lives, then runs out
     heartbeats: bool = False  # the agent sends heartbeats: its silence means it is stalled
     last_heard: float = 0.0  # loop time of the last message from the agent
+    fence_revision: int = 0  # the node's fence as its hello found it (0: never fenced)
 
     def fail_pending(self, reason: str, error: type[AgentUnavailable] = AgentUnavailable) -> None:
         for fut in self.pending.values():
@@ -208,7 +209,8 @@ class AgentHub(AgentHubBase):
             # the next holder's state restored beside what the devices still hold.
             await self._forget_off_device(node, hello.jobs)
             conn.lease = await self._store.agent_lease(node, self._agent_ttl)
-            await self._store.publish_agent(record, conn.lease)
+            conn.fence_revision = floor
+            await self._store.publish_agent(record, conn.lease, fence_revision=floor)
             background.append(
                 asyncio.create_task(
                     self._store.keep_agent_lease(conn.lease, self._agent_ttl).run(),
@@ -415,7 +417,9 @@ class AgentHub(AgentHubBase):
                     fut.set_result(msg.ack)
             elif msg.workers is not None:
                 conn.record.workers = _worker_records(msg.workers.workers)
-                await self._store.publish_agent(conn.record, conn.lease)
+                await self._store.publish_agent(
+                    conn.record, conn.lease, fence_revision=conn.fence_revision
+                )
 
     async def execute(self, node: str, directive: Directive, timeout: float) -> DirectiveAck:
         """Send one directive and wait for its ack (at most ``timeout`` seconds)."""

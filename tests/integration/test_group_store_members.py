@@ -17,6 +17,7 @@ from tests.integration.groupstore import (
     sid,
     snapshot,
 )
+from timeslice.errors import FailedPrecondition
 from timeslice_orchestrator.store.cache import Mirror
 from timeslice_orchestrator.store.etcd import LeaseExpired
 from timeslice_orchestrator.store.groups import GroupStore, Hold
@@ -86,7 +87,7 @@ async def test_forgetting_residency_loses_to_a_concurrent_change(store: GroupSto
 async def test_an_agent_record_keeps_its_lease_while_it_lives(store: GroupStore) -> None:
     first = await store.agent_lease("n0", 30)
     record = AgentRecord("n0", "r1", "sim", True, 1.0, [WorkerRecord("a", "g", 1, 10)])
-    await store.publish_agent(record, first)
+    await store.publish_agent(record, first, fence_revision=0)
     kv = (await snapshot(store))["agents/n0"]
     assert kv.lease == first
     assert AgentRecord.decode(kv.value) == record
@@ -105,7 +106,7 @@ async def test_fencing_a_node_removes_it_and_marks_its_residency_unknown(
     store: GroupStore,
 ) -> None:
     lease = await store.agent_lease("n1", 30)
-    await store.publish_agent(AgentRecord("n1", "r1", "sim", True, 1.0), lease)
+    await store.publish_agent(AgentRecord("n1", "r1", "sim", True, 1.0), lease, fence_revision=0)
     await store.etcd.put(
         store.keys.resident("g"), ResidentRecord({"n0": ["a"], "n1": ["b", "a"]}).encode()
     )
@@ -137,6 +138,22 @@ async def test_fencing_a_node_removes_it_and_marks_its_residency_unknown(
     assert nodes == {"n0": ["a"], "n1": ["b"]}
     # A later fence has a higher revision (the agent adopts the highest it is told).
     assert await store.fence_node("n1", FenceRecord("again", 2.0, "r1")) > revision
+
+
+async def test_a_hello_that_missed_a_fence_does_not_publish_the_node(store: GroupStore) -> None:
+    """Another replica fences the node between the hello's read of its fence and the write of
+    its record: the node must not rejoin its groups unreconciled."""
+    seen = await store.fence_of("n2")
+    assert seen is None  # what the hello read: never fenced
+    lease = await store.agent_lease("n2", 30)
+    revision = await store.fence_node("n2", FenceRecord("silent", 1.0, "r0", ["g"]))
+    record = AgentRecord("n2", "r1", "sim", True, 1.0)
+    with pytest.raises(FailedPrecondition, match="fenced after its hello"):
+        await store.publish_agent(record, lease, fence_revision=0)
+    assert "agents/n2" not in await snapshot(store)
+    # The next hello reads the fence, reconciles, and publishes.
+    await store.publish_agent(record, await store.agent_lease("n2", 30), fence_revision=revision)
+    assert "agents/n2" in await snapshot(store)
 
 
 # -- relayed directives -----------------------------------------------------------------------
@@ -246,7 +263,9 @@ async def test_the_mirror_is_read_through_typed_accessors(
     assert epoch is not None
     await enqueue(store, b)
     await store.etcd.put(f"{store.keys.prefix}/else/x".encode(), b"foreign")
-    await store.publish_agent(AgentRecord("n0", "r1", "sim", True, 1.0), auth.lease)
+    await store.publish_agent(
+        AgentRecord("n0", "r1", "sim", True, 1.0), auth.lease, fence_revision=0
+    )
     await relay.post("n0", "d1", RelayRecord(driver="r1", directive="x"), auth.lease)
     async with _mirror(store) as mirror:
         hold = mirror.holder("g")
@@ -278,10 +297,10 @@ async def test_the_mirror_is_read_through_typed_accessors(
 async def test_a_node_is_known_for_good_once_its_agent_published(store: GroupStore) -> None:
     assert await store.known_nodes(["n0", "n1"]) == set()
     lease = await store.agent_lease("n0", 30)
-    await store.publish_agent(AgentRecord("n0", "r1", "sim", True, 1.0), lease)
+    await store.publish_agent(AgentRecord("n0", "r1", "sim", True, 1.0), lease, fence_revision=0)
     marker = (await snapshot(store))["nodes/n0"]
     assert marker.lease == 0, "the marker outlives the agent record"
-    await store.publish_agent(AgentRecord("n0", "r1", "sim", True, 2.0), lease)
+    await store.publish_agent(AgentRecord("n0", "r1", "sim", True, 2.0), lease, fence_revision=0)
     assert (await snapshot(store))["nodes/n0"].mod_revision == marker.mod_revision
     await store.etcd.revoke_lease(lease)
     assert "agents/n0" not in await snapshot(store)

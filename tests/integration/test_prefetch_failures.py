@@ -74,7 +74,7 @@ async def _held(
         auth = await driver(store)
         workers = [WorkerRecord(job, "g", 1, 30 * GB) for job in "abc"]
         agent = AgentRecord("n0", "r1", "sim", True, 1.0, workers, capacity_bytes=80 * GB)
-        await store.publish_agent(agent, auth.lease)
+        await store.publish_agent(agent, auth.lease, fence_revision=0)
         await enqueue(store, await open_session(store, "a"))
         a = await queued(store, "g", "a")
         epoch = await store.grant(

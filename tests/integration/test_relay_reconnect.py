@@ -46,7 +46,7 @@ async def test_a_relayed_directive_fails_fast_when_its_agent_reconnects(
         router = DirectiveRouter(hub, mirror, RelayStore(store.etcd, store.keys), "r-here", lease)
         agent_lease = await store.etcd.grant_lease(30)
         first = AgentRecord("node-1", "r-other", "sim", True, connected_at=time.time())
-        await store.publish_agent(first, agent_lease)
+        await store.publish_agent(first, agent_lease, fence_revision=0)
         await until(lambda: "node-1" in mirror.agents())
 
         directive = Directive(
@@ -58,7 +58,7 @@ async def test_a_relayed_directive_fails_fast_when_its_agent_reconnects(
 
         # The agent drops its stream and says hello again: a new record, new connection time.
         again = dataclasses.replace(first, replica=replica_after, connected_at=time.time() + 1)
-        await store.publish_agent(again, agent_lease)
+        await store.publish_agent(again, agent_lease, fence_revision=0)
 
         with pytest.raises(AgentUnavailable):
             await asyncio.wait_for(sending, TIMEOUT / 2)
@@ -88,7 +88,7 @@ async def test_a_directive_posted_already_is_joined_and_reposted_if_withdrawn(
         router = DirectiveRouter(hub, mirror, relay, "r-here", lease)
         agent_lease = await store.etcd.grant_lease(30)
         agent = AgentRecord("node-1", "r-other", "sim", True, connected_at=time.time())
-        await store.publish_agent(agent, agent_lease)
+        await store.publish_agent(agent, agent_lease, fence_revision=0)
         await until(lambda: "node-1" in mirror.agents())
         directive = Directive(
             directive_id="d2", kind=DirectiveKind.CHECKPOINT, group_id="g", job_id="a", epoch=9

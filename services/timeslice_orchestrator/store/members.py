@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection
 
+from timeslice.errors import FailedPrecondition
 from timeslice_orchestrator.store.base import StoreBase
 from timeslice_orchestrator.store.etcd import (
     Delete,
@@ -240,12 +241,31 @@ class MemberStore(StoreBase):
         """A keeper that refreshes the agent lease while the agent's stream is held here."""
         return LeaseKeeper(self.etcd, lease, ttl)
 
-    async def publish_agent(self, record: AgentRecord, lease: int) -> None:
-        """Write the agent's record (its workers) on the agent lease.
+    async def publish_agent(self, record: AgentRecord, lease: int, *, fence_revision: int) -> None:
+        """Write the agent's record (its workers) on the agent lease, unless the node was
+        fenced since its hello read ``fence_revision`` (its fence key's revision; 0: never).
 
-        The first time a node is seen, it is also remembered for good (``nodes/<node>``, on no
-        lease): a node that is away can still be pinned, one that never existed cannot.
+        A fence that lands between the hello's read and this write (another replica fenced
+        the node meanwhile) would otherwise be missed: the node would rejoin its groups
+        unreconciled, its agent told an older fence than the directives it must refuse.
+        FailedPrecondition then: the stream ends and the agent's next hello sees the fence.
+
+        The node is also remembered for good (``nodes/<node>``, on no lease): a node that is
+        away can still be pinned, one that never existed cannot.
         """
-        agent, known = self.keys.agent(record.node), self.keys.known_node(record.node)
-        put = Put(agent, record.encode(), lease=lease)
-        await self.etcd.txn(Txn([absent(known)], [put, Put(known, b"{}")], [put]))
+        node = record.node
+        known = self.keys.known_node(node)
+        result = await self.etcd.txn(
+            Txn(
+                [modified_at(self.keys.fence(node), fence_revision)],
+                [
+                    Put(self.keys.agent(node), record.encode(), lease=lease),
+                    Txn([absent(known)], [Put(known, b"{}")]),
+                ],
+                [],
+            )
+        )
+        if not result.succeeded:
+            raise FailedPrecondition(
+                f"node {node} was fenced after its hello read fence revision {fence_revision}"
+            )
