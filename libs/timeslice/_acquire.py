@@ -91,6 +91,21 @@ class AcquireCall:
         # Sent with every attempt of this acquire so the server can recognise a retry.
         self.request_id = uuid.uuid4().hex
 
+    @property
+    def group(self) -> str:
+        return self._group
+
+    def request(self, session: Session) -> AcquireRequest:
+        """This call's request under ``session``: every attempt sends the same one."""
+        return AcquireRequest(
+            session_id=session.session_id,
+            session_secret=session.secret,
+            job_id=self._job_id,
+            group_id=self._group,
+            priority=self._priority,
+            request_id=self.request_id,
+        )
+
     async def until_granted(self) -> None:
         """Return once GRANTED arrived and the stream ended; raise the typed error otherwise."""
         stream = retrying_stream(
@@ -128,14 +143,7 @@ class AcquireCall:
         self, target: Target, stub: TimeSliceStub
     ) -> AsyncGenerator[AcquireEvent, None]:
         assert self.session is not None
-        request = AcquireRequest(
-            session_id=self.session.session_id,
-            session_secret=self.session.secret,
-            job_id=self._job_id,
-            group_id=self._group,
-            priority=self._priority,
-            request_id=self.request_id,
-        )
+        request = self.request(self.session)
         granted = False
         self.sent = True
         try:

@@ -63,6 +63,7 @@ from timeslice.targets import Target, targets_from_env
 from timeslice.tasks import Supervisor, run_to_completion
 from timeslice.tls import client_tls
 from timeslice_proto.timeslice.v1 import (
+    AcquireEvent,
     GetGroupStatusRequest,
     GroupEvent,
     GroupStatus,
@@ -85,6 +86,9 @@ _CLOSE_BUDGET = 3.0
 # Pauses between two look-ups for an unseen grant while no replica answers.
 _SWEEP_RETRY_INITIAL = 0.1
 _SWEEP_RETRY_MAX = 1.0
+# A look that finds nothing is made once more after this: the replica that answered may not
+# show yet a grant made (through another replica, or its own hand-over) a moment ago.
+_SWEEP_SECOND_LOOK = 0.5
 
 
 def rebuild_client(cls: Callable[..., T], settings: dict[str, Any]) -> T:
@@ -633,7 +637,7 @@ class AsyncTimeSliceClient:
                 if call.granted is not None:
                     await self._give_back_raced(group, session, call.granted.epoch)
                 elif call.sent and not session.done:
-                    self._sweep_later(session, group)
+                    self._sweep_later(session, call)
             raise
         finally:
             self._acquiring.discard(group)
@@ -659,9 +663,10 @@ class AsyncTimeSliceClient:
                 exc,
             )
 
-    def _sweep_later(self, session: Session, group: str) -> None:
+    def _sweep_later(self, session: Session, aborted: AcquireCall) -> None:
+        group = aborted.group
         task = self._tasks.spawn(
-            self._give_back_unseen(session, group), f"timeslice-sweep-{group}", kind="sweep"
+            self._sweep(session, aborted), f"timeslice-sweep-{group}", kind="sweep"
         )
         self._sweeps[group] = task
 
@@ -671,44 +676,78 @@ class AsyncTimeSliceClient:
 
         task.add_done_callback(finished)
 
-    async def _give_back_unseen(self, session: Session, group: str) -> None:
-        """Give back a grant made for an aborted acquire that never reached this client.
+    async def _sweep(self, session: Session, aborted: AcquireCall) -> None:
+        """Take back what an aborted acquire left on the server: a grant it never saw, or its
+        queue entry.
 
-        The abort resets the Acquire stream. When the server had already sent GRANTED and
-        ended the stream, the reset comes too late for it to take the grant back, and the
-        GRANTED, still on the wire, is dropped with the stream. The hold then sits on our
-        live session with no record here: the group is blocked for everyone, and our next
-        acquire of it is refused ("already holds"). So after an abort the client looks the
-        group up, and yields a hold of this job that it has no grant for. The Yield names
-        our session and the epoch read, so it cannot release anyone else's hold, nor one of
-        ours that a later grant replaced. Retried while no replica answers, until the session
-        ends (which releases the hold anyway).
+        The abort resets the Acquire stream, and the orchestrator withdraws the entry, or
+        takes back a grant it could not deliver. Two cases escape it:
+
+        - The server had already sent GRANTED and ended the stream: the reset comes too late,
+          and the GRANTED, still on the wire, is dropped with the stream.
+        - The entry outlived the call: the abort came while no stream was open (between
+          two replicas), or the replica was going away (draining, or sent its waiters on).
+          That entry is granted later.
+
+        Either way a hold would sit on our live session with no record here: the group
+        blocked for everyone, our next acquire of it refused ("already holds"). So the client
+        looks the group up. A hold of this job is yielded (the Yield names our session and
+        the epoch read: it cannot release anyone else's hold). An entry of this job is taken
+        back by sending the same request again, which re-attaches to it, and resetting it at
+        the first answer. The replica answering may not show a grant made a moment ago yet,
+        so an empty look is made once more, shortly after. Retried while no replica answers,
+        until the session ends (which takes everything anyway).
         """
+        group = aborted.group
         backoff = Backoff(_SWEEP_RETRY_INITIAL, _SWEEP_RETRY_MAX)
-        while not session.done and not self._closed:
+        looks = 0
+        while not session.done and not self._closed and group not in self._grants:
             try:
                 status = await self._group_status(group)
-                if status.holder_job_id != self._job_id or group in self._grants:
-                    return
-                epoch = status.holder_epoch
-                await self._send_yield(session, group, epoch)
-            except (NotHolder, PermissionDenied, NotFound):
-                return  # not ours (another session of the job), or already gone
+                looks += 1
+                epoch = 0
+                if status.holder_job_id == self._job_id:
+                    epoch = status.holder_epoch
+                elif any(q.job_id == self._job_id for q in status.queue):
+                    epoch = await self._leave_queue(session, aborted)
+                elif looks < 2:
+                    await asyncio.sleep(_SWEEP_SECOND_LOOK)
+                    continue
+                if epoch:
+                    await self._send_yield(session, group, epoch)
+                    log.warning(
+                        "gave back group %s (epoch %d): it was granted to an acquire of job "
+                        "%s that was aborted",
+                        group,
+                        epoch,
+                        self._job_id,
+                    )
+                return
+            except (NotHolder, PermissionDenied, NotFound, Cancelled):
+                return  # not ours (another session of the job), gone, or the client closed
             except SessionExpired as exc:
-                session.lose(f"Yield: {exc}")
+                session.lose(f"sweep: {exc}")
                 return
             except (Unavailable, Timeout) as exc:
-                log.warning("looking for an unseen grant of %s, retrying: %s", group, exc)
+                log.warning(
+                    "taking back what an aborted acquire of %s left, retrying: %s", group, exc
+                )
                 await asyncio.sleep(backoff.next_delay())
-                continue
-            log.warning(
-                "gave back group %s (epoch %d): it was granted to an acquire of job %s that "
-                "was aborted before the grant arrived",
-                group,
-                epoch,
-                self._job_id,
-            )
-            return
+
+    async def _leave_queue(self, session: Session, aborted: AcquireCall) -> int:
+        """Re-send the aborted request (it re-attaches to its entry) and reset it at the first
+        answer, which makes the orchestrator withdraw the entry. Returns the epoch when that
+        answer was a grant (given back by the caller), else 0."""
+        request = aborted.request(session)
+
+        async def call(stub: TimeSliceStub, timeout: float) -> int:
+            events = cast(AsyncGenerator[AcquireEvent, None], stub.acquire(request))
+            async with contextlib.aclosing(events), asyncio.timeout(timeout):
+                event = await anext(events)
+            granted = AcquireStage.from_wire(event.state) is AcquireStage.GRANTED
+            return int(event.epoch) if granted else 0
+
+        return await self._unary(f"Acquire({aborted.group}) to leave its queue", call)
 
     # --------------------------------------------------------------------- yield
 

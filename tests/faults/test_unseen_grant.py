@@ -15,69 +15,20 @@ holds the bytes coming from the server while the grant is made and the stream en
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
+import os
+import signal
 
 import pytest
 
 from tests.conftest import ClusterFactory
 from tests.faults.harness import wait_for_status
+from tests.faults.proxy import HoldingProxy
 from timeslice import AsyncTimeSliceClient
+from timeslice.errors import Timeout
 
 pytestmark = pytest.mark.slow
 
 GROUP = "g"
-
-
-class HoldingProxy:
-    """TCP pass-through to ``upstream``; while held, bytes from the server wait in the proxy."""
-
-    def __init__(self, upstream: str) -> None:
-        host, port = upstream.rsplit(":", 1)
-        self._host, self._port = host, int(port)
-        self._open = asyncio.Event()
-        self._open.set()
-        self._pipes: set[asyncio.Task[None]] = set()
-        self.target = ""
-
-    def hold(self) -> None:
-        self._open.clear()
-
-    def release(self) -> None:
-        self._open.set()
-
-    @contextlib.asynccontextmanager
-    async def running(self) -> AsyncIterator[HoldingProxy]:
-        server = await asyncio.start_server(self._serve, self._host, 0)
-        self.target = f"{self._host}:{server.sockets[0].getsockname()[1]}"
-        try:
-            yield self
-        finally:
-            server.close()
-            for pipe in self._pipes:
-                pipe.cancel()
-            await asyncio.gather(*self._pipes, return_exceptions=True)
-
-    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
-        server_r, server_w = await asyncio.open_connection(self._host, self._port)
-        for pipe in (self._pipe(client_r, server_w, held=False), self._pipe(server_r, client_w)):
-            task = asyncio.create_task(pipe)
-            self._pipes.add(task)
-            task.add_done_callback(self._pipes.discard)
-
-    async def _pipe(
-        self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, *, held: bool = True
-    ) -> None:
-        try:
-            while data := await src.read(65536):
-                if held:
-                    await self._open.wait()
-                dst.write(data)
-                await dst.drain()
-        except (ConnectionError, OSError):
-            pass
-        finally:
-            dst.close()
 
 
 async def test_a_grant_on_the_wire_when_its_acquire_is_aborted_is_given_back(
@@ -116,3 +67,38 @@ async def test_a_grant_on_the_wire_when_its_acquire_is_aborted_is_given_back(
         after = await a.acquire(GROUP, timeout=10)
         await a.yield_(GROUP)
         assert after.epoch > again.epoch
+
+
+async def test_a_queue_entry_left_by_an_aborted_acquire_is_taken_back(
+    cluster_factory: ClusterFactory,
+) -> None:
+    """The acquire is aborted while no stream is open (its replica died, the other one is
+    paused): nobody withdraws its entry, which would be granted later to a job that has
+    no record of it. The client takes it back once a replica answers."""
+    cluster = cluster_factory(replicas=2, agents=0, replica_ttl=2)
+    r0, r1 = cluster.targets
+    paused = cluster.services["r1"].pid
+    assert paused is not None
+    async with (
+        AsyncTimeSliceClient([r1], job_id="a") as a,
+        AsyncTimeSliceClient([r0, r1], job_id="b") as b,  # its stream goes to r0
+        AsyncTimeSliceClient([r1], job_id="observer") as observer,
+    ):
+        first = await a.acquire(GROUP, timeout=30)
+        waiter = asyncio.create_task(b.acquire(GROUP, timeout=3))
+        await wait_for_status(observer, GROUP, lambda s: [q.job_id for q in s.queue] == ["b"], 10)
+        os.kill(paused, signal.SIGSTOP)
+        try:
+            cluster.kill_replica(0)
+            with pytest.raises(Timeout):
+                await asyncio.wait_for(waiter, 10)
+        finally:
+            os.kill(paused, signal.SIGCONT)
+
+        await wait_for_status(observer, GROUP, lambda s: not s.queue, 15)
+        await a.yield_(GROUP)
+        status = await observer.status(GROUP)
+        assert not status.holder_job_id, status  # not granted to b, which gave up
+        again = await b.acquire(GROUP, timeout=10)  # not refused: "already holds"
+        assert again.epoch > first.epoch
+        await b.yield_(GROUP)
