@@ -51,7 +51,7 @@ from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.operations import NodeOperationsService
 from timeslice_orchestrator.relay import DirectiveRouter
 from timeslice_orchestrator.store.cache import Mirror
-from timeslice_orchestrator.store.etcd import EtcdClient, LeaseKeeper, StoreUnavailable, Txn
+from timeslice_orchestrator.store.etcd import EtcdClient, LeaseKeeper, StoreUnavailable
 from timeslice_orchestrator.store.groups import GroupStore
 from timeslice_orchestrator.store.idle import IdleStore
 from timeslice_orchestrator.store.keys import Keyspace
@@ -349,9 +349,12 @@ class Orchestrator:
                 if not revoked:
                     await self.etcd.revoke_lease(lost)  # an expired lease counts as revoked
                     revoked = True
-                # A transaction without operations writes nothing; its header carries the
-                # store's current revision.
-                now = (await self.etcd.txn(Txn([]))).revision
+                # A write under our prefix: the mirror's watch brings it back, so reaching its
+                # revision means the mirror has all that came before. (The store's revision
+                # alone can move by writes under other prefixes, which no event here shows.)
+                now = await self.etcd.put(
+                    self.keys.rejoin_marker(), self.config.replica_id.encode()
+                )
                 await self.mirror.wait_for_revision(now, REJOIN_CATCH_UP)
                 return await self.etcd.grant_lease(self.config.replica_ttl)
             except StoreUnavailable as exc:

@@ -18,8 +18,9 @@ from tests.integration.groupstore import (
     snapshot,
 )
 from timeslice.errors import FailedPrecondition
+from timeslice_orchestrator.store import cache
 from timeslice_orchestrator.store.cache import Mirror
-from timeslice_orchestrator.store.etcd import LeaseExpired
+from timeslice_orchestrator.store.etcd import LeaseExpired, StoreUnavailable
 from timeslice_orchestrator.store.groups import GroupStore, Hold
 from timeslice_orchestrator.store.keys import KeyRef, Keyspace, Kind
 from timeslice_orchestrator.store.records import (
@@ -317,3 +318,17 @@ async def test_a_note_in_last_error_is_written_once(store: GroupStore) -> None:
     assert GroupStats.decode(written.value).last_error == "waiting"
     assert not await store.note_error("g", "waiting")
     assert (await snapshot(store))["groups/g/stats"].mod_revision == written.mod_revision
+
+
+async def test_a_wait_given_up_does_not_count_as_the_watch_being_stuck(
+    store: GroupStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller that gave up waiting for a revision the watch may never bring (one written
+    under another prefix) no longer holds the mirror "behind": its watch is not restarted,
+    and its member passed over, every few seconds for nothing."""
+    monkeypatch.setattr(cache, "WATCH_STUCK_AFTER", 1.0)
+    async with _mirror(store) as mirror:
+        with pytest.raises(StoreUnavailable):
+            await mirror.wait_for_revision(mirror.revision + 1000, 0.2)
+        await asyncio.sleep(2.0)
+        assert mirror.reconnects == 0

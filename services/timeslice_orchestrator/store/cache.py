@@ -542,15 +542,26 @@ class Mirror:
         heapq.heappush(self._revision_waiters, (revision, self._seq, waiter))
         if self._behind_since is None:
             self._behind_since = time.monotonic()
+        reached = False
         try:
             async with asyncio.timeout(timeout):
                 await waiter
+            reached = True
         except TimeoutError as exc:
             # Typed, so callers answer UNAVAILABLE (clients retry elsewhere), never a bare 500.
             raise StoreUnavailable(
                 f"this replica's view of etcd is more than {timeout:g} s behind "
                 f"(at revision {self.revision}, waiting for {revision})"
             ) from exc
+        finally:
+            if not reached:
+                # Given up on (timed out, or its caller cancelled): it no longer counts as
+                # the mirror being behind.
+                waiter.cancel()
+                self._revision_waiters = [w for w in self._revision_waiters if not w[2].done()]
+                heapq.heapify(self._revision_waiters)
+                if not self._revision_waiters:
+                    self._behind_since = None
 
     def _release_revision_waiters(self) -> None:
         released = False

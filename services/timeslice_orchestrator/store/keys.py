@@ -154,6 +154,11 @@ class Keyspace:
     def fence(self, node: str) -> bytes:
         return self._k("fences", node)
 
+    def rejoin_marker(self) -> bytes:
+        """One key every rejoining replica writes, to see its own write come back through
+        its watch (see ``Orchestrator._rejoin``); outside the layout the mirror reads."""
+        return self._k("rejoin")
+
     def known_node(self, node: str) -> bytes:
         return self._k("nodes", node)
 
