@@ -17,6 +17,7 @@ starts empty; a file written for another node is refused.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from timeslice.tasks import run_to_completion
 from timeslice_agent.jobs import Job, JobState, Residency
 from timeslice_agent.procs import ProcessIdentity
 from timeslice_proto.timeslice.v1 import AckStatus, DirectiveAck
@@ -214,10 +216,15 @@ def decode_state(data: bytes) -> AgentState:
     return AgentState(node=node, epochs=epochs, jobs=jobs, acks=acks, fence_revision=fence_revision)
 
 
+_TMP_SEQ = itertools.count()
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data`` so that a crash never leaves a torn file (blocking)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # A name of its own per write: two writes at once (one whose caller was cancelled, say)
+    # never share a temporary file.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{next(_TMP_SEQ)}.tmp")
     try:
         with open(tmp, "wb") as fh:
             fh.write(data)
@@ -298,7 +305,12 @@ class StateStore:
             # run in a thread (acks are never mutated after creation, jobs are copies).
             snapshot = self._snapshot()
             started = time.monotonic()
-            await asyncio.to_thread(_encode_and_write, self._path, snapshot, self._cache)
+            # Run to its end even if our caller is cancelled: the lock is held until then,
+            # so a later snapshot's write never lands before this older one (which would put
+            # the file back in time).
+            await run_to_completion(
+                asyncio.to_thread(_encode_and_write, self._path, snapshot, self._cache)
+            )
             took = time.monotonic() - started
             if took >= SLOW_WRITE_SECONDS:
                 # Every ack waits for this write (acks are durable before they are sent): a

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
+import time
 from pathlib import Path
 
 import pytest
 
+from timeslice_agent import statefile
 from timeslice_agent.jobs import Job, JobState, Residency
 from timeslice_agent.statefile import (
     AgentState,
@@ -119,3 +122,32 @@ async def test_store_writes_latest_snapshot_and_coalesces(tmp_path: Path) -> Non
     assert calls < 20  # concurrent saves share writes
     loaded = load_state(tmp_path / "s.json", "node-a")
     assert loaded is not None and loaded.epochs["g1"] == 8
+
+
+async def test_a_cancelled_save_does_not_land_after_a_later_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The write of a save whose caller was cancelled goes on in its thread; a later save
+    must not overtake it, or the older snapshot lands last and puts the file back in time."""
+    state = _state()
+    state.epochs["g1"] = 1
+    real = statefile._encode_and_write
+    slow = [True]
+
+    def write(path: Path, snapshot: AgentState, cache: statefile.AckEncodingCache) -> None:
+        if slow.pop() if slow else False:
+            time.sleep(0.5)
+        real(path, snapshot, cache)
+
+    monkeypatch.setattr(statefile, "_encode_and_write", write)
+    store = StateStore(tmp_path / "s.json", lambda: copy.deepcopy(state))
+    first = asyncio.create_task(store.save())
+    await asyncio.sleep(0.1)  # its write is under way, slowly
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    state.epochs["g1"] = 2
+    await store.save()
+    await asyncio.sleep(0.6)  # past the slow write's end, whenever it ran
+    loaded = load_state(tmp_path / "s.json", "node-a")
+    assert loaded is not None and loaded.epochs["g1"] == 2
