@@ -86,6 +86,12 @@ _LEFT_JOBS = 4096
 # briefly full or slow); never past the directive's deadline. Kept short: the orchestrator
 # is waiting for the ack, and a FAILED one lets it roll the switch back.
 _DURABLE_RETRY_DELAYS = (0.1, 0.4)
+# At most this long for the process scan a checkpoint runs first (the periodic one goes on).
+_RESCAN_SECONDS = 2.0
+
+
+def _earlier(when: float, deadline: float | None) -> float:
+    return when if deadline is None else min(when, deadline)
 
 
 @dataclass(frozen=True)
@@ -786,9 +792,19 @@ class DirectiveExecutor:
         needed = max(self._backend.checkpoint_bytes(ctx), measured)
         return self._host_memory.refusal(needed, parked)
 
-    async def _foreign(self, ctx: JobContext) -> _Outcome | None:
-        # procfs reads take the target's mmap lock: off the loop, a stuck process cannot stall it.
-        foreign = await asyncio.to_thread(foreign_pids, ctx.job_id, ctx.pids)
+    async def _foreign(self, ctx: JobContext, clock: _Clock) -> _Outcome | None:
+        # procfs reads take the target's mmap lock: off the loop, a stuck process cannot stall
+        # it, and within the deadline (a read blocked on such a process never returns).
+        try:
+            async with asyncio.timeout_at(clock.deadline):
+                foreign = await asyncio.to_thread(foreign_pids, ctx.job_id, ctx.pids)
+        except TimeoutError:
+            self._metrics.refused.labels("foreign_process").inc()
+            return _Outcome(
+                AckStatus.REFUSED,
+                f"could not read the environment of job {ctx.job_id}'s processes "
+                f"{list(ctx.pids)} within the deadline (a process stuck in the kernel?)",
+            )
         if not foreign:
             return None
         self._metrics.refused.labels("foreign_process").inc()
@@ -799,18 +815,26 @@ class DirectiveExecutor:
         log.warning("%s", reason)
         return _Outcome(AckStatus.REFUSED, reason)
 
-    async def _refresh_processes(self) -> None:
+    async def _refresh_processes(self, clock: _Clock) -> None:
         if self._rescan is None:
             return
+        # Best effort, and short: a process stuck in the kernel (a hung GPU) can stall a scan
+        # for good, and the directive must still answer within its deadline.
+        budget = asyncio.get_running_loop().time() + _RESCAN_SECONDS
         try:
-            await self._rescan()
+            async with asyncio.timeout_at(_earlier(budget, clock.deadline)):
+                await self._rescan()
+        except TimeoutError:
+            log.warning(
+                "process discovery did not finish before a directive; acting on what is known"
+            )
         except Exception as exc:
             # The periodic scan keeps trying; this directive acts on what is already known.
             log.warning("process discovery failed before a directive: %r", exc)
 
     async def _checkpoint(self, d: Directive, clock: _Clock) -> _Outcome:
         # A process started since the last periodic scan must move with the rest of its job.
-        await self._refresh_processes()
+        await self._refresh_processes(clock)
         workers = self._registry.workers_of(d.job_id)
         job = self._jobs.get(d.job_id)
         if job is None:
@@ -827,7 +851,7 @@ class DirectiveExecutor:
         if not workers:
             return _OK_NOTHING
         ctx = self._context(job, workers)
-        foreign = await self._foreign(ctx)
+        foreign = await self._foreign(ctx, clock)
         if foreign is not None:
             return foreign
         try:
@@ -907,7 +931,7 @@ class DirectiveExecutor:
             return await self._guarded(job, clock, rerun_hooks, hooks_acted=lambda: False)
 
         ctx = self._context(job, workers)
-        foreign = await self._foreign(ctx)
+        foreign = await self._foreign(ctx, clock)
         if foreign is not None:
             return foreign
         try:

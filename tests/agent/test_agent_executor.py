@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-from collections.abc import Callable
+import threading
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -53,7 +54,12 @@ def sim(bandwidth_gbps: float = 10.0, capacity_gb: float = 80.0) -> SimBackend:
 class Rig:
     """An executor with its registry, metrics and state file; acks land in a queue."""
 
-    def __init__(self, tmp_path: Path, backend: Backend | None = None) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        backend: Backend | None = None,
+        rescan: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self.backend = backend or sim()
         self.metrics = AgentMetrics(node="n1", backend="sim", emulated=True)
         self.supervisor = Supervisor(self.metrics)
@@ -72,6 +78,7 @@ class Rig:
             state_file=self.state_file,
             hook_timeout=0.5,
             send_ack=self.acks.put_nowait,
+            rescan=rescan,
         )
 
     def worker(self, job: str, group: str = "g1", gb: float = 1.0, **kw: bool) -> Registration:
@@ -596,3 +603,40 @@ async def test_a_failed_write_after_a_move_is_retried_before_the_ack(rig: Rig) -
     on_disk = load_state(rig.state_file, "n1")
     assert on_disk is not None and on_disk.jobs["j1"].state is JobState.SAVED
     assert [a.directive_id for a in on_disk.acks] == ["d1"]
+
+
+async def test_a_process_scan_that_never_ends_does_not_hold_a_checkpoint(tmp_path: Path) -> None:
+    """A scan stuck on a process in the kernel (a hung GPU) stalled every checkpoint for good;
+    the scan before a checkpoint is best effort and short, the periodic one goes on."""
+
+    async def stuck() -> None:
+        await asyncio.Event().wait()
+
+    rig = Rig(tmp_path, rescan=stuck)
+    try:
+        rig.worker("j1", gb=1.0)
+        rig.send("d1", CKPT, "j1", 5, deadline_ms=10_000)
+        ack = await rig.ack(timeout=6.0)
+        assert (ack.status, ack.job_state) == (AckStatus.OK, ProtoJobState.SAVED)
+    finally:
+        await rig.close()
+
+
+async def test_a_process_whose_environment_cannot_be_read_is_refused_within_the_deadline(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    unblock = threading.Event()
+
+    def stuck_read(job_id: str, pids: object) -> list[int]:
+        unblock.wait(10)  # a read of /proc/<pid>/environ blocked on the process's mmap lock
+        return []
+
+    monkeypatch.setattr("timeslice_agent.executor.foreign_pids", stuck_read)
+    try:
+        rig.worker("j1", gb=1.0)
+        rig.send("d1", CKPT, "j1", 5, deadline_ms=500)
+        ack = await rig.ack(timeout=3.0)
+        assert ack.status is AckStatus.REFUSED and "within the deadline" in ack.error
+        assert rig.executor.jobs["j1"].state is JobState.IDLE  # nothing acted
+    finally:
+        unblock.set()
