@@ -17,6 +17,7 @@ from tests.integration.groupstore import (
     sid,
     snapshot,
 )
+from tests.integration.polling import until
 from timeslice.errors import FailedPrecondition
 from timeslice_orchestrator.store import cache
 from timeslice_orchestrator.store.cache import Mirror
@@ -332,3 +333,27 @@ async def test_a_wait_given_up_does_not_count_as_the_watch_being_stuck(
             await mirror.wait_for_revision(mirror.revision + 1000, 0.2)
         await asyncio.sleep(2.0)
         assert mirror.reconnects == 0
+
+
+async def test_the_mirror_keeps_nothing_of_groups_that_are_gone(store: GroupStore) -> None:
+    """Throwaway group names (a group per run, removed by the idle clean-up) must not grow a
+    replica's memory for its whole life; and a group seen again wakes its waiters."""
+    async with _mirror(store) as mirror:
+        names = [f"tmp-{i}" for i in range(300)]
+        for name in names:
+            await store.etcd.put(store.keys.stats(name), GroupStats().encode())
+        await until(lambda: all(mirror.has_group(n) for n in names))
+        assert mirror.tracked_topics >= 300
+        seen = mirror.version("group:tmp-0")
+        waiting = asyncio.create_task(mirror.wait_for_change("group:tmp-0", seen))
+        await store.etcd.delete(f"{store.keys.prefix}/groups/tmp-".encode(), prefix=True)
+        await until(lambda: not any(mirror.has_group(n) for n in names))
+        await asyncio.wait_for(waiting, 5)  # its group went: a change
+        assert mirror.tracked_topics < 10
+        # Seen again: a waiter from before it went is woken by its return.
+        gone = mirror.version("group:tmp-0")
+        waiting = asyncio.create_task(mirror.wait_for_change("group:tmp-0", gone))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        await store.etcd.put(store.keys.stats("tmp-0"), GroupStats().encode())
+        await asyncio.wait_for(waiting, 5)

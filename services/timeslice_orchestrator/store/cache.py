@@ -183,7 +183,8 @@ class Mirror:
         self._operations: dict[str, str] = {}
         self.revision = 0
         self.synced = asyncio.Event()
-        self._conditions: dict[str, asyncio.Condition] = {}
+        # Callers of wait_for_change, by topic (none kept for a topic nobody waits for).
+        self._change_waiters: dict[str, set[asyncio.Future[None]]] = {}
         self._listeners: list[Callable[[set[str]], None]] = []
         self.listener_errors = 0
         """Listener calls that raised (each logged); the mirror went on."""
@@ -507,20 +508,33 @@ class Mirror:
 
     # -- waiting ------------------------------------------------------------------------
 
-    def condition(self, topic: str) -> asyncio.Condition:
-        cond = self._conditions.get(topic)
-        if cond is None:
-            cond = self._conditions[topic] = asyncio.Condition()
-        return cond
-
     def version(self, topic: str) -> int:
-        """Counts the changes seen on ``topic``; wait for it to move to avoid lost wake-ups."""
+        """Moves with every change seen on ``topic`` (0: none kept); read it before looking,
+        then :meth:`wait_for_change` from it, so that no change is missed in between.
+
+        Versions come from one counter for all topics, so a topic forgotten (every key of it
+        gone) and seen again never repeats a version a waiter may hold."""
         return self._versions.get(topic, 0)
 
+    @property
+    def tracked_topics(self) -> int:
+        """Topics with a version or a waiter kept (diagnostics: it follows the keys, not
+        every group name ever seen)."""
+        return len(self._versions.keys() | self._change_waiters.keys())
+
     async def wait_for_change(self, topic: str, seen: int) -> None:
-        cond = self.condition(topic)
-        async with cond:
-            await cond.wait_for(lambda: self._versions.get(topic, 0) != seen)
+        """Until :meth:`version` of ``topic`` is no longer ``seen``."""
+        loop = asyncio.get_running_loop()
+        while self._versions.get(topic, 0) == seen:
+            changed = loop.create_future()
+            waiters = self._change_waiters.setdefault(topic, set())
+            waiters.add(changed)
+            try:
+                await changed
+            finally:
+                waiters.discard(changed)
+                if not waiters and self._change_waiters.get(topic) is waiters:
+                    del self._change_waiters[topic]
 
     def add_listener(self, listener: Callable[[set[str]], None]) -> None:
         """Call ``listener(topics)`` after every applied batch of changes."""
@@ -700,11 +714,15 @@ class Mirror:
     async def _notify(self, topics: set[str]) -> None:
         self._release_revision_waiters()
         for topic in (*topics, "*"):
-            self._versions[topic] = self._versions.get(topic, 0) + 1
-            cond = self._conditions.get(topic)
-            if cond is not None:
-                async with cond:
-                    cond.notify_all()
+            self._seq += 1
+            if topic == "*" or topic in self._topics:
+                self._versions[topic] = self._seq
+            else:
+                # Every key of it is gone: a version kept for it would be kept for good.
+                self._versions.pop(topic, None)
+            for changed in self._change_waiters.pop(topic, ()):
+                if not changed.done():
+                    changed.set_result(None)
         for listener in self._listeners:
             try:
                 listener(topics)
