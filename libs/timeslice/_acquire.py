@@ -12,7 +12,7 @@ moment; the stream is read in a task of its own (:class:`~timeslice._streams.Pre
 that such a grant is still seen, and the client gives it back. One that is still on the wire
 when the reset goes out is never seen (the server finished its stream before the reset
 arrived, so it keeps the grant): the client then looks the group up and gives back a hold of
-its own that it has no record of (``AsyncTimeSliceClient._give_back_unseen``).
+its own that it has no record of (```AsyncTimeSliceClient._sweep``).
 """
 
 from __future__ import annotations
@@ -88,6 +88,8 @@ class AcquireCall:
         self.events = 0
         # Whether a request went out: from then on the server may grant it, seen or not.
         self.sent = False
+        # The create revision of our queue entry, once an event named it (0: none did).
+        self.ticket = 0
         # Sent with every attempt of this acquire so the server can recognise a retry.
         self.request_id = uuid.uuid4().hex
 
@@ -146,12 +148,33 @@ class AcquireCall:
         request = self.request(self.session)
         granted = False
         self.sent = True
+        # The session's keepalive failing here and working on another replica: this one may
+        # no longer follow etcd, and would never tell us of our grant (see
+        # Transport.failed_over_from). The wait moves there, re-attaching to its place.
+        moved = asyncio.ensure_future(self._transport.failed_over_from(target))
         try:
             # No gRPC deadline: the wait is bounded by the caller's timeout (or not at all), and
             # aborting is done by cancelling, which resets the stream.
             events = cast(AsyncGenerator[AcquireEvent, None], stub.acquire(request))
             async with contextlib.aclosing(events):
-                async for event in events:
+                while True:
+                    step = asyncio.ensure_future(anext(events))
+                    try:
+                        if not granted:
+                            await asyncio.wait({step, moved}, return_when=asyncio.FIRST_COMPLETED)
+                            if not step.done():
+                                raise Unavailable(
+                                    f"{target} failed a call that another replica then "
+                                    "served: waiting there instead"
+                                )
+                        event = await step
+                    except StopAsyncIteration:
+                        return
+                    finally:
+                        # Never leave the stream being read while it is closed.
+                        if not step.done():
+                            step.cancel()
+                            await asyncio.wait({step})
                     if AcquireStage.from_wire(event.state) is AcquireStage.GRANTED:
                         granted = True
                     # After GRANTED the stream is still read to its end: resetting it before
@@ -167,6 +190,8 @@ class AcquireCall:
                 target,
                 map_error(exc, target) or exc,
             )
+        finally:
+            moved.cancel()
 
     def _on_failure(self, exc: Exception, error: TimeSliceError | None) -> Retry | None:
         if self._closed():
@@ -196,6 +221,8 @@ class AcquireCall:
 
     def _on_event(self, event: AcquireEvent) -> None:
         self.events += 1
+        if event.ticket:
+            self.ticket = int(event.ticket)
         stage = AcquireStage.from_wire(event.state)
         if stage is AcquireStage.GRANTED:
             self.granted = event

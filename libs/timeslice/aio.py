@@ -69,6 +69,7 @@ from timeslice_proto.timeslice.v1 import (
     GroupStatus,
     GroupSummary,
     KeepAliveResponse,
+    QueueEntry,
     TimeSliceStub,
     WatchGroupRequest,
     YieldRequest,
@@ -86,9 +87,10 @@ _CLOSE_BUDGET = 3.0
 # Pauses between two look-ups for an unseen grant while no replica answers.
 _SWEEP_RETRY_INITIAL = 0.1
 _SWEEP_RETRY_MAX = 1.0
-# A look that finds nothing is made once more after this: the replica that answered may not
-# show yet a grant made (through another replica, or its own hand-over) a moment ago.
-_SWEEP_SECOND_LOOK = 0.5
+# Pauses between the looks of a sweep that find nothing to do yet: the replica answering may
+# not show yet a grant made a moment ago, nor the server's own withdrawal of the entry (which
+# is why the entry is taken back only when it is still there after these).
+_SWEEP_PAUSES = (0.05, 0.2)
 
 
 def rebuild_client(cls: Callable[..., T], settings: dict[str, Any]) -> T:
@@ -115,6 +117,12 @@ class _OpenWatch:
         # Channels belong to their loop: close them there.
         with contextlib.suppress(RuntimeError):  # that loop is closed, and the watch with it
             self.loop.call_soon_threadsafe(self.transport.close)
+
+
+def _entry_of(status: GroupStatus | None, job: str) -> QueueEntry | None:
+    if status is None:
+        return None
+    return next((q for q in status.queue if q.job_id == job), None)
 
 
 class AsyncTimeSliceClient:
@@ -686,34 +694,30 @@ class AsyncTimeSliceClient:
         - The server had already sent GRANTED and ended the stream: the reset comes too late,
           and the GRANTED, still on the wire, is dropped with the stream.
         - The entry outlived the call: the abort came while no stream was open (between
-          two replicas), or the replica was going away (draining, or sent its waiters on).
-          That entry is granted later.
+          two replicas, both unreachable for a moment). That entry is granted later.
 
         Either way a hold would sit on our live session with no record here: the group
         blocked for everyone, our next acquire of it refused ("already holds"). So the client
         looks the group up. A hold of this job is yielded (the Yield names our session and
-        the epoch read: it cannot release anyone else's hold). An entry of this job is taken
-        back by sending the same request again, which re-attaches to it, and resetting it at
-        the first answer. The replica answering may not show a grant made a moment ago yet,
-        so an empty look is made once more, shortly after. Retried while no replica answers,
-        until the session ends (which takes everything anyway).
+        the epoch read: it cannot release anyone else's hold). The aborted call's own entry
+        (its ticket), still there after the server had time to withdraw it, is taken back:
+        the same request, sent again, re-attaches to it and is reset at its first answer,
+        which withdraws it; then the group is looked at again, for a grant that raced that
+        reset. The replica answering may lag a grant or a withdrawal by a moment, so looks
+        that find nothing to do are repeated a few times, briefly. Retried while no replica
+        answers, until the session ends (which takes everything anyway).
         """
         group = aborted.group
         backoff = Backoff(_SWEEP_RETRY_INITIAL, _SWEEP_RETRY_MAX)
-        looks = 0
+        pauses = list(_SWEEP_PAUSES)
         while not session.done and not self._closed and group not in self._grants:
             try:
-                status = await self._group_status(group)
-                looks += 1
-                epoch = 0
-                if status.holder_job_id == self._job_id:
+                try:
+                    status: GroupStatus | None = await self._group_status(group)
+                except NotFound:
+                    status = None  # not (yet) known to the replica that answered
+                if status is not None and status.holder_job_id == self._job_id:
                     epoch = status.holder_epoch
-                elif any(q.job_id == self._job_id for q in status.queue):
-                    epoch = await self._leave_queue(session, aborted)
-                elif looks < 2:
-                    await asyncio.sleep(_SWEEP_SECOND_LOOK)
-                    continue
-                if epoch:
                     await self._send_yield(session, group, epoch)
                     log.warning(
                         "gave back group %s (epoch %d): it was granted to an acquire of job "
@@ -722,9 +726,23 @@ class AsyncTimeSliceClient:
                         epoch,
                         self._job_id,
                     )
+                    return
+                entry = _entry_of(status, self._job_id)
+                mine = entry is not None and aborted.ticket in (0, entry.revision)
+                if mine and not pauses:
+                    epoch = await self._leave_queue(session, aborted)
+                    if epoch:
+                        await self._send_yield(session, group, epoch)
+                        return
+                    pauses = [_SWEEP_PAUSES[0]]  # a grant may have raced the reset: look again
+                    continue
+                if not pauses:
+                    return  # nothing of the aborted call's is left
+                await asyncio.sleep(pauses.pop(0))
+            except (NotHolder, PermissionDenied, NotFound, AlreadyExists, Cancelled) as exc:
+                # Not ours (another session of the job), gone, or the client closed.
+                log.debug("sweep of %s ends: %s", group, exc)
                 return
-            except (NotHolder, PermissionDenied, NotFound, Cancelled):
-                return  # not ours (another session of the job), gone, or the client closed
             except SessionExpired as exc:
                 session.lose(f"sweep: {exc}")
                 return
@@ -733,6 +751,13 @@ class AsyncTimeSliceClient:
                     "taking back what an aborted acquire of %s left, retrying: %s", group, exc
                 )
                 await asyncio.sleep(backoff.next_delay())
+            except TimeSliceError as exc:
+                # Not something a retry fixes (a faulted group, a quota): the session's end
+                # takes what is left.
+                log.warning(
+                    "could not take back what an aborted acquire of %s left: %s", group, exc
+                )
+                return
 
     async def _leave_queue(self, session: Session, aborted: AcquireCall) -> int:
         """Re-send the aborted request (it re-attaches to its entry) and reset it at the first
@@ -743,7 +768,9 @@ class AsyncTimeSliceClient:
         async def call(stub: TimeSliceStub, timeout: float) -> int:
             events = cast(AsyncGenerator[AcquireEvent, None], stub.acquire(request))
             async with contextlib.aclosing(events), asyncio.timeout(timeout):
-                event = await anext(events)
+                event = await anext(events, None)
+            if event is None:
+                return 0  # ended without an answer: nothing was written for it
             granted = AcquireStage.from_wire(event.state) is AcquireStage.GRANTED
             return int(event.epoch) if granted else 0
 

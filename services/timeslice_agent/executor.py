@@ -172,6 +172,8 @@ class DirectiveExecutor:
         # the backend's word, and the log said so at start).
         self.memory_check = memory_check if backend.frees_device_memory else None
         self._rescan = rescan
+        # Reads of a job's processes' environment still under way (see _foreign).
+        self._probes: dict[str, asyncio.Future[list[int]]] = {}
         self._jobs: dict[str, Job] = {}
         self._epochs: dict[str, int] = {}
         self._fence_revision = 0  # no directive below it acts, whatever its group
@@ -795,15 +797,24 @@ class DirectiveExecutor:
     async def _foreign(self, ctx: JobContext, clock: _Clock) -> _Outcome | None:
         # procfs reads take the target's mmap lock: off the loop, a stuck process cannot stall
         # it, and within the deadline (a read blocked on such a process never returns).
+        # One read per job at a time: a read stuck on such a process keeps its thread, and a
+        # new thread per directive would use up the pool every to_thread shares.
+        stuck = f"(a process stuck in the kernel?): the move of job {ctx.job_id} is refused"
+        if ctx.job_id in self._probes:
+            self._metrics.refused.labels("foreign_process").inc()
+            return _Outcome(AckStatus.REFUSED, f"an earlier read is still blocked {stuck}")
+        probe = asyncio.ensure_future(asyncio.to_thread(foreign_pids, ctx.job_id, ctx.pids))
+        self._probes[ctx.job_id] = probe
+        probe.add_done_callback(lambda _: self._probes.pop(ctx.job_id, None))
         try:
             async with asyncio.timeout_at(clock.deadline):
-                foreign = await asyncio.to_thread(foreign_pids, ctx.job_id, ctx.pids)
+                foreign = await asyncio.shield(probe)
         except TimeoutError:
             self._metrics.refused.labels("foreign_process").inc()
             return _Outcome(
                 AckStatus.REFUSED,
-                f"could not read the environment of job {ctx.job_id}'s processes "
-                f"{list(ctx.pids)} within the deadline (a process stuck in the kernel?)",
+                f"could not read the environment of pids {list(ctx.pids)} within the "
+                f"deadline {stuck}",
             )
         if not foreign:
             return None

@@ -313,13 +313,9 @@ class Orchestrator:
             assert term is not None
             await term.keeper.lost.wait()
             lost_at = loop.time()
-            assert self._locks is not None
-            shed = self._locks.shed_waiters(f"replica lease {term.lease:x} lost")
             log.error(
-                "replica lease %x lost: no longer driving, %d waiter(s) sent to re-attach "
-                "elsewhere, rejoining when etcd is back",
+                "replica lease %x lost: no longer driving, rejoining when etcd is back",
                 term.lease,
-                shed,
             )
             await self._end_term(term)
             self._term = None

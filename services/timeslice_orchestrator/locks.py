@@ -27,7 +27,6 @@ from timeslice.errors import (
     PermissionDenied,
     SessionExpired,
     Unauthenticated,
-    Unavailable,
 )
 from timeslice.ids import validate_group_id, validate_job_id, validate_node
 from timeslice.tasks import run_to_completion
@@ -87,13 +86,6 @@ class _LocalWaiter:
     # resumes the call after sending it), on the v1alpha1 API as the grant is taken (its
     # answer follows at once), or when the call ended without one.
     ended: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def shed(self) -> bool:
-        """Sent away by this replica (see :meth:`LockService.shed_waiters`): the client
-        re-attaches elsewhere, so its queue entry stays."""
-        granted = self.granted
-        return granted.done() and not granted.cancelled() and granted.exception() is not None
 
 
 class LockService:
@@ -225,9 +217,8 @@ class LockService:
             self._metrics.waiters.inc()
             while True:
                 if waiter.granted.done():
-                    progress = waiter.granted.result()  # Unavailable: shed (see shed_waiters)
                     granted = True
-                    yield progress
+                    yield waiter.granted.result()
                     return
                 seen = self._mirror.version(topic)
                 view = self._mirror.group(group)
@@ -250,24 +241,8 @@ class LockService:
                 if self._waiting.get(key) is waiter:
                     del self._waiting[key]
                 self._metrics.waiters.dec()
-            shed = waiter is not None and waiter.shed
-            if not granted and not self.draining and not shed:
+            if not granted and not self.draining:
                 await run_to_completion(self._store.withdraw(enqueued))
-
-    def shed_waiters(self, reason: str) -> int:
-        """End every Acquire waiting here with UNAVAILABLE, leaving its queue entry: for a
-        replica that lost its lease (etcd is out of its reach). Its mirror may no longer
-        follow etcd, so a grant made elsewhere would never reach these waiters: each client
-        re-attaches, with the same request, to a replica that can tell it. Returns how many.
-        """
-        shed = 0
-        for waiter in self._waiting.values():
-            if not waiter.granted.done():
-                waiter.granted.set_exception(
-                    Unavailable(f"this replica can no longer follow the queue: {reason}")
-                )
-                shed += 1
-        return shed
 
     async def _enqueue(self, request: EnqueueRequest) -> Enqueued:
         """Take the group (free and nobody waiting) or queue for it, cancel-safe.

@@ -627,7 +627,11 @@ async def test_a_process_whose_environment_cannot_be_read_is_refused_within_the_
 ) -> None:
     unblock = threading.Event()
 
+    calls = 0
+
     def stuck_read(job_id: str, pids: object) -> list[int]:
+        nonlocal calls
+        calls += 1
         unblock.wait(10)  # a read of /proc/<pid>/environ blocked on the process's mmap lock
         return []
 
@@ -638,5 +642,11 @@ async def test_a_process_whose_environment_cannot_be_read_is_refused_within_the_
         ack = await rig.ack(timeout=3.0)
         assert ack.status is AckStatus.REFUSED and "within the deadline" in ack.error
         assert rig.executor.jobs["j1"].state is JobState.IDLE  # nothing acted
+        # The read is still blocked: the next directive does not start another (a thread
+        # each would use up the pool every to_thread of the agent shares).
+        rig.send("d2", CKPT, "j1", 6, deadline_ms=500)
+        ack = await rig.ack(timeout=3.0)
+        assert ack.status is AckStatus.REFUSED and "still blocked" in ack.error
+        assert calls == 1
     finally:
         unblock.set()

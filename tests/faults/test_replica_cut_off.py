@@ -1,11 +1,12 @@
-"""A replica cut off from etcd sends its waiters to re-attach elsewhere.
+"""A waiter whose replica is cut off from etcd moves to a replica that can tell it of its grant.
 
-A waiter waits on its replica's copy of etcd. When that replica can no longer reach etcd
-(a network partition) while its clients still reach it, the grant made elsewhere never
-shows in its copy: the client, whose stream stays up (the replica answers its pings),
-heard nothing while its hold, granted by another replica, blocked everyone. Now the replica
-ends its waiters' streams with UNAVAILABLE, leaving their queue entries, once it loses its
-lease; each client re-attaches, with the same request, to a replica that can tell it.
+A waiter waits on its replica's copy of etcd. When that replica can no longer reach etcd (a
+network partition) while its clients still reach it, a grant made elsewhere never shows in
+its copy: the client, whose stream stays up (the replica answers its pings), heard nothing
+while its hold, granted by another replica, blocked everyone. Now the client's session
+keepalive, which fails on that replica and works on another, moves the wait there: the
+Acquire is sent again with the same request, re-attaches to its place, and finds its grant.
+A failure everywhere (etcd itself away) moves nothing, so queue places outlive an outage.
 
 The partition: replica r0 reaches etcd through a TCP proxy that the test holds.
 """
@@ -59,7 +60,7 @@ async def test_a_waiter_on_a_replica_cut_off_from_etcd_gets_its_grant_elsewhere(
                 granted = await wait_for_status(
                     observer, GROUP, lambda s: s.holder_job_id == "b", 20
                 )
-                # r0 loses its lease within its TTL (2 s) and sends b on.
+                # b's next keepalive fails on r0 and works on r1: the wait moves there.
                 grant = await asyncio.wait_for(waiter, 15)
                 assert grant.epoch == granted.holder_epoch > first.epoch
                 await b.yield_(GROUP)
