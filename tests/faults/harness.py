@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,7 @@ from tests.integration.etcdview import snapshot
 from timeslice import AsyncTimeSliceClient
 from timeslice_agent.journal import JournalEntry, read_journal
 from timeslice_proto.timeslice.v1 import GroupStatus
+from timeslice_tools.dev import _procs
 from timeslice_tools.dev.cluster import LocalCluster
 from timeslice_tools.history import (
     Attempt,
@@ -26,6 +28,22 @@ from timeslice_tools.history import (
 )
 
 REPORT = Path(os.environ.get("TIMESLICE_FAULT_REPORT", ".timeslice/fault-recovery.jsonl"))
+
+_TERMS = re.compile(rb"^timeslice_replica_terms_total (\S+)$", re.MULTILINE)
+
+
+async def http_get(address: str, path: str) -> tuple[int, bytes] | None:
+    """A replica's HTTP answer (status, body), or None when it did not answer within 1 s."""
+    return await asyncio.to_thread(_procs.http_status, f"http://{address}{path}", 1.0)
+
+
+async def replica_terms(address: str) -> int:
+    """Terms the replica at ``address`` began: a new one each time it (re)joined."""
+    answer = await http_get(address, "/metrics")
+    assert answer is not None and answer[0] == 200, f"no metrics from {address}"
+    found = _TERMS.search(answer[1])
+    assert found is not None, "timeslice_replica_terms_total missing"
+    return int(float(found.group(1)))
 
 
 def report_recovery(scenario: str, seconds: float, **extra: object) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-import re
 import signal
 import time
 from collections import Counter
@@ -19,10 +18,9 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from tests.conftest import ClusterFactory
-from tests.faults.harness import journals, report_recovery
+from tests.faults.harness import http_get, journals, replica_terms, report_recovery
 from timeslice import AsyncTimeSliceClient, register
 from timeslice.errors import TimeSliceError
-from timeslice_tools.dev import _procs
 from timeslice_tools.dev.cluster import LocalCluster
 from timeslice_tools.history import (
     Attempt,
@@ -43,28 +41,14 @@ JOBS = ["a", "b", "c"]
 
 pytestmark = pytest.mark.slow
 
-_TERMS = re.compile(rb"^timeslice_replica_terms_total (\S+)$", re.MULTILINE)
-
-
-async def _http(address: str, path: str) -> tuple[int, bytes] | None:
-    return await asyncio.to_thread(_procs.http_status, f"http://{address}{path}", 1.0)
-
 
 async def _ready(address: str) -> bool:
-    answer = await _http(address, "/readyz")
+    answer = await http_get(address, "/readyz")
     return answer is not None and answer[0] == 200
 
 
 async def _unready(address: str) -> bool:
     return not await _ready(address)
-
-
-async def _terms(address: str) -> int:
-    answer = await _http(address, "/metrics")
-    assert answer is not None and answer[0] == 200, f"no metrics from {address}"
-    found = _TERMS.search(answer[1])
-    assert found is not None, "timeslice_replica_terms_total missing"
-    return int(float(found.group(1)))
 
 
 async def _eventually(check: Callable[[], Awaitable[bool]], timeout: float, what: str) -> float:
@@ -130,7 +114,7 @@ async def _outage(
     for address in cluster.replica_http:
         await _eventually(functools.partial(_ready, address), RECOVERY, f"{address} ready again")
     report_recovery(f"{scenario}: every replica ready after", time.monotonic() - back)
-    terms = [await _terms(address) for address in cluster.replica_http]
+    terms = [await replica_terms(address) for address in cluster.replica_http]
     # A new term (a new lease) each, in the same processes.
     assert all(t > b for t, b in zip(terms, terms_before, strict=True)), (terms_before, terms)
     assert cluster.exited() == {}, "no replica or agent exited"
@@ -180,7 +164,7 @@ async def test_replicas_rejoin_after_etcd_pause_and_kill(cluster_factory: Cluste
         etcd.start()
 
     try:
-        terms = [await _terms(address) for address in cluster.replica_http]
+        terms = [await replica_terms(address) for address in cluster.replica_http]
         assert terms == [1, 1, 1]
         while len(recorder.holds) < 20:  # well under way
             await asyncio.sleep(0.02)

@@ -11,32 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 import time
 
 import pytest
 
 from tests.conftest import ClusterFactory
+from tests.faults.harness import http_get, replica_terms
 from timeslice import AsyncTimeSliceClient
-from timeslice_tools.dev import _procs
 
 pytestmark = pytest.mark.slow
-
-_TERMS = re.compile(rb"^timeslice_replica_terms_total (\S+)$", re.MULTILINE)
-
-
-async def _get(address: str, path: str) -> tuple[int, bytes] | None:
-    return await asyncio.to_thread(_procs.http_status, f"http://{address}{path}", 1.0)
-
-
-async def _terms(address: str) -> int:
-    """Terms the replica began (a new one each time it rejoined)."""
-    answer = await _get(address, "/metrics")
-    assert answer is not None and answer[0] == 200, f"no metrics from {address}"
-    found = _TERMS.search(answer[1])
-    assert found is not None, "timeslice_replica_terms_total missing"
-    return int(float(found.group(1)))
 
 
 async def test_a_replica_rejoins_while_another_prefix_is_busy(
@@ -56,7 +40,7 @@ async def test_a_replica_rejoins_while_another_prefix_is_busy(
                 await other.acquire("g", timeout=10)
                 await other.yield_("g")
 
-    before = await _terms(address)
+    before = await replica_terms(address)
     writer = asyncio.create_task(keep_busy())
     try:
         os.kill(pid, signal.SIGSTOP)
@@ -65,10 +49,10 @@ async def test_a_replica_rejoins_while_another_prefix_is_busy(
         finally:
             os.kill(pid, signal.SIGCONT)
         woke = time.monotonic()
-        while await _terms(address) == before:
+        while await replica_terms(address) == before:
             assert time.monotonic() - woke < 10, "no new term within 10 s of waking"
             await asyncio.sleep(0.1)
-        answer = await _get(address, "/readyz")
+        answer = await http_get(address, "/readyz")
         assert answer is not None and answer[0] == 200, answer
         assert not writer.done()
     finally:
