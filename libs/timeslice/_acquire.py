@@ -12,7 +12,7 @@ moment; the stream is read in a task of its own (:class:`~timeslice._streams.Pre
 that such a grant is still seen, and the client gives it back. One that is still on the wire
 when the reset goes out is never seen (the server finished its stream before the reset
 arrived, so it keeps the grant): the client then looks the group up and gives back a hold of
-its own that it has no record of (```AsyncTimeSliceClient._sweep``).
+its own that it has no record of (``AsyncTimeSliceClient._sweep``).
 """
 
 from __future__ import annotations
@@ -148,33 +148,12 @@ class AcquireCall:
         request = self.request(self.session)
         granted = False
         self.sent = True
-        # The session's keepalive failing here and working on another replica: this one may
-        # no longer follow etcd, and would never tell us of our grant (see
-        # Transport.failed_over_from). The wait moves there, re-attaching to its place.
-        moved = asyncio.ensure_future(self._transport.failed_over_from(target))
         try:
             # No gRPC deadline: the wait is bounded by the caller's timeout (or not at all), and
             # aborting is done by cancelling, which resets the stream.
             events = cast(AsyncGenerator[AcquireEvent, None], stub.acquire(request))
             async with contextlib.aclosing(events):
-                while True:
-                    step = asyncio.ensure_future(anext(events))
-                    try:
-                        if not granted:
-                            await asyncio.wait({step, moved}, return_when=asyncio.FIRST_COMPLETED)
-                            if not step.done():
-                                raise Unavailable(
-                                    f"{target} failed a call that another replica then "
-                                    "served: waiting there instead"
-                                )
-                        event = await step
-                    except StopAsyncIteration:
-                        return
-                    finally:
-                        # Never leave the stream being read while it is closed.
-                        if not step.done():
-                            step.cancel()
-                            await asyncio.wait({step})
+                async for event in events:
                     if AcquireStage.from_wire(event.state) is AcquireStage.GRANTED:
                         granted = True
                     # After GRANTED the stream is still read to its end: resetting it before
@@ -190,8 +169,6 @@ class AcquireCall:
                 target,
                 map_error(exc, target) or exc,
             )
-        finally:
-            moved.cancel()
 
     def _on_failure(self, exc: Exception, error: TimeSliceError | None) -> Retry | None:
         if self._closed():
