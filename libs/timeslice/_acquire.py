@@ -18,11 +18,10 @@ its own that it has no record of (``AsyncTimeSliceClient._sweep``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import cast
+from typing import Any, cast
 
 from timeslice._session import Session
 from timeslice._streams import Prefetch, Retry, failover_when_unavailable, retrying_stream
@@ -44,6 +43,53 @@ ProgressCallback = Callable[[AcquireProgress], None]
 # How long an aborted acquire looks at what the server already sent, to catch a GRANTED that
 # raced the abort (it is in our receive buffer, so this never waits on the network for long).
 _DRAIN_SECONDS = 0.02
+
+
+class _Moved:
+    pass
+
+
+_MOVED = _Moved()
+
+
+class _Stream:
+    """One Acquire stream, read one event at a time, that can be left open unread and
+    closed later (reading is a task of its own so that a read can be raced)."""
+
+    def __init__(self, events: AsyncGenerator[AcquireEvent, None]) -> None:
+        self._events = events
+        self._step: asyncio.Future[AcquireEvent] | None = None
+
+    async def next(
+        self, unless: asyncio.Future[None] | None = None
+    ) -> AcquireEvent | _Moved | None:
+        """The next event, None at the end; ``_MOVED`` if ``unless`` finished first (the read
+        goes on, for the next call or :meth:`close`)."""
+        if self._step is None:
+            self._step = asyncio.ensure_future(anext(self._events))
+        step = self._step
+        if unless is not None:
+            racing: set[asyncio.Future[Any]] = {step, unless}
+            await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                return _MOVED
+        try:
+            return await step
+        except StopAsyncIteration:
+            return None
+        finally:
+            if step.done():
+                self._step = None
+
+    async def close(self) -> None:
+        """Stop reading and reset the stream (if the server has not ended it)."""
+        step, self._step = self._step, None
+        if step is not None:
+            step.cancel()
+            await asyncio.wait({step})
+            if not step.cancelled():
+                step.exception()  # seen: the stream is being dropped anyway
+        await self._events.aclose()
 
 
 class AcquireCall:
@@ -92,6 +138,9 @@ class AcquireCall:
         self.ticket = 0
         # Sent with every attempt of this acquire so the server can recognise a retry.
         self.request_id = uuid.uuid4().hex
+        # Streams left, still open, for a replica that seemed cut off from etcd: closed once
+        # another attempt has re-attached (see _attempt).
+        self._detached: list[_Stream] = []
 
     @property
     def group(self) -> str:
@@ -132,6 +181,7 @@ class AcquireCall:
             raise
         finally:
             await reader.aclose()
+            await self._close_detached()
         if self.granted is None:
             raise InternalError(f"the Acquire stream of group {self._group} ended without a grant")
 
@@ -148,17 +198,39 @@ class AcquireCall:
         request = self.request(self.session)
         granted = False
         self.sent = True
+        # No gRPC deadline: the wait is bounded by the caller's timeout (or not at all), and
+        # aborting is done by cancelling, which resets the stream.
+        stream = _Stream(cast(AsyncGenerator[AcquireEvent, None], stub.acquire(request)))
+        # A call (the session's keepalive) that fails on this replica and works on another:
+        # this one may no longer follow etcd, and would never tell us of our grant (see
+        # Transport.failed_over_from). The wait moves there, re-attaching to its place.
+        moved = asyncio.ensure_future(self._transport.failed_over_from(target))
         try:
-            # No gRPC deadline: the wait is bounded by the caller's timeout (or not at all), and
-            # aborting is done by cancelling, which resets the stream.
-            events = cast(AsyncGenerator[AcquireEvent, None], stub.acquire(request))
-            async with contextlib.aclosing(events):
-                async for event in events:
-                    if AcquireStage.from_wire(event.state) is AcquireStage.GRANTED:
-                        granted = True
-                    # After GRANTED the stream is still read to its end: resetting it before
-                    # the server finished would make the server take the grant back.
-                    yield event
+            while True:
+                if granted:
+                    event = await stream.next()
+                else:
+                    event = await stream.next(unless=moved)
+                    if event is _MOVED:
+                        # Not reset yet: the old replica, should it reach etcd meanwhile,
+                        # would withdraw our entry before the new one re-stamps it.
+                        self._detached.append(stream)
+                        raise Unavailable(
+                            f"{target} failed a call that another replica then served: "
+                            "waiting there instead"
+                        )
+                if event is None:
+                    return
+                assert isinstance(event, AcquireEvent)
+                if self._detached:
+                    # This attempt has re-attached (its first answer came after the entry
+                    # was re-stamped): what the old ones leave behind is no longer ours.
+                    await self._close_detached()
+                if AcquireStage.from_wire(event.state) is AcquireStage.GRANTED:
+                    granted = True
+                # After GRANTED the stream is still read to its end: resetting it before
+                # the server finished would make the server take the grant back.
+                yield event
         except Exception as exc:
             if not granted:
                 raise
@@ -169,6 +241,15 @@ class AcquireCall:
                 target,
                 map_error(exc, target) or exc,
             )
+        finally:
+            moved.cancel()
+            if stream not in self._detached:
+                await stream.close()
+
+    async def _close_detached(self) -> None:
+        detached, self._detached = self._detached, []
+        for stream in detached:
+            await stream.close()
 
     def _on_failure(self, exc: Exception, error: TimeSliceError | None) -> Retry | None:
         if self._closed():

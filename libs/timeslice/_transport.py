@@ -120,6 +120,21 @@ class ReplicasUnreachable(Unavailable):
         self.problems = problems
 
 
+class _Announcement:
+    """One failover, told to everyone waiting for it: the targets that failed before it."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+        self.failed: set[str] = set()
+
+    def fire(self, failed: set[str]) -> None:
+        self.failed = failed
+        self._event.set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+
 class Transport:
     """Channels to every target, bound to the event loop that first uses them."""
 
@@ -131,6 +146,9 @@ class Transport:
         self._channels: dict[int, Channel] = {}
         self._current = 0
         self._closed = False
+        # Woken when a call failed on some targets and then worked on another (see
+        # failed_over_from); replaced at each announcement.
+        self._failover = _Announcement()
 
     @property
     def current(self) -> Target:
@@ -146,6 +164,25 @@ class Transport:
         """
         if self.current == failed:
             self._current = (self._current + 1) % len(self.targets)
+
+    async def failed_over_from(self, target: Target) -> None:
+        """Until a call fails on ``target`` and then works on another target.
+
+        A stream that sits on ``target`` (a waiting Acquire) hears nothing when that replica
+        can no longer follow etcd yet still answers the connection's pings: cut off from etcd,
+        it cannot tell the waiter of a grant another replica made. A unary call (the session's
+        keepalive) that fails there and works elsewhere shows it; the stream then moves. A call
+        that fails everywhere (etcd itself away) moves nothing: no replica could do better.
+        """
+        while True:
+            announcement = self._failover
+            await announcement.wait()
+            if str(target) in announcement.failed:
+                return
+
+    def _announce_failover(self, failed: set[str]) -> None:
+        announcement, self._failover = self._failover, _Announcement()
+        announcement.fire(failed)
 
     def stub(self) -> tuple[Target, TimeSliceStub]:
         """The current target and a stub for it (opening its channel if needed)."""
@@ -219,7 +256,7 @@ class Transport:
                 raise Timeout(f"{what}: no answer within {budget:g}s")
             target, stub = self.stub()
             try:
-                return await call(stub, min(remaining, share))
+                result = await call(stub, min(remaining, share))
             except Exception as exc:
                 error = self.map_error(exc, f"{what} via {target}")
                 if error is None:
@@ -248,6 +285,11 @@ class Transport:
                 if loop.time() + delay >= deadline:
                     raise self._unreachable(what, problems, budget) from exc
                 await asyncio.sleep(delay)
+                continue
+            failed = set(problems) - {str(target)}
+            if failed:
+                self._announce_failover(failed)
+            return result
 
     def _unreachable(
         self, what: str, problems: dict[str, TimeSliceError], budget: float | None

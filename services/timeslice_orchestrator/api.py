@@ -155,7 +155,7 @@ class TimeSliceService(TimeSliceBase):
         finally:
             if grant is not None and not delivered:
                 await self._locks.release_unsent(
-                    message.group_id, message.job_id, message.session_id, grant.epoch
+                    message.group_id, message.job_id, message.session_id, grant
                 )
 
     async def yield_(self, message: YieldRequest) -> YieldResponse:

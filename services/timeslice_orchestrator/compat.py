@@ -191,7 +191,7 @@ class CompatService(TimeSliceOrchestratorServiceBase):
             await stream.send_message(response)
         except BaseException:
             if grant is not None:  # the client left as it was granted: give the grant back
-                await self._locks.release_unsent(group, job, session, grant.epoch)
+                await self._locks.release_unsent(group, job, session, grant)
             raise
 
     async def _granted(self, implicit: _Implicit, group: str) -> Progress:

@@ -73,6 +73,9 @@ class Progress:
     previous_job: str = ""
     switch_seconds: float = 0.0
     ticket: int = 0
+    # The Acquire attempt (one per call to a replica) the progress is for: a grant it could
+    # not deliver is given back only while the hold is still that attempt's.
+    attempt: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,7 +208,10 @@ class LockService:
                 # Granted by the enqueue itself: a hold with nothing waited, restored or moved.
                 granted = True  # from here on, the API gives back a grant it cannot deliver
                 yield Progress(
-                    AcquireStage.GRANTED, epoch=enqueued.epoch, ticket=enqueued.entry_revision
+                    AcquireStage.GRANTED,
+                    epoch=enqueued.epoch,
+                    ticket=enqueued.entry_revision,
+                    attempt=attempt,
                 )
                 return
             topic = group_topic(group)
@@ -218,13 +224,14 @@ class LockService:
             while True:
                 if waiter.granted.done():
                     granted = True
-                    yield waiter.granted.result()
+                    yield dataclasses.replace(waiter.granted.result(), attempt=attempt)
                     return
                 seen = self._mirror.version(topic)
                 view = self._mirror.group(group)
                 progress = dataclasses.replace(
                     self._progress(view, session_id, job, enqueued.entry_revision),
                     ticket=enqueued.entry_revision,
+                    attempt=attempt,
                 )
                 if progress.stage is AcquireStage.GRANTED:
                     granted = True
@@ -347,13 +354,18 @@ class LockService:
         served = [q.job for q in order(self.policy, view)]
         return Progress(AcquireStage.QUEUED, served.index(job) if job in served else 0)
 
-    async def release_unsent(self, group: str, job: str, session_id: str, epoch: int) -> None:
-        """Give back a grant the client never received (it left as the grant was sent)."""
+    async def release_unsent(self, group: str, job: str, session_id: str, grant: Progress) -> None:
+        """Give back a grant the client never received (it left as the grant was sent),
+        unless the client has re-attached to it through another attempt meanwhile."""
         if self.draining:
             return  # the client re-attaches elsewhere and gets this grant back
+        hold = Hold(group, job, grant.epoch, session_id)
         try:
-            await run_to_completion(self._store.release(Hold(group, job, epoch, session_id)))
-            log.info("released undelivered grant of %s on %s (epoch %d)", job, group, epoch)
+            released = await run_to_completion(self._store.release_undelivered(hold, grant.attempt))
+            if released is not None:
+                log.info(
+                    "released undelivered grant of %s on %s (epoch %d)", job, group, grant.epoch
+                )
         except Exception:
             log.exception("could not release undelivered grant of %s on %s", job, group)
 

@@ -1,23 +1,16 @@
-"""A waiter whose replica is cut off from etcd never hears of its grant: a known bug, open.
+"""A waiter whose replica is cut off from etcd moves to a replica that can tell it of its grant.
 
 A waiter waits on its replica's copy of etcd. When that replica can no longer reach etcd (a
 network partition) while its clients still reach it, a grant made by another replica never
-shows in its copy: the client, whose stream stays up (the replica answers its pings), hears
-nothing while its hold blocks the group, until the partition heals or its session ends.
+shows in its copy: the client, whose stream stays up (the replica answers its pings), heard
+nothing while its hold blocked the group, until the partition healed or its session ended.
 
-Two fixes were tried and taken back (see the stop note of 2026-12-02):
-
-- The replica ends its waiters' streams when it loses its lease. In a quorum loss every
-  replica does, the clients cannot re-attach anywhere, and after a session TTL they give up:
-  waiters lose their places (``tests/faults/test_etcd_ha.py::
-  test_quorum_lost_then_back_keeps_hold_and_queue`` catches it).
-- The client moves its wait when a call fails on its replica and works on another. Moving
-  resets the old stream, and the old replica, when it can reach etcd again, withdraws the
-  entry before the new replica re-stamps it: the waiter lands at the back of the queue.
-
-A fix must re-attach on the new replica before the old stream is reset (and a hand-back of an
-undelivered grant must compare the attempt that holds it). Until then this test fails, and
-is kept, strictly expected to fail, as the reproduction.
+Now a call of the client (its session keepalive) that fails on that replica and works on
+another moves the wait there: the same request re-attaches to its place, and only then is
+the old stream reset (the old replica, reaching etcd again, would otherwise withdraw the
+entry first, or give back the grant it could not deliver). A failure everywhere (etcd itself
+away) moves nothing: ``tests/faults/test_etcd_ha.py::
+test_quorum_lost_then_back_keeps_hold_and_queue`` keeps every place through a quorum loss.
 
 The partition: replica r0 reaches etcd through a TCP proxy that the test holds.
 """
@@ -34,12 +27,7 @@ from tests.faults.proxy import HoldingProxy
 from timeslice import AsyncTimeSliceClient
 from timeslice_tools.dev.cluster import ServiceProcess
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.xfail(
-        strict=True, raises=TimeoutError, reason="known bug: see the module docstring"
-    ),
-]
+pytestmark = pytest.mark.slow
 
 GROUP = "g"
 
@@ -76,7 +64,7 @@ async def test_a_waiter_on_a_replica_cut_off_from_etcd_gets_its_grant_elsewhere(
                 granted = await wait_for_status(
                     observer, GROUP, lambda s: s.holder_job_id == "b", 20
                 )
-                # Expected: the wait moves to r1 (see the module docstring).
+                # b's next keepalive fails on r0 and works on r1: the wait moves there.
                 grant = await asyncio.wait_for(waiter, 15)
                 assert grant.epoch == granted.holder_epoch > first.epoch
                 await b.yield_(GROUP)

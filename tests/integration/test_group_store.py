@@ -246,6 +246,24 @@ async def test_withdraw_leaves_a_grant_a_later_attempt_reattached_to(store: Grou
     assert hold is not None and hold.create_revision == epoch
 
 
+async def test_an_undelivered_grant_goes_back_only_while_its_attempt_holds_it(
+    store: GroupStore,
+) -> None:
+    """A call's stream ends as its grant is sent: the grant goes back, unless the client has
+    re-attached to it through another replica meanwhile (it re-stamped the hold)."""
+    session = await open_session(store, "a")
+    await enqueue(store, session, request_id="r1", attempt="t1")
+    epoch = await grant(store, await driver(store), "a")
+    assert epoch is not None
+    await enqueue(store, session, request_id="r1", attempt="t2")  # the client moved
+    hold = Hold("g", "a", epoch, sid(session))
+    assert await store.release_undelivered(hold, "t1") is None
+    assert (held := await holder(store)) is not None and held.create_revision == epoch
+    assert await store.release_undelivered(hold, "t2") is not None
+    assert await holder(store) is None
+    assert await store.release_undelivered(hold, "t2") is None  # gone already
+
+
 async def test_withdraw_leaves_a_grant_older_than_its_entry(store: GroupStore) -> None:
     """Only a grant made after this attempt queued can have served it."""
     enqueued = await enqueue(store, await open_session(store, "a"))

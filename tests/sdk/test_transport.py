@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
+
 from timeslice._transport import Transport
+from timeslice.errors import Unavailable
 from timeslice.targets import HostPort
 
 R0, R1, R2 = HostPort("r0", 1), HostPort("r1", 2), HostPort("r2", 3)
@@ -28,3 +33,43 @@ def test_a_failure_of_the_current_replica_moves_on_round_robin() -> None:
     for failed, then in ((R0, R1), (R1, R2), (R2, R0)):
         transport.rotate(failed)
         assert transport.current == then
+
+
+async def _serve(transport: Transport, down: set[HostPort]) -> None:
+    """One unary call, answered by every target but those ``down`` (they say UNAVAILABLE,
+    as a replica cut off from etcd does)."""
+
+    async def call(stub: object, timeout: float) -> None:
+        if transport.current in down:
+            raise Unavailable(f"{transport.current}: etcd unreachable")
+
+    await transport.unary("KeepAlive", call, budget=2.0)
+
+
+async def test_a_call_that_fails_on_one_replica_and_works_on_another_is_announced() -> None:
+    """What moves a waiting Acquire off a replica cut off from etcd (see failed_over_from)."""
+    transport = Transport([R0, R1])
+    watching = asyncio.create_task(transport.failed_over_from(R0))
+    other = asyncio.create_task(transport.failed_over_from(R1))
+    await _serve(transport, down=set())  # works at once: nothing failed over
+    await asyncio.sleep(0)
+    assert not watching.done()
+    await _serve(transport, down={R0})
+    await asyncio.wait_for(watching, 1)
+    assert transport.current == R1
+    await asyncio.sleep(0)
+    assert not other.done()  # r1 did not fail
+    other.cancel()
+    transport.close()
+
+
+async def test_a_call_that_fails_everywhere_moves_no_stream() -> None:
+    """etcd itself away: every replica fails, and a waiter keeps its stream (and place)."""
+    transport = Transport([R0, R1])
+    watching = asyncio.create_task(transport.failed_over_from(R0))
+    with pytest.raises(Unavailable):
+        await _serve(transport, down={R0, R1})
+    await asyncio.sleep(0)
+    assert not watching.done()
+    watching.cancel()
+    transport.close()

@@ -348,6 +348,21 @@ class QueueStore(StoreBase):
             return await self.release(hold, Hint(current), None)
         raise NotHolder(f"job {job} lost its hold on {group} (session expired?)")
 
+    async def release_undelivered(self, hold: Hold, attempt: str) -> int | None:
+        """Give back a grant whose call could not deliver it (the client left as it was
+        sent), unless a later attempt of that call has taken it: a client that moved to
+        another replica re-attaches to the grant and re-stamps the hold with its attempt.
+        Only a hold still stamped with ``attempt`` goes. Returns the release's revision, or
+        None when the hold was not this attempt's to give back."""
+        current = await self._holder(hold.group)
+        if (
+            current is None
+            or current.create_revision != hold.epoch
+            or current.record.attempt != attempt
+        ):
+            return None
+        return await self.release(hold, Hint(current))
+
     async def current_holder(self, group: str) -> Stored[HolderRecord] | None:
         """The group's hold as etcd has it now (not as a mirror saw it)."""
         return await self._holder(group)
