@@ -81,15 +81,18 @@ class _Stream:
             if step.done():
                 self._step = None
 
-    async def close(self) -> None:
-        """Stop reading and reset the stream (if the server has not ended it)."""
+    async def close(self) -> AcquireEvent | None:
+        """Stop reading and reset the stream (if the server has not ended it); returns an
+        event the pending read had received, which nobody had taken."""
         step, self._step = self._step, None
+        received = None
         if step is not None:
             step.cancel()
             await asyncio.wait({step})
-            if not step.cancelled():
-                step.exception()  # seen: the stream is being dropped anyway
+            if not step.cancelled() and step.exception() is None:
+                received = step.result()
         await self._events.aclose()
+        return received
 
 
 class AcquireCall:
@@ -180,8 +183,14 @@ class AcquireCall:
             await self._drain(reader)
             raise
         finally:
-            await reader.aclose()
-            await self._close_detached()
+            try:
+                await reader.aclose()
+            finally:
+                # A GRANTED that reached a stream left open by a move is ours too: when the
+                # call is being aborted, the caller gives it back.
+                left = await self._close_detached()
+                if left is not None and self.granted is None:
+                    self.granted = left
         if self.granted is None:
             raise InternalError(f"the Acquire stream of group {self._group} ended without a grant")
 
@@ -205,9 +214,12 @@ class AcquireCall:
         # this one may no longer follow etcd, and would never tell us of our grant (see
         # Transport.failed_over_from). The wait moves there, re-attaching to its place.
         moved = asyncio.ensure_future(self._transport.failed_over_from(target))
+        answered = False
         try:
             while True:
-                if granted:
+                if granted or not answered:
+                    # Not before this replica's first answer: until then its enqueue may still
+                    # be under way, and would land (re-stamping our entry) after a move.
                     event = await stream.next()
                 else:
                     event = await stream.next(unless=moved)
@@ -222,6 +234,7 @@ class AcquireCall:
                 if event is None:
                     return
                 assert isinstance(event, AcquireEvent)
+                answered = True
                 if self._detached:
                     # This attempt has re-attached (its first answer came after the entry
                     # was re-stamped): what the old ones leave behind is no longer ours.
@@ -246,10 +259,18 @@ class AcquireCall:
             if stream not in self._detached:
                 await stream.close()
 
-    async def _close_detached(self) -> None:
-        detached, self._detached = self._detached, []
-        for stream in detached:
-            await stream.close()
+    async def _close_detached(self) -> AcquireEvent | None:
+        """Close the streams left open by moves (one at a time: a cancel meanwhile leaves the
+        rest listed for the caller's own clean-up); returns a GRANTED one of them received."""
+        granted = None
+        while self._detached:
+            try:
+                event = await self._detached[-1].close()
+            finally:
+                self._detached.pop()
+            if event is not None and AcquireStage.from_wire(event.state) is AcquireStage.GRANTED:
+                granted = event
+        return granted
 
     def _on_failure(self, exc: Exception, error: TimeSliceError | None) -> Retry | None:
         if self._closed():

@@ -149,6 +149,8 @@ class Transport:
         # Woken when a call failed on some targets and then worked on another (see
         # failed_over_from); replaced at each announcement.
         self._failover = _Announcement()
+        # Targets whose last call failed, and where no call has worked since.
+        self._failing: set[str] = set()
 
     @property
     def current(self) -> Target:
@@ -166,13 +168,14 @@ class Transport:
             self._current = (self._current + 1) % len(self.targets)
 
     async def failed_over_from(self, target: Target) -> None:
-        """Until a call fails on ``target`` and then works on another target.
+        """Until a call works on another target while ``target`` is failing (its last call
+        failed, and none has worked there since).
 
         A stream that sits on ``target`` (a waiting Acquire) hears nothing when that replica
         can no longer follow etcd yet still answers the connection's pings: cut off from etcd,
-        it cannot tell the waiter of a grant another replica made. A unary call (the session's
-        keepalive) that fails there and works elsewhere shows it; the stream then moves. A call
-        that fails everywhere (etcd itself away) moves nothing: no replica could do better.
+        it cannot tell the waiter of a grant another replica made. Unary calls (the session's
+        keepalive) that fail there and work elsewhere show it; the stream then moves. While
+        calls fail everywhere (etcd itself away) nothing moves: no replica could do better.
         """
         while True:
             announcement = self._failover
@@ -270,6 +273,7 @@ class Transport:
                     # An attempt cut short by the budget says less than the refusal before.
                     error = earlier
                 problems[str(target)] = error
+                self._failing.add(str(target))
                 failures += 1
                 if attempts is not None and failures >= attempts:
                     raise self._unreachable(what, problems, None) from exc
@@ -286,9 +290,9 @@ class Transport:
                     raise self._unreachable(what, problems, budget) from exc
                 await asyncio.sleep(delay)
                 continue
-            failed = set(problems) - {str(target)}
-            if failed:
-                self._announce_failover(failed)
+            self._failing.discard(str(target))
+            if self._failing:
+                self._announce_failover(set(self._failing))
             return result
 
     def _unreachable(

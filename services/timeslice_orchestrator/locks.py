@@ -24,6 +24,7 @@ from timeslice.errors import (
     GroupFaulted,
     InvalidArgument,
     NotFound,
+    NotHolder,
     PermissionDenied,
     SessionExpired,
     Unauthenticated,
@@ -366,6 +367,8 @@ class LockService:
                 log.info(
                     "released undelivered grant of %s on %s (epoch %d)", job, group, grant.epoch
                 )
+        except NotHolder:
+            pass  # re-stamped (the client re-attached to it) or released meanwhile
         except Exception:
             log.exception("could not release undelivered grant of %s on %s", job, group)
 

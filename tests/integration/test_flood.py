@@ -61,6 +61,7 @@ async def main(host, port, seconds):
     loop.add_signal_handler(signal.SIGUSR1, on.set)
     loop.add_signal_handler(signal.SIGUSR2, on.clear)
     loop.add_signal_handler(signal.SIGTERM, lambda: setattr(main, "stop", True))
+    print("ready", flush=True)  # the signals are handled from now on
     counts = {}
     def count(kind):
         counts[kind] = counts.get(kind, 0) + 1
@@ -170,6 +171,11 @@ async def test_flood_does_not_double_a_neighbours_acquire_latency(
     alone: list[list[float]] = []
     flooded: list[list[float]] = []
     try:
+        # Not a signal before its handlers are in: SIGUSR1's default action ends the process
+        # (a loaded machine can take seconds to start Python and import grpclib).
+        assert flooder.stdout is not None
+        ready = await asyncio.wait_for(asyncio.to_thread(flooder.stdout.readline), 120)
+        assert ready.strip() == "ready", (ready, flooder.poll())
         async with raw_stub(target, insecure=True) as stub:
             sid, secret = opened(
                 await stub.open_session(OpenSessionRequest(job_id="victim", ttl_seconds=300))

@@ -73,3 +73,26 @@ async def test_a_call_that_fails_everywhere_moves_no_stream() -> None:
     assert not watching.done()
     watching.cancel()
     transport.close()
+
+
+async def test_a_replica_still_failing_is_announced_when_another_works_later() -> None:
+    """r0 is cut off while an etcd election makes r1 fail too: the call fails everywhere and
+    moves nothing. The next call goes straight to r1 and works: streams on r0, which has not
+    answered since, move then (not never)."""
+    transport = Transport([R0, R1])
+    watching = asyncio.create_task(transport.failed_over_from(R0))
+    with pytest.raises(Unavailable):
+        await _serve(transport, down={R0, R1})
+    await asyncio.sleep(0)
+    assert not watching.done()
+    await _serve(transport, down={R0})
+    await asyncio.wait_for(watching, 1)
+    # Once r0 answers again, it is no longer failing: nothing on it moves.
+    transport.rotate(R1)  # calls go to r0 again
+    await _serve(transport, down=set())
+    on_r0 = asyncio.create_task(transport.failed_over_from(R0))
+    await _serve(transport, down=set())
+    await asyncio.sleep(0)
+    assert not on_r0.done()
+    on_r0.cancel()
+    transport.close()
