@@ -65,6 +65,12 @@ class _Stream:
     ) -> AcquireEvent | _Moved | None:
         """The next event, None at the end; ``_MOVED`` if ``unless`` finished first (the read
         goes on, for the next call or :meth:`close`)."""
+        if self._step is None and unless is None:
+            # Nothing to race: read in place (no task per event on the hot path).
+            try:
+                return await anext(self._events)
+            except StopAsyncIteration:
+                return None
         if self._step is None:
             self._step = asyncio.ensure_future(anext(self._events))
         step = self._step
@@ -235,6 +241,7 @@ class AcquireCall:
                     return
                 assert isinstance(event, AcquireEvent)
                 answered = True
+                self._transport.worked(target)
                 if self._detached:
                     # This attempt has re-attached (its first answer came after the entry
                     # was re-stamped): what the old ones leave behind is no longer ours.

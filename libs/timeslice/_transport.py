@@ -183,6 +183,10 @@ class Transport:
             if str(target) in announcement.failed:
                 return
 
+    def worked(self, target: Target) -> None:
+        """``target`` answered (a stream's message): it is not failing."""
+        self._failing.discard(str(target))
+
     def _announce_failover(self, failed: set[str]) -> None:
         announcement, self._failover = self._failover, _Announcement()
         announcement.fire(failed)
