@@ -9,9 +9,10 @@ hold is released, or it is already gone. The session ending ends it too, since i
 with it.
 
 Meanwhile the group is the job's neither to use nor to hold again: a later ``acquire`` or
-``yield_`` of the group first waits for the release (and has it retried at once). So a job
-never believes it holds a group that the server released, and never queues behind its own
-stale hold.
+``yield_`` of the group first waits for the release (and has it retried at once); the first
+``yield_`` after a release that already ended returns at once (it is the job's retry of the
+yield that failed). So a job never believes it holds a group that the server released, and
+never queues behind its own stale hold.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ class PendingRelease:
         self.outcome = "pending"
         """How it ended: ``released``, ``gone`` (the orchestrator no longer had the hold),
         ``session ended``, or the error that stopped it."""
+        self.answered = False
+        """Whether the job has been told of it: a later ``acquire`` of the group began, or a
+        ``yield_`` of it returned once it ended."""
 
     @property
     def finished(self) -> bool:

@@ -118,7 +118,9 @@ def test_register_runs_hooks_and_reports_results(agent_server: AgentServer) -> N
         assert first.error == ""
         assert (second.command_id, second.ok) == ("c2", False)
         assert "CUDA context lost" in second.error
-        assert registration.commands_handled == 2
+        # The agent records a result when its CompleteCommand arrives; the worker counts it
+        # when the answer comes back, a moment later on its own thread.
+        wait_until(lambda: registration.commands_handled == 2, timeout=10)
     agent_server.wait_for(lambda a: a.streams_ended == 1)
     assert registration.closed and not registration.connected
 
