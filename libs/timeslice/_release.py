@@ -63,8 +63,9 @@ class PendingRelease:
         """How it ended: ``released``, ``gone`` (the orchestrator no longer had the hold),
         ``session ended``, or the error that stopped it."""
         self.answered = False
-        """Whether the job has been told of it: a later ``acquire`` of the group began, or a
-        ``yield_`` of it returned once it ended."""
+        """Whether the job has been told of it: a later ``acquire`` of the group began, a
+        ``yield_`` of it returned once it ended, or the hold was never the job's to yield
+        (a grant given back after its acquire was aborted)."""
 
     @property
     def finished(self) -> bool:
@@ -85,6 +86,9 @@ class PendingRelease:
         try:
             while not self.session.done:
                 self.attempts += 1
+                # Cleared before the call, not after its failure: a wake() while it is under
+                # way (someone started waiting) then skips the pause that follows.
+                self._wake.clear()
                 try:
                     await self._send()
                 except (NotHolder, PermissionDenied) as exc:
@@ -107,7 +111,6 @@ class PendingRelease:
                         self.attempts,
                         exc,
                     )
-                    self._wake.clear()
                     try:
                         async with asyncio.timeout(backoff.next_delay()):
                             await self._wake.wait()

@@ -324,7 +324,9 @@ class AsyncTimeSliceClient:
         it raises :class:`Unavailable` (or :class:`Timeout`) and the client stops using the
         grant but keeps sending the release in the background until the orchestrator answers
         (or the session ends), so the group is not left held. A later ``acquire`` of the
-        group waits for that release first; calling ``yield_`` again waits for it too.
+        group waits for that release first; calling ``yield_`` again (the job's retry) waits
+        for it too, or returns at once if it has already landed: once, not after an
+        ``acquire`` of the group began.
 
         Raises:
             NotHolder: this client holds no grant for the group (checked locally, no call
@@ -669,7 +671,8 @@ class AsyncTimeSliceClient:
             # Not confirmed: keep sending it, as for a yield (the grant must not stay held).
             log.warning("give-back of %s (epoch %d) not confirmed yet: %s", group, epoch, exc)
             if not self._closed and not session.done:
-                self._release_later(session, group, epoch)
+                # The job never learned of this grant: a yield of the group is not its retry.
+                self._release_later(session, group, epoch, answered=True)
         except Exception as exc:
             # The acquire's own error is what propagates; this one must still be seen.
             log.error(
@@ -815,8 +818,9 @@ class AsyncTimeSliceClient:
     async def _yield(self, group: str) -> None:
         self._check_open()
         pending = self._pending_release(group)
-        if pending is not None and group not in self._grants:
+        if pending is not None and not pending.answered and group not in self._grants:
             # A yield again after one that was not confirmed: done once that release is.
+            # (Not after an acquire of the group began: the job is past that hold.)
             try:
                 async with asyncio.timeout(self._call_timeout):
                     await pending.wait()
@@ -879,11 +883,14 @@ class AsyncTimeSliceClient:
             return True
         return False
 
-    def _release_later(self, session: Session, group: str, epoch: int) -> None:
+    def _release_later(
+        self, session: Session, group: str, epoch: int, *, answered: bool = False
+    ) -> None:
         async def send() -> int:
             return await self._send_yield(session, group, epoch)
 
         pending = PendingRelease(group, epoch, session, send)
+        pending.answered = answered
         self._releasing[group] = pending
         task = self._tasks.spawn(pending.run(), f"timeslice-release-{group}", kind="release")
 

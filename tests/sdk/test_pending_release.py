@@ -124,3 +124,44 @@ async def test_close_ends_a_pending_release_quietly(
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     # CloseSession ended the session, and its hold with it.
     assert orch.do(lambda s: s.holder_of("g1")) is None
+
+
+async def _release_ended(client: AsyncTimeSliceClient, group: str) -> None:
+    """Until the client's background release of ``group`` has ended (internal state: the
+    orchestrator shows the hold gone before the client has heard the answer)."""
+    async with asyncio.timeout(5):
+        while group in client._releasing:
+            await asyncio.sleep(0.01)
+
+
+async def test_yield_again_after_the_release_landed_returns_once(orch: FakeOrchestrator) -> None:
+    """The job's retry of its failed yield comes after the background release landed: it
+    returns, as it does when it comes sooner (above); the next yield has nothing to give."""
+    async with _client(orch) as client:
+        await client.acquire("g1")
+        await _failed_yield(orch, client)
+        orch.do(_yield_answers)
+        await orch.until(lambda s: s.holder_of("g1") is None, timeout=5)
+        await _release_ended(client, "g1")
+        await client.yield_("g1")
+        with pytest.raises(NotHolder):
+            await client.yield_("g1")
+
+
+async def test_a_yield_after_an_acquire_of_the_group_is_not_a_retry(
+    orch: FakeOrchestrator,
+) -> None:
+    """Once the job tried to acquire the group again, the failed yield is behind it: a yield
+    of the group without a grant is refused, whether the release is still pending or not."""
+    async with _client(orch) as client:
+        await client.acquire("g1")
+        await _failed_yield(orch, client)
+        with pytest.raises(Timeout):
+            await client.acquire("g1", timeout=0.3)
+        with pytest.raises(NotHolder):
+            await client.yield_("g1")  # the release still pending
+        orch.do(_yield_answers)
+        await orch.until(lambda s: s.holder_of("g1") is None, timeout=5)
+        await _release_ended(client, "g1")
+        with pytest.raises(NotHolder):
+            await client.yield_("g1")  # and after it landed
