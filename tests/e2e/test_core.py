@@ -170,7 +170,8 @@ async def test_dead_holder_frees_the_group_within_ttl(cluster_factory: ClusterFa
             killed = time.monotonic()
             grant = await waiter
             elapsed = time.monotonic() - killed
-            assert elapsed <= 2 + 1, f"granted {elapsed:.2f} s after the holder died (TTL 2 s)"
+            # Up to the TTL for the lease, 0.5 s for etcd to find it expired, then the grant.
+            assert elapsed <= 2 + 2.5, f"granted {elapsed:.2f} s after the holder died (TTL 2 s)"
             assert grant.job_id == "survivor"
     finally:
         proc.kill()

@@ -83,6 +83,16 @@ async def test_metrics_answer_operators_questions(cluster_factory: ClusterFactor
         for w in workers:
             w.close()
 
+    # Each replica hears of b's yield through its etcd watch, a moment after the call returned.
+    def settled(samples: list[Sample]) -> bool:
+        return (
+            total(samples, "timeslice_group_held", group="g") == 0
+            and total(samples, "timeslice_hold_seconds_count") == 2
+        )
+
+    async with asyncio.timeout(10):
+        while not all(settled(scrape(http)) for http in cluster.replica_http):
+            await asyncio.sleep(0.1)
     # Group series: every replica watched the same holds, and reports the same figures.
     for http in cluster.replica_http:
         samples = scrape(http)

@@ -22,6 +22,7 @@ from timeslice_proto.timeslice.v1 import SwitchPhase
 SLOW_SIM = ["--sim-bandwidth-gbps", "2", "--sim-state-gb", "2"]
 AGENT_TTL = 3
 SESSION_TTL = 2
+RECOVERY_BOUND = SESSION_TTL + 2.5
 REPEATS = range(5)
 
 pytestmark = pytest.mark.slow
@@ -149,13 +150,15 @@ async def test_killed_client_frees_its_place(
                 )
             os.kill(proc.pid, signal.SIGKILL)
             killed = time.monotonic()
+            # The lease may expire up to a TTL after the kill, and etcd finds expired leases
+            # every 0.5 s; then two fsync'd commits and the watch, on a loaded machine.
             if role == "waiter":
-                await wait_for_status(survivor, "g", lambda s: not s.queue, SESSION_TTL + 1)
+                await wait_for_status(survivor, "g", lambda s: not s.queue, RECOVERY_BOUND)
             else:
-                await asyncio.wait_for(waiter, SESSION_TTL + 1)
+                await asyncio.wait_for(waiter, RECOVERY_BOUND)
             elapsed = time.monotonic() - killed
             report_recovery(f"kill a {role} client", elapsed, repeat=repeat)
-            assert elapsed <= SESSION_TTL + 1
+            assert elapsed <= RECOVERY_BOUND
         finally:
             proc.kill()
             proc.wait()
