@@ -68,11 +68,13 @@ async def test_a_lost_stream_fails_its_directives_and_is_let_go_of(
         for _ in range(3):
             await asyncio.sleep(0)
     hung_up.set()
-    with pytest.raises(asyncio.CancelledError):
-        await stream
+    # What was in flight fails, and the node is let go of, at once: before the handler's
+    # own clean-up ends (that waits up to 5 s for its tasks, which a loaded machine used).
     with pytest.raises(AgentUnavailable):
         await asyncio.wait_for(pending, 5.0)
     assert time.monotonic() - started < 2.0
     assert not hub.holds("node-1")
+    with pytest.raises(asyncio.CancelledError):
+        await stream
     with pytest.raises(AgentUnavailable):
         await hub.execute("node-1", directive, 20.0)

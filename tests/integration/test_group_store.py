@@ -355,18 +355,37 @@ async def test_release_with_stale_hints_is_still_exact(store: GroupStore) -> Non
     assert UsageRecord.decode(keys["groups/g/usage"].value).jobs["a"].holds == 3
 
 
-async def test_release_loses_to_a_hold_that_changed_underneath(store: GroupStore) -> None:
+async def _restamped(store: GroupStore) -> tuple[Stored[SessionRecord], int, Stored[HolderRecord]]:
+    """A hold, and the caller's copy of it from before a re-attach re-stamped it."""
     session, epoch, _ = await _held(store)
     hold = await holder(store)
     assert hold is not None
-    # The hold is re-stamped (a re-attach) between the caller's read and its delete.
     assert await store.etcd.put(
         store.keys.holder("g"),
         dataclasses.replace(hold.record, attempt="later").encode(),
         lease=hold.lease,
     )
+    return session, epoch, hold
+
+
+async def test_a_yield_releases_a_hold_re_stamped_since_its_copy(store: GroupStore) -> None:
+    """The yield's replica read the hold from a mirror that had not seen a re-attach yet (the
+    client moved, re-attached to its grant, and yielded at once): the hold is still the
+    job's, same epoch and session, and goes. (It used to be refused as "lost", and the group
+    stayed held until the job's session ended.)"""
+    session, epoch, stale = await _restamped(store)
+    await store.release(Hold("g", "a", epoch, sid(session)), Hint(stale), Hint(None))
+    assert await holder(store) is None
+
+
+async def test_an_exact_release_loses_to_a_hold_re_stamped_underneath(store: GroupStore) -> None:
+    """The give-back of an undelivered grant must not release a hold a later attempt of its
+    call re-attached to between the check and the delete."""
+    session, epoch, stale = await _restamped(store)
     with pytest.raises(NotHolder, match="lost its hold"):
-        await store.release(Hold("g", "a", epoch, sid(session)), Hint(hold), Hint(None))
+        await store.release(
+            Hold("g", "a", epoch, sid(session)), Hint(stale), Hint(None), exact=True
+        )
     assert await holder(store) is not None
 
 

@@ -47,6 +47,8 @@ from timeslice_orchestrator.store.records import (
 
 # Tries of an enqueue whose group keeps changing between its read and its transaction.
 _ENQUEUE_TRIES = 5
+# Releases tried while what they compare keeps moving (a ledger or a re-stamp).
+_RELEASE_TRIES = 5
 
 _Stamped = TypeVar("_Stamped", QueueRecord, HolderRecord)
 
@@ -299,12 +301,18 @@ class QueueStore(StoreBase):
         hold: Hold,
         holder: Hint[Stored[HolderRecord]] | None = None,
         usage: Hint[Stored[UsageRecord]] | None = None,
+        *,
+        exact: bool = False,
+        tries: int = _RELEASE_TRIES,
     ) -> int:
         """Yield: compare-and-delete the holder key. Moves no data (lazy switching).
 
         The hold's time goes into the group's usage ledger in the same transaction.
         ``holder`` and ``usage`` save reads: the holder hint only when it is the hold of
         ``hold.epoch``; the compares on both keys' mod revisions keep the delete exact.
+        A hold re-stamped since it was read (a re-attach of the call that got the grant) is
+        still the holder's to yield: it is read again and released, unless ``exact`` (the
+        hold must be as read: a give-back of an undelivered grant loses to a re-attach).
         Returns the store revision of the release.
         """
         k = self.keys
@@ -343,9 +351,15 @@ class QueueStore(StoreBase):
         if result.succeeded:
             return result.revision
         now = result.reads[0]
-        if now and now[0].mod_revision == current.mod_revision:
-            # Only the ledger moved (a stale copy): read it afresh and try once more.
-            return await self.release(hold, Hint(current), None)
+        ledger_only = bool(now) and now[0].mod_revision == current.mod_revision
+        # The same hold, re-stamped since our copy of it (say, a mirror lagging a re-attach).
+        restamped = bool(now) and now[0].create_revision == epoch and not exact
+        if ledger_only or restamped:
+            if tries <= 1:
+                raise Unavailable(f"the hold on {group} kept changing: not released yet")
+            # Read afresh what moved (the ledger; the hold too if it was re-stamped).
+            again = Hint(current) if ledger_only else None
+            return await self.release(hold, again, None, exact=exact, tries=tries - 1)
         raise NotHolder(f"job {job} lost its hold on {group} (session expired?)")
 
     async def release_undelivered(self, hold: Hold, attempt: str) -> int | None:
@@ -361,7 +375,7 @@ class QueueStore(StoreBase):
             or current.record.attempt != attempt
         ):
             return None
-        return await self.release(hold, Hint(current))
+        return await self.release(hold, Hint(current), exact=True)
 
     async def current_holder(self, group: str) -> Stored[HolderRecord] | None:
         """The group's hold as etcd has it now (not as a mirror saw it)."""
