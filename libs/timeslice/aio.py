@@ -187,11 +187,9 @@ class AsyncTimeSliceClient:
         self._session: Session | None = None
         self._session_lock = asyncio.Lock()
         self._grants: dict[str, Grant] = {}
-        # Yields not confirmed within call_timeout, still being sent (see timeslice._release).
+        # Yields not confirmed within call_timeout, still being sent (see timeslice._release);
+        # one that ended stays until the job has been told (its retry of the yield returns).
         self._releasing: dict[str, PendingRelease] = {}
-        # Those that ended before the job yielded the group again: that yield returns at once
-        # (the job's retry of a failed yield must not depend on how fast the release landed).
-        self._released_later: set[str] = set()
         self._acquiring: set[str] = set()
         # After an aborted acquire: the look-up for a grant it was given unseen, per group.
         self._sweeps: dict[str, asyncio.Task[None]] = {}
@@ -599,12 +597,9 @@ class AsyncTimeSliceClient:
                 "in this client"
             )
         self._acquiring.add(group)
-        # A yield from now on is of the hold this acquire gets, not of the one released later.
-        self._released_later.discard(group)
-        listed = self._releasing.get(group)
-        if listed is not None:
-            listed.answered = True  # also when it has just ended: its callback may not have run
         pending = self._pending_release(group)
+        # A yield from now on is of the hold this acquire gets, not of the one released earlier.
+        self._answer_release(group)
         sweep = self._sweeps.get(group)
         call = AcquireCall(
             self._transport,
@@ -829,12 +824,12 @@ class AsyncTimeSliceClient:
                     f"the release of group {group} by job {self._job_id} is still not "
                     f"confirmed after {pending.attempts} tries; it goes on in the background"
                 ) from None
-            # Answered here (whether or not its task's callback has run yet): not again.
-            pending.answered = True
-            self._released_later.discard(group)
+            self._answer_release(group)
             return
-        if group not in self._grants and self._release_ended_unanswered(group):
+        listed = self._releasing.get(group)
+        if listed is not None and not listed.answered and group not in self._grants:
             # The same, when that release has already ended: the retry is answered once.
+            self._answer_release(group)
             return
         grant = self._grants.get(group)
         session = self._session
@@ -868,20 +863,17 @@ class AsyncTimeSliceClient:
 
     def _pending_release(self, group: str) -> PendingRelease | None:
         pending = self._releasing.get(group)
-        # One that has just ended may still be listed until its task's callback runs.
+        # One that ended stays listed until the job is told of it (see _answer_release).
         return pending if pending is not None and not pending.finished else None
 
-    def _release_ended_unanswered(self, group: str) -> bool:
-        """Whether a release of ``group`` in the background ended before the job acquired or
-        yielded the group again; marks it answered."""
+    def _answer_release(self, group: str) -> None:
+        """The job has been told of the group's background release (it acquired the group
+        again, or its retry of the yield returned): no later yield is that retry."""
         listed = self._releasing.get(group)
-        if listed is not None and listed.finished and not listed.answered:
-            listed.answered = True  # its task's callback has not run yet
-            return True
-        if group in self._released_later:
-            self._released_later.discard(group)
-            return True
-        return False
+        if listed is not None:
+            listed.answered = True
+            if listed.finished:
+                del self._releasing[group]
 
     def _release_later(
         self, session: Session, group: str, epoch: int, *, answered: bool = False
@@ -895,10 +887,8 @@ class AsyncTimeSliceClient:
         task = self._tasks.spawn(pending.run(), f"timeslice-release-{group}", kind="release")
 
         def finished(_: asyncio.Task[None]) -> None:
-            if self._releasing.get(group) is pending:
+            if self._releasing.get(group) is pending and pending.answered:
                 del self._releasing[group]
-                if not pending.answered and not self._closed:
-                    self._released_later.add(group)
 
         task.add_done_callback(finished)
 

@@ -130,7 +130,7 @@ async def _release_ended(client: AsyncTimeSliceClient, group: str) -> None:
     """Until the client's background release of ``group`` has ended (internal state: the
     orchestrator shows the hold gone before the client has heard the answer)."""
     async with asyncio.timeout(5):
-        while group in client._releasing:
+        while group in client._releasing and not client._releasing[group].finished:
             await asyncio.sleep(0.01)
 
 
