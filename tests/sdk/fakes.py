@@ -155,6 +155,8 @@ class OrchestratorState:
         self.calls: list[str] = []
         self.keepalives = 0
         self.cancelled_acquires = 0
+        # Acquire handlers that ran to their end (their grant sent).
+        self.finished_acquires = 0
         # WatchGroup streams open now (a client that closes its connections ends its own).
         self.watching = 0
         self.released_unsent = 0
@@ -317,6 +319,7 @@ class Frontend(TimeSliceBase):
                     )
                     if state.hang_after_grant:
                         await asyncio.Event().wait()
+                    state.finished_acquires += 1
                     return
                 if entry in g.queue:
                     position = g.queue.index(entry)

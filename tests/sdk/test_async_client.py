@@ -262,11 +262,15 @@ async def test_grant_that_raced_a_cancel_is_given_back(orch: FakeOrchestrator) -
             group.holder = None
             group.notify()
 
+        granted_before = orch.do(lambda s: s.finished_acquires)
         orch.do(free)
         # Keep our loop busy while the server grants and finishes the stream, then cancel:
         # the GRANTED event sits unread in the receive buffer when the cancel lands, and the
         # server, done with the stream, can no longer see the cancel.
-        time.sleep(0.3)  # blocking the loop is the point here
+        deadline = time.monotonic() + 10
+        while orch.do(lambda s: s.finished_acquires) == granted_before:
+            assert time.monotonic() < deadline, "the server never granted"
+            time.sleep(0.01)  # blocking the loop is the point here
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

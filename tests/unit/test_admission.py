@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import pytest
 from grpclib.const import Status
@@ -15,6 +17,19 @@ from timeslice_orchestrator.config import parse_args
 from timeslice_orchestrator.identity import Identity
 from timeslice_orchestrator.limits import Limits
 
+T = TypeVar("T")
+
+
+def _at_once(call: Coroutine[Any, Any, T]) -> T:
+    """The call's result, which it must give without once suspending (no wait of any length:
+    a wall-clock bound would also count the time a loaded machine keeps this process off)."""
+    try:
+        call.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    call.close()
+    raise AssertionError("the call suspended: it waited instead of being admitted at once")
+
 
 def _admission(**kwargs: float) -> Admission:
     args: dict[str, float] = {"rate": 100.0, "burst": 10, "max_waiting": 8, "max_wait": 1.0}
@@ -23,11 +38,12 @@ def _admission(**kwargs: float) -> Admission:
 
 
 async def test_within_the_burst_calls_are_admitted_at_once() -> None:
-    admission = _admission()
-    started = time.monotonic()
+    admission = Admission(100.0, 10, 8, 1.0, clock=lambda: 0.0)  # no refill in between
     for _ in range(10):
-        admission.done(await admission.admit("a", "KeepAlive"), None)
-    assert time.monotonic() - started < 0.05
+        admission.done(_at_once(admission.admit("a", "KeepAlive")), None)
+    # The burst spent, the next call waits its turn.
+    with pytest.raises(AssertionError, match="suspended"):
+        _at_once(admission.admit("a", "KeepAlive"))
 
 
 async def test_a_connection_in_debt_waits_its_turn_and_others_do_not() -> None:
@@ -45,9 +61,7 @@ async def test_a_connection_in_debt_waits_its_turn_and_others_do_not() -> None:
     tasks = [asyncio.create_task(flood(i)) for i in range(3)]
     await asyncio.sleep(0.01)
     # Another connection: admitted at once while the flood waits.
-    victim_started = time.monotonic()
-    admission.done(await admission.admit("victim", "Acquire"), None)
-    assert time.monotonic() - victim_started < 0.01
+    admission.done(_at_once(admission.admit("victim", "Acquire")), None)
     assert order == []
     await asyncio.gather(*tasks)
     # 10 tokens of debt at 50 tokens/s: about 0.2 s before the first waiter, in order.
@@ -65,12 +79,15 @@ async def test_too_many_waiting_or_waiting_too_long_is_refused_typed() -> None:
     started = time.monotonic()
     for outcome in await asyncio.gather(*waiting, return_exceptions=True):
         assert isinstance(outcome, ResourceExhausted), outcome  # 0.9 s of debt > 0.2 s
-    assert 0.15 <= time.monotonic() - started < 0.5
-    # A call whose own deadline is nearer waits only until then.
+    assert 0.15 <= time.monotonic() - started < 0.85  # refused at max_wait, not after the debt
+    # A call whose own deadline is nearer waits only until then: refused after 0.05 s, where
+    # without it this call would wait out its 0.9 s of debt and be admitted.
+    admission = _admission(rate=10.0, burst=1, max_wait=5.0)
+    admission.done(await admission.admit("a", "OpenSession"), None)  # 9 tokens in debt
     started = time.monotonic()
     with pytest.raises(ResourceExhausted):
         await admission.admit("a", "KeepAlive", timeout=0.05)
-    assert time.monotonic() - started < 0.15
+    assert time.monotonic() - started < 0.6
     assert ResourceExhausted("x").status is Status.RESOURCE_EXHAUSTED
 
 
