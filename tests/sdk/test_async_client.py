@@ -442,7 +442,7 @@ async def test_typed_error_mapping(
 ) -> None:
     error = cls(f"the {kind.value} case")
     orch.do(lambda s: s.fail.__setitem__("GetGroupStatus", wire_error(error)))
-    async with client_for(orch, call_timeout=0.5) as client:
+    async with client_for(orch, call_timeout=2.0) as client:
         with pytest.raises(cls, match=f"the {kind.value} case") as raised:
             await client.status("g1")
         assert raised.value.kind is kind
@@ -554,7 +554,7 @@ async def test_acquire_all_rolls_back_every_group_even_if_cancelled_meanwhile(
 ) -> None:
     async with (
         client_for(orch, "other") as other,
-        client_for(orch, call_timeout=1) as client,
+        client_for(orch, call_timeout=2) as client,
     ):
         await other.acquire("g3")
         # No Yield is answered: each yield of the rollback takes the whole call timeout.

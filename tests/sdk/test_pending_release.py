@@ -17,7 +17,9 @@ from grpclib.const import Status
 from tests.sdk.fakes import FakeOrchestrator, OrchestratorState
 from timeslice import AsyncTimeSliceClient, NotHolder, Timeout, Unavailable
 
-CALL_TIMEOUT = 1.0
+# Long enough for a first call on a loaded machine (a connection, a session: 1 s was too short
+# once, with two suites on the 2 cores); each failed yield waits all of it.
+CALL_TIMEOUT = 3.0
 
 
 def _client(orch: FakeOrchestrator, job: str = "job-a") -> AsyncTimeSliceClient:
