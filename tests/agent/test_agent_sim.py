@@ -51,7 +51,7 @@ async def test_time_scale_and_default_state_size() -> None:
     sim = _sim(bandwidth_gbps=50, state_gb=40, scale=0.0)
     transfer = await sim.checkpoint(_ctx("j1", state_bytes=0))
     assert transfer.bytes_moved == 40 * GB
-    assert transfer.elapsed_seconds < 0.05
+    assert transfer.elapsed_seconds < 0.5  # scale 1 would take 0.8 s
     assert sim.transfer_seconds(50 * GB) == 0.0
     assert _sim(bandwidth_gbps=50, scale=2.0).transfer_seconds(50 * GB) == pytest.approx(2.0)
 

@@ -159,11 +159,11 @@ async def test_checkpoint_leaves_processes_without_cuda_state_alone() -> None:
 
 
 async def test_steps_run_concurrently_across_pids() -> None:
-    driver = FakeDriver(hang={("lock", p) for p in PIDS}, hang_seconds=0.3)
+    driver = FakeDriver(hang={("lock", p) for p in PIDS}, hang_seconds=1.0)
     started = asyncio.get_running_loop().time()
     await CudaBackend(driver, targets=unchecked).checkpoint(job())
-    # Three 0.3 s locks one after another would take 0.9 s.
-    assert asyncio.get_running_loop().time() - started < 0.75
+    # Three 1 s locks one after another would take 3 s.
+    assert asyncio.get_running_loop().time() - started < 2.5
 
 
 async def test_failed_checkpoint_rolls_back_every_pid_and_names_pid_error_and_step() -> None:

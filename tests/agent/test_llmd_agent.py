@@ -121,7 +121,8 @@ async def test_workload_channel_gets_a_command_at_every_switch(
     # job-a: DISCARD with tags, and its first snapshot answered late (the ABORTED window);
     # job-b: no capabilities, so OFFLOAD and no tags.
     workloads.append(
-        _workload(gen, target, "job-a", logs["job-a"], "SUSPEND_MODE_DISCARD", "w1,w2", "3")
+        # 10 s: the operator's own process must start and poll within that window.
+        _workload(gen, target, "job-a", logs["job-a"], "SUSPEND_MODE_DISCARD", "w1,w2", "10")
     )
     workloads.append(_workload(gen, target, "job-b", logs["job-b"]))
     await _wait_registered(gen, target, {"job-a", "job-b"})

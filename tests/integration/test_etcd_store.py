@@ -59,11 +59,12 @@ async def test_txn_create_if_absent_and_reads(etcd: EtcdClient) -> None:
 
 async def test_lease_keeper_keeps_and_loses(etcd: EtcdClient) -> None:
     p = unique()
-    lease = await etcd.grant_lease(1)
+    # A 3 s TTL: a 1 s one was lost to a stall of a loaded machine's process or etcd.
+    lease = await etcd.grant_lease(3)
     await etcd.put(p + b"leased", b"v", lease=lease)
-    keeper = LeaseKeeper(etcd, lease, 1)
+    keeper = LeaseKeeper(etcd, lease, 3)
     task = asyncio.create_task(keeper.run())
-    await asyncio.sleep(2.5)
+    await asyncio.sleep(7)
     assert await etcd.get(p + b"leased") is not None, "kept alive past its TTL"
     await etcd.revoke_lease(lease)
     async with asyncio.timeout(3):

@@ -118,7 +118,7 @@ async def test_checkpoint_failure_on_one_node_rolls_back(cluster_factory: Cluste
                 await waiter
             elapsed = time.monotonic() - started
             assert "node-2" in str(info.value) and "injected checkpoint failure" in str(info.value)
-            assert elapsed < 5, f"gave up after {elapsed:.1f} s (3 attempts with backoff)"
+            assert elapsed < 20, f"gave up after {elapsed:.1f} s (3 attempts with backoff)"
             status = await a.status("g")
             assert "node-2" in status.last_error
             assert {n.resident_job_id for n in status.nodes} == {"a"}, "rolled back everywhere"

@@ -262,7 +262,7 @@ def test_acquire_all_rolls_back_every_group_while_yields_hang(
 ) -> None:
     with (
         TimeSliceOrchestratorClient(orch.target, job_id="other") as other,
-        TimeSliceOrchestratorClient(orch.target, call_timeout=2) as client,
+        TimeSliceOrchestratorClient(orch.target, call_timeout=3) as client,
     ):
         other.acquire("g5")
         # No Yield is answered: each yield of the rollback takes the whole call timeout.

@@ -61,7 +61,7 @@ async def test_no_client_certificate_is_named_at_once(
         assert "requires a client certificate" in str(info.value), info.value
         # Not retried until the call's budget ends (5 s): nothing can change without a
         # certificate.
-        assert elapsed < 2.0, elapsed
+        assert elapsed < 4.0, elapsed
 
 
 async def test_a_certificate_from_another_ca_is_named_when_the_budget_ends(
@@ -71,7 +71,7 @@ async def test_a_certificate_from_another_ca_is_named_when_the_budget_ends(
     client = AsyncTimeSliceClient(
         tls_server,
         job_id="j",
-        call_timeout=1.5,
+        call_timeout=4,
         tls_ca=str(session_pki.ca),
         tls_cert=str(other.operator.cert),
         tls_key=str(other.operator.key),

@@ -72,11 +72,11 @@ async def test_a_connection_in_debt_waits_its_turn_and_others_do_not() -> None:
 async def test_too_many_waiting_or_waiting_too_long_is_refused_typed() -> None:
     admission = _admission(rate=10.0, burst=1, max_waiting=2, max_wait=0.2)
     admission.done(await admission.admit("a", "OpenSession"), None)  # 9 tokens in debt
+    started = time.monotonic()  # (before the waiters start: their 0.2 s count from then)
     waiting = [asyncio.create_task(admission.admit("a", "KeepAlive")) for _ in range(2)]
     await asyncio.sleep(0)
     with pytest.raises(ResourceExhausted, match=r"2 calls already waiting.*retry in"):
         await admission.admit("a", "KeepAlive")
-    started = time.monotonic()
     for outcome in await asyncio.gather(*waiting, return_exceptions=True):
         assert isinstance(outcome, ResourceExhausted), outcome  # 0.9 s of debt > 0.2 s
     assert 0.15 <= time.monotonic() - started < 0.85  # refused at max_wait, not after the debt
