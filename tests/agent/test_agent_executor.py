@@ -254,7 +254,7 @@ async def test_acks_remembered_across_restart(tmp_path: Path) -> None:
 async def test_deadline_cancels_the_backend_and_faults_the_job(rig: Rig) -> None:
     rig.worker("j1", gb=20.0)  # 2 s at 10 GB/s
     # A deadline of 0.5 s, well inside the move and well past the state file's fsync'd writes
-    # (a loaded machine's disk took 50 ms of a 50 ms deadline once).
+    # (50 ms left them no room on a loaded machine's disk).
     ack = await rig.run("d1", CKPT, "j1", 1, deadline_ms=500)
     assert ack.status == AckStatus.FAILED
     assert ack.error.startswith("deadline exceeded after"), ack.error

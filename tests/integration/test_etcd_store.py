@@ -59,7 +59,7 @@ async def test_txn_create_if_absent_and_reads(etcd: EtcdClient) -> None:
 
 async def test_lease_keeper_keeps_and_loses(etcd: EtcdClient) -> None:
     p = unique()
-    # A 3 s TTL: a 1 s one was lost to a stall of a loaded machine's process or etcd.
+    # A 3 s TTL: with 1 s, a stall of this process or of etcd on a loaded machine could lose it.
     lease = await etcd.grant_lease(3)
     await etcd.put(p + b"leased", b"v", lease=lease)
     keeper = LeaseKeeper(etcd, lease, 3)
