@@ -148,6 +148,27 @@ async def describe(cluster: LocalCluster, group: str, lines: int = 15) -> str:
             for k, (v, rev) in keys.items()
             if k.startswith(here)
         ]
+    parts.append("each replica's own view of the group (from its mirror):")
+    parts += [f"  {line}" for line in await _replica_views(cluster, group)]
     for name in cluster.services:
         parts.append(f"--- last {lines} log lines of {name}:\n{cluster.log_tail(name, lines)}")
     return "\n".join(parts)
+
+
+async def _replica_views(cluster: LocalCluster, group: str) -> list[str]:
+    """One line per replica: what it answers for the group (a replica whose mirror stopped
+    following etcd shows a state the etcd keys above have left behind)."""
+    views = []
+    for name, target in zip(cluster.replica_ids, cluster.targets, strict=False):
+        try:
+            async with AsyncTimeSliceClient(
+                target, job_id="describe", call_timeout=5, **cluster.client_tls
+            ) as client:
+                s = await client.status(group)
+            views.append(
+                f"{name}: holder {s.holder_job_id or '-'} epoch {s.holder_epoch}, queue "
+                f"{[e.job_id for e in s.queue]}, switch {s.switch}, last_error {s.last_error!r}"
+            )
+        except Exception as exc:  # a diagnosis must not hide the failure it describes
+            views.append(f"{name}: {exc!r}")
+    return views
