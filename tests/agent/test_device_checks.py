@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import os
 import subprocess
+import time
 import uuid
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
@@ -155,7 +156,15 @@ def _labelled(job: str, group: str = "g1", node: str = "") -> subprocess.Popen[b
     env = {"PATH": os.environ["PATH"], "TIMESLICE_JOB_ID": job, "TIMESLICE_GROUP": group}
     if node:
         env["TIMESLICE_NODE"] = node
-    return subprocess.Popen(["sleep", "60"], env=env)
+    proc = subprocess.Popen(["sleep", "60"], env=env)
+    # Popen returns once exec has closed its pipe, which can be before the kernel has set up
+    # the new image's environment: /proc/PID/environ can read empty for a moment (a label
+    # check found no label once on a loaded machine).
+    deadline = time.monotonic() + 10
+    while not Path(f"/proc/{proc.pid}/environ").read_bytes():
+        assert time.monotonic() < deadline, "the labelled process never showed its environment"
+        time.sleep(0.001)
+    return proc
 
 
 @pytest.fixture

@@ -69,6 +69,19 @@ def _resident(status: GroupStatus) -> dict[str, list[str]]:
     return {n.node: list(n.resident_jobs) for n in status.nodes if n.resident_jobs}
 
 
+async def _yielded_on_device(client: AsyncTimeSliceClient, job: str) -> None:
+    """Until the replica shows the group free with ``job``'s state still on NODE: its mirror
+    follows etcd by watch, and an operation is decided on what the mirror shows (an operation
+    started right after the yield was once refused "not on node-0's devices")."""
+    deadline = time.monotonic() + 15
+    while True:
+        status = await client.status(GROUP)
+        if not status.holder_job_id and job in _resident(status).get(NODE, []):
+            return
+        assert time.monotonic() < deadline, status
+        await asyncio.sleep(0.02)
+
+
 async def _code(call: Awaitable[object]) -> tuple[Status, str]:
     try:
         await call
@@ -245,6 +258,7 @@ async def test_a_start_retried_after_its_answer_was_lost_is_recorded_once(
         async with AsyncTimeSliceClient(cluster.targets, job_id="a", insecure=True) as a:
             await a.acquire(GROUP, timeout=30)
             await a.yield_(GROUP)  # lazily: a's state stays on the devices
+            await _yielded_on_device(a, "a")
             proxied = Endpoint("127.0.0.1", proxy.sockets[0].getsockname()[1])
             host, port = cluster.targets[0].rsplit(":", 1)
             operations = OrchestratorOperations(
@@ -293,6 +307,7 @@ async def test_a_request_id_reused_for_another_job_is_refused(
             # Refused (a holds): nothing is recorded under the id, a later attempt is decided anew.
             assert (await _code(stub.start_operation(ask)))[0] is Status.FAILED_PRECONDITION
             await a.yield_(GROUP)
+            await _yielded_on_device(a, "a")
             first = await stub.start_operation(ask)
             deadline = time.monotonic() + 15
             get = GetNodeOperationRequest(node=NODE, operation_id=first.operation_id)
