@@ -75,7 +75,9 @@ async def test_pages_are_one_snapshot_at_the_first_pages_revision(etcd: EtcdClie
             pages.append(page)
             revisions.add(revision)
     assert [len(page) for page in pages] == [7] * 7 + [1]
-    assert revisions == {written}
+    # One revision for every page. Not necessarily ``written`` itself: the etcd server is
+    # shared, and another test's lease running out can move its revision on in between.
+    assert len(revisions) == 1 and min(revisions) >= written
     kvs = [kv for page in pages for kv in page]
     assert [kv.key for kv in kvs] == [key(p, i) for i in range(50)]
     assert [kv.value for kv in kvs] == [str(i).encode() for i in range(50)]
