@@ -364,9 +364,13 @@ ELECTION_PENALTY = 1.0
 # it still answers; one that does not within WATCH_PROBE_TIMEOUT is failed and the watch
 # moves on. gRPC's own keepalive cannot be relied on for this: it stops pinging a connection
 # that sends no data (a watch's, once created), so a paused member would keep the watch silent
-# for as long as the pause lasts.
+# for as long as the pause lasts. A member that answers is then asked, on the watch's own
+# stream, for a progress report: a stream that does not answer that either is stuck while its
+# member is well, and the watch starts again.
 WATCH_PROBE_AFTER = 2.0
 WATCH_PROBE_TIMEOUT = 2.0
+# The watch ID etcd gives the answer to a progress request: it belongs to no one watch.
+PROGRESS_ANSWER = -1
 # A call that may be retried on another member gives its first try this share of its deadline.
 FIRST_TRY_SHARE = 0.6
 # Pause before trying again when every member failed a moment ago (an election, say).
@@ -885,9 +889,10 @@ class EtcdClient:
         self._watching = member
         call = member.watch.Watch(metadata=REQUIRE_LEADER)
         abandoned = asyncio.Event()
-        watchdog = asyncio.ensure_future(_abandon(member.failed, call, abandoned))
+        stream = _Stream(call, abandoned)
+        watchdog = asyncio.ensure_future(_abandon(member.failed, stream))
         heard = _Heard()
-        prober = asyncio.ensure_future(self._probe_while_silent(member, prefix, heard))
+        prober = asyncio.ensure_future(self._probe_while_silent(member, prefix, heard, stream))
         try:
             await call.write(request)
             created = False
@@ -906,7 +911,7 @@ class EtcdClient:
                             f"etcd {member.endpoint} did not start a watch within "
                             f"{self._timeout:g} s"
                         ) from None
-                    created = True
+                    created = heard.created = True
                 if resp is grpc.aio.EOF:
                     self._failed(member, "watch stream closed")
                     raise StoreUnavailable(f"etcd {member.endpoint} closed the watch stream")
@@ -916,9 +921,11 @@ class EtcdClient:
                     # A member that lost its leader cancels the watches that require one.
                     self._failed(member, f"watch cancelled: {resp.cancel_reason}")
                     raise StoreUnavailable(f"watch cancelled by etcd: {resp.cancel_reason}")
-                if resp.created and not resp.events:
+                if (resp.created and not resp.events) or resp.watch_id == PROGRESS_ANSWER:
                     # Its header revision is etcd's current one, not how far this watch has
-                    # caught up: reporting it would let readers see a future they lack.
+                    # caught up: reporting it would let readers see a future they lack. (The
+                    # answer to a progress request is one too: etcd before 3.5.8 gives it at
+                    # once, even to a watch still catching up.) Either is a sign of life only.
                     continue
                 events = tuple(WatchEvent(EventType(ev.type), _kv(ev.kv)) for ev in resp.events)
                 yield WatchBatch(int(resp.header.revision), events)
@@ -946,13 +953,18 @@ class EtcdClient:
             prober.cancel()
             call.cancel()
 
-    async def _probe_while_silent(self, member: _Member, key: bytes, heard: _Heard) -> None:
+    async def _probe_while_silent(
+        self, member: _Member, key: bytes, heard: _Heard, stream: _Stream
+    ) -> None:
         """Fail ``member`` (which moves its watches) once a watch on it has been silent for
-        :data:`WATCH_PROBE_AFTER` and a small read to it then goes unanswered.
+        :data:`WATCH_PROBE_AFTER` and a small read to it then goes unanswered; end the watch's
+        ``stream`` alone when the member answers the read but the stream does not answer a
+        progress request within :data:`WATCH_PROBE_TIMEOUT`.
 
         The read is of the one key ``key`` (the watched prefix itself, which the client may
         read where etcd's auth limits it to the prefix), served by the member alone."""
         probe = pb.RangeRequest(key=key, count_only=True, serializable=True)
+        progress = pb.WatchRequest(progress_request=pb.WatchProgressRequest())
         while True:
             await asyncio.sleep(max(heard.at + WATCH_PROBE_AFTER - time.monotonic(), 0.05))
             if time.monotonic() - heard.at < WATCH_PROBE_AFTER:
@@ -963,21 +975,52 @@ class EtcdClient:
                 if exc.code() in _MEMBER_FAULTS or _server_timeout(exc):
                     self._failed(member, f"a silent watch's probe failed: {exc.code().name}")
                     return
-            heard.at = time.monotonic()
+            if not heard.created:
+                heard.at = time.monotonic()
+                continue  # its creation has a deadline of its own
+            asked = time.monotonic()
+            with contextlib.suppress(grpc.aio.UsageError, grpc.aio.AioRpcError):
+                # A stream that cannot even take the request ends with its own error.
+                await stream.call.write(progress)
+            await asyncio.sleep(WATCH_PROBE_TIMEOUT)
+            if heard.at < asked:
+                log.warning(
+                    "a watch on etcd member %s answered nothing for %g s, not even a progress "
+                    "request, while the member answers reads: starting it again",
+                    member.endpoint,
+                    time.monotonic() - heard.at,
+                )
+                self._failed(member, "its watch stream stopped answering")
+                stream.abandon()
+                return
+            heard.at = max(heard.at, asked)
 
 
 @dataclass
 class _Heard:
-    """When a watch last heard from its member (time.monotonic())."""
+    """When a watch last heard from its member (time.monotonic()), and whether it started."""
 
     at: float = field(default_factory=time.monotonic)
+    created: bool = False  # etcd confirmed the watch
 
 
-async def _abandon(failed: asyncio.Event, call: Any, abandoned: asyncio.Event) -> None:
-    """Cancel a watch call once its member has failed (another call found it unanswering)."""
+@dataclass
+class _Stream:
+    """A watch's gRPC call, and the flag that tells its reader the call was ended on purpose
+    (so the watch resumes rather than ends as if its caller cancelled it)."""
+
+    call: Any
+    abandoned: asyncio.Event
+
+    def abandon(self) -> None:
+        self.abandoned.set()
+        self.call.cancel()
+
+
+async def _abandon(failed: asyncio.Event, stream: _Stream) -> None:
+    """End a watch call once its member has failed (another call found it unanswering)."""
     await failed.wait()
-    abandoned.set()
-    call.cancel()
+    stream.abandon()
 
 
 class LeaseKeeper:
