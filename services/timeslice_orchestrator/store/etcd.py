@@ -979,8 +979,11 @@ class EtcdClient:
                 heard.at = time.monotonic()
                 continue  # its creation has a deadline of its own
             asked = time.monotonic()
-            with contextlib.suppress(grpc.aio.UsageError, grpc.aio.AioRpcError):
-                # A stream that cannot even take the request ends with its own error.
+            with contextlib.suppress(
+                asyncio.InvalidStateError, grpc.aio.UsageError, grpc.aio.AioRpcError
+            ):
+                # A stream that cannot take the request (ended meanwhile, or failing) ends
+                # with its own error, which its reader sees.
                 await stream.call.write(progress)
             await asyncio.sleep(WATCH_PROBE_TIMEOUT)
             if heard.at < asked:
