@@ -261,8 +261,10 @@ async def test_a_start_retried_after_its_answer_was_lost_is_recorded_once(
             await _yielded_on_device(a, "a")
             proxied = Endpoint("127.0.0.1", proxy.sockets[0].getsockname()[1])
             host, port = cluster.targets[0].rsplit(":", 1)
+            # The first try waits out all of it (its answer is lost); the retry and each
+            # poll after it must fit in it on a loaded machine too.
             operations = OrchestratorOperations(
-                NODE, [proxied, Endpoint(host, int(port))], None, timeout=2.0
+                NODE, [proxied, Endpoint(host, int(port))], None, timeout=5.0
             )
             started = time.time()
             op = await operations.start(OperationKind.SNAPSHOT, "a", GROUP)

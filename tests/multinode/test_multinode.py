@@ -329,14 +329,16 @@ async def test_static_membership_pins_nodes_into_every_switch(
 
             # A pinned node that is away holds every switch back instead of being skipped.
             cluster.kill_agent("node-1")
-            await asyncio.sleep(3)  # its record expires (agent TTL 2 s)
+            # Its record expires (agent TTL 2 s): the replica then counts it missing.
+            await wait_for_status(b, "g", lambda s: list(s.missing_members) == ["node-1"], 15)
             waiter = asyncio.create_task(a.acquire("g", timeout=30))
             await b.yield_("g")
-            await asyncio.sleep(2)
+            blocked = await wait_for_status(
+                b, "g", lambda s: "waiting for pinned node(s) node-1" in s.last_error, 15
+            )
+            await asyncio.sleep(1)
             assert not waiter.done(), "no grant while a pinned node is missing"
-            blocked = await b.status("g")
             assert list(blocked.missing_members) == ["node-1"]
-            assert "waiting for pinned node(s) node-1" in blocked.last_error
             cluster.start_agent("node-1")
             grant = await waiter
             assert grant.job_id == "a"
