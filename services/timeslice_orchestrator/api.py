@@ -9,6 +9,7 @@ handlers that see the call's stream, hence its metadata and peer (``__mapping__`
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -26,7 +27,7 @@ from timeslice_orchestrator.authz import Authorizer, peer_of
 from timeslice_orchestrator.limits import Limits, Quotas
 from timeslice_orchestrator.locks import LockService, Progress
 from timeslice_orchestrator.metrics import Metrics
-from timeslice_orchestrator.rpc import Call, served
+from timeslice_orchestrator.rpc import Call, encoded_off_loop, served
 from timeslice_orchestrator.store.cache import GroupView, Mirror, group_topic
 from timeslice_proto.timeslice.v1 import (
     AcquireEvent,
@@ -57,6 +58,9 @@ from timeslice_proto.timeslice.v1 import (
 )
 
 log = logging.getLogger(__name__)
+
+# A listing of every group reads this many between two turns of the event loop.
+LIST_SLICE = 2000
 
 
 class TimeSliceService(TimeSliceBase):
@@ -187,12 +191,19 @@ class TimeSliceService(TimeSliceBase):
 
     async def list_groups(self, message: ListGroupsRequest) -> ListGroupsResponse:
         with self._call("ListGroups"):
-            return self._list_groups()
+            return await encoded_off_loop(ListGroupsResponse(groups=await self._summaries()))
 
-    def _list_groups(self) -> ListGroupsResponse:
+    async def _summaries(self) -> list[GroupSummary]:
+        """Every group's summary (not its whole view: a deployment may list 100,000 groups),
+        read in slices with the replica's other work let through between them. A group that
+        changes meanwhile shows as its slice found it: a listing is an overview, not one
+        snapshot."""
         groups = []
-        for name in self._mirror.group_names():
-            # Not the whole view: a deployment may list 100,000 groups.
+        for n, name in enumerate(self._mirror.group_names(), 1):
+            if n % LIST_SLICE == 0:
+                await asyncio.sleep(0)
+            if not self._mirror.has_group(name):
+                continue  # deleted since the names were read
             holder, queued, switching = self._mirror.summary(name)
             groups.append(
                 GroupSummary(
@@ -202,7 +213,7 @@ class TimeSliceService(TimeSliceBase):
                     switching=switching,
                 )
             )
-        return ListGroupsResponse(groups=groups)
+        return groups
 
     async def get_group_status(self, message: GetGroupStatusRequest) -> GroupStatus:
         with self._call("GetGroupStatus", message.group_id):

@@ -58,7 +58,7 @@ from timeslice_orchestrator.authz import secret_hash
 from timeslice_orchestrator.limits import Quotas
 from timeslice_orchestrator.locks import LockService, Progress
 from timeslice_orchestrator.metrics import Metrics
-from timeslice_orchestrator.rpc import Call, served
+from timeslice_orchestrator.rpc import Call, encoded_off_loop, served
 from timeslice_orchestrator.store.cache import GroupView, Mirror
 from timeslice_orchestrator.store.etcd import StoreError
 from timeslice_orchestrator.store.groups import GroupStore
@@ -235,7 +235,7 @@ class CompatService(TimeSliceOrchestratorServiceBase):
 
     async def list_groups(self, message: ListGroupsRequest) -> ListGroupsResponse:
         with self._call("ListGroups"):
-            return ListGroupsResponse(group_ids=self._mirror.group_names())
+            return await encoded_off_loop(ListGroupsResponse(group_ids=self._mirror.group_names()))
 
     async def get_group_status(self, message: GetGroupStatusRequest) -> GetGroupStatusResponse:
         with self._call("GetGroupStatus", message.group_id):
