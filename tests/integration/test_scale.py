@@ -157,13 +157,16 @@ def _answer_gaps(url: str) -> Iterator[list[float]]:
     """Ask ``url`` again as soon as it answers, in a thread, until the block ends; yields the
     seconds between answers (the first counted from the start), filled in as it goes."""
     gaps: list[float] = []
+    wrong: list[object] = []  # an answer other than 200 (the thread cannot raise it here)
     stop = threading.Event()
 
     def ask() -> None:
         last = time.monotonic()
         while not stop.is_set():
             answer = http_status(url, timeout=30)
-            assert answer is not None and answer[0] == 200, answer
+            if answer is None or answer[0] != 200:
+                wrong.append(answer)
+                return
             now = time.monotonic()
             gaps.append(now - last)
             last = now
@@ -175,6 +178,7 @@ def _answer_gaps(url: str) -> Iterator[list[float]]:
     finally:
         stop.set()
         asker.join(35)
+    assert not wrong, f"{url} answered {wrong[0]!r}"
     assert gaps, "the replica never answered"
 
 
