@@ -21,9 +21,9 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 from grpclib.server import Server
@@ -59,6 +59,7 @@ from timeslice_orchestrator.store.relay import RelayStore
 from timeslice_orchestrator.tls import TlsListener
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 CLOSE_SECONDS = 5.0
 # How far behind etcd the mirror may be when a term starts: longer, and the rejoin is retried.
@@ -142,7 +143,7 @@ class Orchestrator:
 
     async def start(self) -> None:
         cfg = self.config
-        lease = await self._grant_lease()
+        await self._first_answer(lambda: self.etcd.get(self.keys.root))
         self._spawn(self.mirror.run(), "etcd-mirror")
         try:
             async with asyncio.timeout(cfg.start_timeout):
@@ -162,6 +163,9 @@ class Orchestrator:
         self._locks = locks = LockService(
             self.store, self.mirror, self.metrics, cfg.session_ttl, cfg.policy, cfg.max_hold
         )
+        # Granted once the first read is in, which on a large deployment takes longer than
+        # the lease's TTL: a lease granted before it would run out before its keeper starts.
+        lease = await self._first_answer(lambda: self.etcd.grant_lease(cfg.replica_ttl))
         self._term = self._begin_term(lease)
         self._membership = self._spawn(self._keep_membership(), "membership")
         tracer = tracer_for(self._tracing)
@@ -247,11 +251,13 @@ class Orchestrator:
             except Exception:  # never let a bad rotation end the loop: log and check again
                 log.exception("reloading the etcd TLS certificate failed")
 
-    async def _grant_lease(self) -> int:
+    async def _first_answer(self, call: Callable[[], Awaitable[T]]) -> T:
+        """What ``call`` returns, asked again (saying so) while etcd does not answer, until
+        the start timeout."""
         deadline = asyncio.get_running_loop().time() + self.config.start_timeout
         while True:
             try:
-                return await self.etcd.grant_lease(self.config.replica_ttl)
+                return await call()
             except Exception as exc:
                 if asyncio.get_running_loop().time() > deadline:
                     raise

@@ -238,6 +238,13 @@ async def test_a_replica_starts_on_100k_groups(etcd: EtcdServer, tmp_path: Path)
             print(f"listed in {listing:.2f} s; longest gap between /healthz answers meanwhile "
                   f"{max(gaps):.2f} s")  # fmt: skip
             assert max(gaps) < 0.3 * listing
+            # Its lease outlived the first read (longer than the lease's TTL here) and the
+            # listing: it was granted after the one and kept alive through the other.
+            log = cluster.services["r0"].log_path.read_text(errors="replace").splitlines()
+            lapses = [
+                line for line in log if "lease" in line and ("expired" in line or "lost" in line)
+            ]
+            assert not lapses, lapses
             assert len(listed) == TOTAL
             assert {g.group_id for g in listed} >= {name(0), name(TOTAL - 1)}
             assert sum(bool(g.holder_job_id) for g in listed) == REAL // 2
