@@ -37,9 +37,10 @@ JOBS = 20  # sessions the real groups are taken and given back by
 # Seconds from launching the replica to its /readyz answering 200. The target is 10 s (issue
 # 13, a quiet machine); `make test` runs this beside other tests on 2 cores, where the
 # interpreter's own start stretches too (10.1 s was seen once in five clean runs, and over
-# 15 s beside the 10-minute soak). This bound catches a start that went wrong (an unpaged
-# read, a timeout and retry), not a slow machine.
-START_WITHIN = 30.0
+# 15 s beside the 10-minute soak, over 30 s twice in clean-clone pairs where the other
+# suite's heaviest tests ran at the same time). This bound catches a start that went wrong
+# (an unpaged read, a timeout and retry), not a slow machine. Alone: 5.3-6.3 s (2026-12-02).
+START_WITHIN = 60.0
 TXN_OPS = 128  # etcd's default --max-txn-ops
 OLD_RECEIVE_LIMIT = 4 * 1024 * 1024  # gRPC's default, which the unpaged read ran into
 
