@@ -183,6 +183,9 @@ def _answer_gaps(url: str) -> Iterator[list[float]]:
     assert gaps, "the replica never answered"
 
 
+# Each step has a deadline of its own (building 120 s, the start 60 s, the listing 60 s, the
+# delete 30 s): beside another suite's heaviest tests the whole took over the default 180 s.
+@pytest.mark.timeout(600)
 async def test_a_replica_starts_on_100k_groups(etcd: EtcdServer, tmp_path: Path) -> None:
     client = EtcdClient([etcd.endpoint], timeout=30)
     store = GroupStore(client, Keyspace(PREFIX))
