@@ -248,8 +248,13 @@ async def test_grant_received_before_the_deadline_is_given_back(orch: FakeOrches
     orch.do(lambda s: setattr(s, "hang_after_grant", True))
     orch.do(lambda s: setattr(s, "release_raced", False))
     async with client_for(orch) as client:
+        # The deadline is the test's only wait on the client: long enough for GRANTED to
+        # reach it on a loaded host (with 0.3 s the request could miss the deadline before
+        # the server granted anything, leaving nothing to give back).
+        acquire = asyncio.create_task(client.acquire("g1", timeout=2))
+        await orch.until(lambda s: s.holder_of("g1") == "job-a")
         with pytest.raises(Timeout):
-            await client.acquire("g1", timeout=0.3)
+            await acquire
         await orch.until(lambda s: s.holder_of("g1") is None)
         assert orch.do(lambda s: s.calls.count("Yield")) == 1
         assert client.grants() == {}

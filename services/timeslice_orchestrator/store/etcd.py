@@ -895,9 +895,8 @@ class EtcdClient:
         prober = asyncio.ensure_future(self._probe_while_silent(member, prefix, heard, stream))
         try:
             await call.write(request)
-            created = False
             while True:
-                if created:
+                if heard.created:
                     resp = await call.read()
                     heard.at = time.monotonic()
                 else:
@@ -911,7 +910,7 @@ class EtcdClient:
                             f"etcd {member.endpoint} did not start a watch within "
                             f"{self._timeout:g} s"
                         ) from None
-                    created = heard.created = True
+                    heard.created = True
                 if resp is grpc.aio.EOF:
                     self._failed(member, "watch stream closed")
                     raise StoreUnavailable(f"etcd {member.endpoint} closed the watch stream")
@@ -996,7 +995,6 @@ class EtcdClient:
                 self._failed(member, "its watch stream stopped answering")
                 stream.abandon()
                 return
-            heard.at = max(heard.at, asked)
 
 
 @dataclass
