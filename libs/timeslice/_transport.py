@@ -262,8 +262,9 @@ class Transport:
                     raise self._unreachable(what, problems, budget)
                 raise Timeout(f"{what}: no answer within {budget:g}s")
             target, stub = self.stub()
+            timeout = min(remaining, share)
             try:
-                result = await call(stub, min(remaining, share))
+                result = await call(stub, timeout)
             except Exception as exc:
                 error = self.map_error(exc, f"{what} via {target}")
                 if error is None:
@@ -273,8 +274,12 @@ class Transport:
                 if is_final(error) or not (isinstance(error, Unavailable) or timed_out):
                     raise error from exc
                 earlier = problems.pop(str(target), None)
-                if timed_out and isinstance(earlier, TlsRefused):
-                    # An attempt cut short by the budget says less than the refusal before.
+                if timed_out and (
+                    isinstance(earlier, TlsRefused)
+                    or (isinstance(earlier, Unavailable) and timeout < share)
+                ):
+                    # An attempt cut short by the budget says less than the refusal, or the
+                    # UNAVAILABLE answer, that this replica gave before: that is the reason.
                     error = earlier
                 problems[str(target)] = error
                 self._failing.add(str(target))

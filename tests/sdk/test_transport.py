@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from timeslice._transport import Transport
-from timeslice.errors import Unavailable
+from timeslice.errors import Timeout, Unavailable
 from timeslice.targets import HostPort
 
 R0, R1, R2 = HostPort("r0", 1), HostPort("r1", 2), HostPort("r2", 3)
@@ -84,4 +84,37 @@ async def test_a_replica_still_failing_is_announced_when_another_works_later() -
     await asyncio.sleep(0)
     assert not on_r0.done()
     on_r0.cancel()
+    transport.close()
+
+
+async def test_a_budget_that_ends_in_a_retry_reports_the_outage_before_it() -> None:
+    """The replica answers UNAVAILABLE; the retry, given what is left of the budget, gets no
+    answer in time (a loaded machine). The call failed because the replica was unavailable,
+    as it said, not because it was slow: a Timeout here failed a clean-clone run once."""
+    transport = Transport([R0])
+    timeouts: list[float] = []
+
+    async def call(stub: object, timeout: float) -> None:
+        timeouts.append(timeout)
+        if len(timeouts) == 1:
+            raise Unavailable("r0: etcd unreachable")
+        await asyncio.sleep(timeout)
+        raise TimeoutError
+
+    with pytest.raises(Unavailable, match="etcd unreachable"):
+        await transport.unary("GetGroupStatus(g1)", call, budget=0.5)
+    assert len(timeouts) == 2 and timeouts[1] < 0.5
+    transport.close()
+
+
+async def test_a_replica_that_never_answers_is_a_timeout() -> None:
+    """No answer at all within the budget: a timeout, not an outage."""
+    transport = Transport([R0])
+
+    async def call(stub: object, timeout: float) -> None:
+        await asyncio.sleep(timeout)
+        raise TimeoutError
+
+    with pytest.raises(Timeout):
+        await transport.unary("GetGroupStatus(g1)", call, budget=0.3)
     transport.close()
