@@ -24,12 +24,14 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from aetcd.rpc import rpc_pb2 as pb
 
 from tests.conftest import ClusterFactory
 from tests.faults.harness import check_switches, describe, report_recovery
 from timeslice import AsyncTimeSliceClient, Grant, register
 from timeslice.errors import Timeout, TimeSliceError, Unavailable
 from timeslice.tls import TlsFiles
+from timeslice_orchestrator.store.cache import WATCH_STUCK_AFTER
 from timeslice_orchestrator.store.etcd import (
     EtcdClient,
     LeaseKeeper,
@@ -169,6 +171,21 @@ async def _writes(etcd: EtcdClient, key: bytes, count: int, written: list[bytes]
         await asyncio.sleep(0.01)
 
 
+async def _members_view(etcd: EtcdClient, key: bytes) -> dict[str, str]:
+    """Each member's own answer (a serializable read): its revision and ``key``'s mod
+    revision there, so a watch that stalls says whether its member lags or its stream does."""
+    view: dict[str, str] = {}
+    for member in etcd._members:
+        try:
+            answer = await member.kv.Range(pb.RangeRequest(key=key, serializable=True), timeout=2.0)
+        except Exception as exc:  # a diagnosis: any failure is part of the answer
+            view[member.endpoint] = f"no answer ({exc!r:.80})"
+            continue
+        found = answer.kvs[0].mod_revision if answer.kvs else None
+        view[member.endpoint] = f"({answer.header.revision}, {found})"
+    return view
+
+
 async def _put(etcd: EtcdClient, key: bytes, value: bytes) -> int:
     """Put until it succeeds (during an election a put fails, typed): its revision."""
     deadline = time.monotonic() + 30
@@ -236,17 +253,33 @@ async def test_client_fails_over_by_dns_name(etcd3: EtcdCluster) -> None:
             # The watch saw every write once, in order, across its resumes.
             final = await etcd.put(prefix + b"end", b"")
             deadline = time.monotonic() + 30
+            heard, moving_since, passed_over = len(watched.revisions), time.monotonic(), 0
             while not watched.revisions or watched.revisions[-1] < final:
-                assert time.monotonic() < deadline, (
-                    f"the watch did not catch up to {final}: last event "
-                    f"{watched.revisions[-1:]}, {watched.resumes} resumes, current member "
-                    f"{etcd.current_endpoint}"
-                )
+                if len(watched.revisions) > heard:
+                    heard, moving_since = len(watched.revisions), time.monotonic()
+                elif time.monotonic() - moving_since >= WATCH_STUCK_AFTER:
+                    # As the replica's mirror does with a watch that brings back none of its
+                    # own writes (store/cache.py): its member is passed over and the watch
+                    # resumes on another. A resumed watch that answers progress requests but
+                    # delivers no events was seen twice under load (run 10 of a clean-clone
+                    # series on 8680b09 here: nothing after revision 40 for 30 s).
+                    etcd.pass_over_watch_member("the test's watch is behind its last write")
+                    moving_since, passed_over = time.monotonic(), passed_over + 1
+                if time.monotonic() >= deadline:
+                    members = await _members_view(etcd, prefix + b"end")
+                    raise AssertionError(
+                        f"the watch did not catch up to {final}: last event "
+                        f"{watched.revisions[-1:]}, {watched.resumes} resumes, current member "
+                        f"{etcd.current_endpoint}, watching {etcd._watching}; each member's "
+                        f"own view (revision, the end key's mod revision): {members}"
+                    )
                 await asyncio.sleep(0.05)
             assert watched.revisions == sorted(set(watched.revisions)), "a duplicate event"
             seen = [v for v in watched.values if v.startswith(b"v")]
             assert [v for v in seen if v in set(written)] == written, "a write the watch missed"
             assert watched.resumes >= 1, "the watch never had to move"
+            if passed_over:
+                print(f"the watch was behind its last write and passed over {passed_over} times")
         finally:
             for task in (watcher, keeping, writer):
                 task.cancel()
