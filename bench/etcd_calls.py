@@ -13,7 +13,9 @@ A cluster of one replica and no agents; two jobs on one group. Two kinds of cycl
 
 The counts are the differences of etcd's own ``grpc_server_handled_total`` (calls answered OK,
 by method) and ``etcd_mvcc_*_total`` (its store operations) over the cycles, divided by their
-number: a count, not a timing, so it is the same on a loaded machine as on a quiet one. Each
+number: a count, not a timing, so it is the same on a loaded machine as on a quiet one (unless
+the cycles stall for 5 s: a replica whose watch brought nothing for that long writes its
+beacon, one Put, see ``WATCH_QUIET_AFTER``). Each
 of the hand-over's three transactions is the least the design allows (the epoch is the holder
 key's create revision, so the grant must create the key the release deleted, and etcd refuses
 a transaction that writes one key twice).

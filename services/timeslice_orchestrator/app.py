@@ -95,7 +95,7 @@ class Orchestrator:
         self.etcd = EtcdClient(config.etcd, tls=config.etcd_tls)
         self.keys = Keyspace(config.prefix)
         self.store = GroupStore(self.etcd, self.keys)
-        self.mirror = Mirror(self.etcd, self.keys)
+        self.mirror = Mirror(self.etcd, self.keys, name=config.replica_id)
         self._group_metrics = GroupMetrics(self.mirror, self.metrics.hold_seconds)
         self.metrics.registry.register(self._group_metrics)
         # The dashboard shows the hold tracker's figures (the same as /metrics), not its own.
@@ -351,13 +351,7 @@ class Orchestrator:
                 if not revoked:
                     await self.etcd.revoke_lease(lost)  # an expired lease counts as revoked
                     revoked = True
-                # A write under our prefix: the mirror's watch brings it back, so reaching its
-                # revision means the mirror has all that came before. (The store's revision
-                # alone can move by writes under other prefixes, which no event here shows.)
-                now = await self.etcd.put(
-                    self.keys.rejoin_marker(), self.config.replica_id.encode()
-                )
-                await self.mirror.wait_for_revision(now, REJOIN_CATCH_UP)
+                await self.mirror.catch_up(REJOIN_CATCH_UP)
                 return await self.etcd.grant_lease(self.config.replica_ttl)
             except StoreUnavailable as exc:
                 log.info("rejoin: etcd not back yet (%s)", exc)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from timeslice_orchestrator.store.etcd import EtcdClient
+from timeslice_orchestrator.store.keys import Keyspace
 from timeslice_tools.dev.cluster import LocalCluster
 
 
@@ -13,11 +14,13 @@ def etcd_client(cluster: LocalCluster, *, timeout: float = 5.0) -> EtcdClient:
 
 
 async def snapshot(cluster: LocalCluster) -> dict[str, tuple[bytes, int]]:
-    """Every key under the cluster's prefix with its value and mod revision."""
+    """Every key under the cluster's prefix with its value and mod revision, but the beacon:
+    a quiet replica writes it to check its watch (``Mirror.catch_up``), not a call."""
     prefix = cluster.prefix
+    beacon = Keyspace(prefix).beacon()
     client = etcd_client(cluster)
     try:
         _, kvs = await client.get_prefix(f"{prefix}/".encode())
-        return {kv.key.decode(): (kv.value, kv.mod_revision) for kv in kvs}
+        return {kv.key.decode(): (kv.value, kv.mod_revision) for kv in kvs if kv.key != beacon}
     finally:
         await client.close()

@@ -40,9 +40,13 @@ async def group_store(endpoint: str) -> AsyncIterator[GroupStore]:
 
 
 async def snapshot(store: GroupStore) -> dict[str, KeyValue]:
-    """Every key of the store's prefix, by its name under the prefix."""
+    """Every key of the store's prefix, by its name under the prefix, but the beacon (a
+    mirror's check of its own watch, not the store's state)."""
     _, kvs = await store.etcd.get_prefix(store.keys.root)
-    return {kv.key.decode().removeprefix(f"{store.keys.prefix}/"): kv for kv in kvs}
+    beacon = store.keys.beacon()
+    return {
+        kv.key.decode().removeprefix(f"{store.keys.prefix}/"): kv for kv in kvs if kv.key != beacon
+    }
 
 
 async def open_session(store: GroupStore, job: str, ttl: int = 30) -> Stored[SessionRecord]:

@@ -17,6 +17,7 @@ from tests.conftest import ClusterFactory
 from tests.integration.etcdview import etcd_client
 from tests.integration.rawclient import opened, raw_stub
 from timeslice_orchestrator.store.etcd import EventType
+from timeslice_orchestrator.store.keys import Keyspace
 from timeslice_orchestrator.store.records import HolderRecord
 from timeslice_proto.timeslice.v1 import (
     AcquireEvent,
@@ -36,10 +37,11 @@ async def _writes(
     cluster: LocalCluster, action: Callable[[], Awaitable[T]]
 ) -> tuple[T, list[tuple[int, EventType, str]]]:
     """What ``action`` wrote under the cluster's prefix: (revision, event, key) of every
-    change."""
+    change, but the beacon (a quiet replica's check of its own watch, not the call's)."""
     prefix = cluster.prefix
     client = etcd_client(cluster)
     root = f"{prefix}/".encode()
+    beacon = Keyspace(prefix).beacon()
     try:
         start, _ = await client.get_prefix(root)
         result = await action()
@@ -51,7 +53,7 @@ async def _writes(
                     seen += [
                         (e.kv.mod_revision, e.type, e.kv.key.decode().removeprefix(prefix))
                         for e in batch.events
-                        if e.kv.mod_revision <= end
+                        if e.kv.mod_revision <= end and e.kv.key != beacon
                     ]
         return result, seen
     finally:

@@ -83,6 +83,12 @@ MIRROR_LAG_TIMEOUT = 10.0
 # heavy load: after a member's watch streams failed INTERNAL, the watch resumed on another
 # member delivered nothing for over 10 s while that member answered reads.)
 WATCH_STUCK_AFTER = 3.0
+# A watch that has brought nothing for this long gets a beacon: the mirror writes its beacon key
+# and waits for it through the watch, so the rule above also covers a replica with nothing of
+# its own to write (one whose driver waits for a release made through another replica). A
+# deployment with traffic never writes one; a quiet one writes about one per interval, since
+# each replica's beacon is news to the others' watches.
+WATCH_QUIET_AFTER = 5.0
 _STUCK_CHECK_EVERY = 0.5
 
 
@@ -163,9 +169,10 @@ def _index(
 class Mirror:
     """List-watch mirror of everything under the keyspace root, read through typed accessors."""
 
-    def __init__(self, etcd: EtcdClient, keys: Keyspace) -> None:
+    def __init__(self, etcd: EtcdClient, keys: Keyspace, *, name: str = "mirror") -> None:
         self._etcd = etcd
         self._keys = keys
+        self._name = name  # written in the beacon key, to tell whose it was
         # Keys indexed by topic (one group, the sessions, the agents, the relay), so reading
         # one group costs its own few keys.
         self._topics: dict[str, dict[KeyRef, KeyValue]] = {}
@@ -193,6 +200,8 @@ class Mirror:
         # Since when (time.monotonic()) the mirror has been behind a write it was told of and
         # has not moved towards it; None when it is not behind.
         self._behind_since: float | None = None
+        # When (time.monotonic()) the watch last brought something, or a beacon was written.
+        self._heard_at = time.monotonic()
         self._seq = 0
         self.reconnects = 0
 
@@ -577,6 +586,14 @@ class Mirror:
                 if not self._revision_waiters:
                     self._behind_since = None
 
+    async def catch_up(self, timeout: float) -> None:
+        """Write the beacon key and wait until the watch brings it back: the mirror then holds
+        everything etcd held before it. (etcd's revision alone can move by writes under other
+        prefixes, which no event here shows.) Raises StoreUnavailable if etcd does not take
+        the write, or the watch does not bring it back within ``timeout``."""
+        written = await self._etcd.put(self._keys.beacon(), self._name.encode())
+        await self.wait_for_revision(written, timeout)
+
     def _release_revision_waiters(self) -> None:
         released = False
         while self._revision_waiters and self._revision_waiters[0][0] <= self.revision:
@@ -612,11 +629,19 @@ class Mirror:
     async def _watch(self, backoff: Backoff) -> None:
         """Apply the watch's batches until it fails, or until it looks stuck (it brought back
         none of this replica's writes for :data:`WATCH_STUCK_AFTER`): then its member is
-        passed over and StoreUnavailable makes :meth:`run` resume it."""
+        passed over and StoreUnavailable makes :meth:`run` resume it. A quiet watch gets a
+        beacon (:meth:`_beacon_when_quiet`), so it always has a write of ours to bring back."""
         follow = asyncio.ensure_future(self._follow(backoff))
+        beacon = asyncio.ensure_future(self._beacon_when_quiet())
         try:
             while not follow.done():
-                await asyncio.wait({follow}, timeout=_STUCK_CHECK_EVERY)
+                await asyncio.wait(
+                    {follow, beacon},
+                    timeout=_STUCK_CHECK_EVERY,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                if beacon.done():
+                    beacon.result()  # it only ends by a bug: let the supervisor see it
                 behind = self._behind_since
                 if follow.done() or behind is None:
                     continue
@@ -634,6 +659,24 @@ class Mirror:
             follow.result()
         finally:
             follow.cancel()
+            beacon.cancel()
+            await asyncio.wait({follow, beacon})
+
+    async def _beacon_when_quiet(self) -> None:
+        """Each time the watch has brought nothing for :data:`WATCH_QUIET_AFTER`, write the
+        beacon and wait for it: a stuck watch then trips the rule of :meth:`_watch`."""
+        while True:
+            quiet_for = time.monotonic() - self._heard_at
+            if quiet_for < WATCH_QUIET_AFTER:
+                await asyncio.sleep(WATCH_QUIET_AFTER - quiet_for)
+                continue
+            self._heard_at = time.monotonic()  # one beacon per quiet interval
+            try:
+                await self.catch_up(MIRROR_LAG_TIMEOUT)
+            except StoreUnavailable as exc:
+                # etcd is down (the watch fails too and resumes on its own), or the watch is
+                # stuck and _watch has already passed its member over.
+                log.debug("watch beacon not seen: %s", exc)
 
     async def _follow(self, backoff: Backoff) -> None:
         async for batch in self._etcd.watch_prefix(self._keys.root, self.revision + 1):
@@ -690,10 +733,13 @@ class Mirror:
         for ref, kv in owned:
             self._owners.stored(ref, self._owner_of(ref, kv))
         self.revision = revision
+        self._heard_at = time.monotonic()
         self.synced.set()
         await self._notify(old | set(topics))
 
     async def _apply(self, batch: WatchBatch) -> None:
+        if batch.events:  # an empty batch (etcd's progress notification) is no news
+            self._heard_at = time.monotonic()
         topics: set[str] = set()
         for ev in batch.events:
             ref = self._keys.parse(ev.kv.key)

@@ -12,6 +12,8 @@ split back into its parts.
                                        the epochs it may act on (not mirrored: read on hello)
     nodes/<node>                       an agent for the node connected once: only such nodes
                                        can be pinned (not mirrored: read by SetGroupMembers)
+    beacon                             written by a replica to see its watch bring it back
+                                       (not state: its value is the last writer's ID)
     groups/<group>/meta                marks the group as existing
     groups/<group>/queue/<job>         a waiter, attached to its session; FIFO by create revision
     groups/<group>/holder              the hold; its create revision is the fencing epoch
@@ -154,10 +156,11 @@ class Keyspace:
     def fence(self, node: str) -> bytes:
         return self._k("fences", node)
 
-    def rejoin_marker(self) -> bytes:
-        """One key every rejoining replica writes, to see its own write come back through
-        its watch (see ``Orchestrator._rejoin``); outside the layout the mirror reads."""
-        return self._k("rejoin")
+    def beacon(self) -> bytes:
+        """One key every replica writes to see its own write come back through its watch
+        (``Mirror.catch_up``: on rejoin, and when the watch has been quiet); outside the
+        layout the mirror reads."""
+        return self._k("beacon")
 
     def known_node(self, node: str) -> bytes:
         return self._k("nodes", node)
