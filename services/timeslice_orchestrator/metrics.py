@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from timeslice_orchestrator.store.batch import TxnBatcher
 
 
 class Metrics:
@@ -127,4 +133,24 @@ class Metrics:
             "Bandwidth of the node's last directive that moved bytes, by kind",
             ["node", "kind"],
             registry=r,
+        )
+
+
+class BatchMetrics(Collector):
+    """How much the hot path's etcd transactions share requests (store/batch.py): their
+    ratio is the transactions per request."""
+
+    def __init__(self, batcher: TxnBatcher) -> None:
+        self._batcher = batcher
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "timeslice_etcd_batched_txns",
+            "Hot-path etcd transactions (enqueue, grant, release) sent by this replica",
+            value=self._batcher.txns_sent,
+        )
+        yield CounterMetricFamily(
+            "timeslice_etcd_batch_requests",
+            "etcd requests that carried them: one per transaction when nothing queues",
+            value=self._batcher.requests_sent,
         )

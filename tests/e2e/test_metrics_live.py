@@ -116,6 +116,11 @@ async def test_metrics_answer_operators_questions(cluster_factory: ClusterFactor
 
     # Per node and per phase, from the replica that drove the switches.
     replicas = [scrape(http) for http in cluster.replica_http]
+    # The hot path's etcd transactions (two holds: an acquire and a yield each, at least) and
+    # the requests that carried them (store/batch.py): never more requests than transactions.
+    txns = sum(total(s, "timeslice_etcd_batched_txns_total") for s in replicas)
+    requests = sum(total(s, "timeslice_etcd_batch_requests_total") for s in replicas)
+    assert txns >= 4 and 0 < requests <= txns, (txns, requests)
     nodes = sorted(sockets)
     for node in nodes:
         moved = sum(

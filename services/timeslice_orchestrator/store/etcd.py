@@ -29,6 +29,7 @@ from aetcd.rpc import rpc_pb2_grpc as pb_grpc
 
 from timeslice.targets import parse_targets
 from timeslice.tls import TlsFiles
+from timeslice_orchestrator.store.batch import TxnBatcher
 
 log = logging.getLogger(__name__)
 
@@ -515,6 +516,7 @@ class EtcdClient:
         self._keepalives: dict[int, _LeaseStream] = {}
         self._swept_at = 0.0
         self._watching: _Member | None = None  # the member the latest watch was opened on
+        self._batcher = TxnBatcher(self._send_txn)
 
     def _open_channels(self, credentials: grpc.ChannelCredentials | None) -> None:
         options = [*_CHANNEL_OPTIONS, ("grpc.max_receive_message_length", self._max_receive_bytes)]
@@ -623,11 +625,17 @@ class EtcdClient:
         return list(self._endpoints)
 
     @property
+    def batcher(self) -> TxnBatcher:
+        """What batches transactions (its counts: tests and benchmarks)."""
+        return self._batcher
+
+    @property
     def timeout(self) -> float:
         """The deadline of each call, in seconds."""
         return self._timeout
 
     async def close(self) -> None:
+        await self._batcher.close()
         for stream in self._keepalives.values():
             stream.close()
         self._keepalives.clear()
@@ -647,13 +655,16 @@ class EtcdClient:
         except grpc.aio.AioRpcError as exc:
             raise _typed(exc, limit) from exc
 
-    async def _attempts(self, stub: str, method: str, request: object, *, read: bool) -> Any:
+    async def _attempts(
+        self, stub: str, method: str, request: object, *, read: bool, deadline: float = 0.0
+    ) -> Any:
         """One unary call, on the current member and, if it fails as a member does, on the
         next (a read: always, within the deadline; a write: when it surely did not apply).
 
-        The deadline is gRPC's own, which costs no extra task. Raises the last
-        AioRpcError (the caller types it)."""
-        deadline = time.monotonic() + self._timeout
+        The deadline (``time.monotonic``; by default the client's timeout from now) is
+        gRPC's own, which costs no extra task. Raises the last AioRpcError (the caller types
+        it)."""
+        deadline = deadline or time.monotonic() + self._timeout
         while True:
             member = self._pick()
             remaining = deadline - time.monotonic()
@@ -774,16 +785,32 @@ class EtcdClient:
         resp = await self._unary("kv", "DeleteRange", req, read=False)
         return int(resp.deleted)
 
-    async def txn(self, txn: Txn) -> TxnResult:
-        resp = await self._unary("kv", "Txn", _txn_to_pb(txn), read=_reads_only(txn))
-        result = TxnResult(
-            succeeded=bool(resp.succeeded),
-            revision=int(resp.header.revision),
-        )
-        for r in resp.responses:
+    async def txn(self, txn: Txn, *, batch: str = "") -> TxnResult:
+        """Run ``txn``. With ``batch`` (its group) it may share one etcd request with the
+        transactions of other groups (:mod:`~timeslice_orchestrator.store.batch`): only for
+        a transaction whose revision means nothing outside that group."""
+        request = _txn_to_pb(txn)
+        if batch and not _reads_only(txn):
+            try:
+                answer = await self._batcher.txn(request, batch)
+            except grpc.aio.AioRpcError as exc:
+                raise _typed(exc, self._timeout) from exc
+            succeeded, revision, responses = answer.succeeded, answer.revision, answer.responses
+        else:
+            resp = await self._unary("kv", "Txn", request, read=_reads_only(txn))
+            succeeded, revision = bool(resp.succeeded), int(resp.header.revision)
+            responses = list(resp.responses)
+        result = TxnResult(succeeded=succeeded, revision=revision)
+        for r in responses:
             if r.WhichOneof("response") == "response_range":
                 result.reads.append([_kv(kv) for kv in r.response_range.kvs])
         return result
+
+    async def _send_txn(self, request: pb.TxnRequest, since: float) -> pb.TxnResponse:
+        response: pb.TxnResponse = await self._attempts(
+            "kv", "Txn", request, read=False, deadline=since + self._timeout
+        )
+        return response
 
     async def compact(self, revision: int) -> None:
         """Drop history before ``revision`` (operators and tests; etcd usually auto-compacts)."""

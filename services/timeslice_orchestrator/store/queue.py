@@ -169,7 +169,8 @@ class QueueStore(StoreBase):
                     self._create_group(group),
                 ],
                 failure=[Get(k.queue_entry(group, job)), Get(k.session(req.session_id))],
-            )
+            ),
+            batch=group,
         )
         if result.succeeded:
             return Enqueued(req, result.revision, result.revision, value, reattached=False)
@@ -230,7 +231,8 @@ class QueueStore(StoreBase):
                         else [Put(k.resident(group), free.resident.encode())]
                     ),
                 ],
-            )
+            ),
+            batch=group,
         )
         if not result.succeeded:
             return None
@@ -281,7 +283,8 @@ class QueueStore(StoreBase):
                 compare=[value_is(k.queue_entry(group, job), enqueued.entry_value)],
                 success=[Delete(k.queue_entry(group, job))],
                 failure=[Get(k.holder(group))],
-            )
+            ),
+            batch=group,
         )
         if result.succeeded or not result.reads[0]:
             return False
@@ -292,7 +295,8 @@ class QueueStore(StoreBase):
         if record.attempt != enqueued.attempt or holder.create_revision < enqueued.entry_revision:
             return False
         released = await self.etcd.txn(
-            Txn([modified_at(k.holder(group), holder.mod_revision)], [Delete(k.holder(group))])
+            Txn([modified_at(k.holder(group), holder.mod_revision)], [Delete(k.holder(group))]),
+            batch=group,
         )
         return released.succeeded
 
@@ -346,7 +350,8 @@ class QueueStore(StoreBase):
                 ],
                 [Delete(k.holder(group)), Put(k.usage(group), ledger.encode())],
                 [Get(k.holder(group))],
-            )
+            ),
+            batch=group,
         )
         if result.succeeded:
             return result.revision

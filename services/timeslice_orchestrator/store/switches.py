@@ -149,7 +149,8 @@ class SwitchStore(StoreBase):
             ops.append(Delete(k.switch(group)))
         else:
             compare.append(absent(k.switch(group)))
-        result = await self.etcd.txn(Txn(compare, ops))
+        # Batched: a hold's epoch is compared only within its group (never with a fence).
+        result = await self.etcd.txn(Txn(compare, ops), batch=group)
         return result.revision if result.succeeded else None
 
     async def begin_switch(
