@@ -4,8 +4,10 @@ keeps its own answer, one group's never share, and a refused part does not sink 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +16,7 @@ from timeslice_orchestrator.store.etcd import (
     Get,
     LeaseExpired,
     Put,
+    StoreUnavailable,
     Txn,
     absent,
 )
@@ -115,3 +118,29 @@ async def test_a_refused_part_fails_alone(etcd: EtcdClient) -> None:
     assert done == [i != 5 for i in range(12)]
     for i in range(12):
         assert (await etcd.get(p + f"g{i}".encode()) is None) == (i == 5)
+
+
+async def test_a_transaction_queued_behind_a_stalled_etcd_waits_no_longer_than_alone(
+    tmp_path: Path,
+) -> None:
+    """etcd stops answering (SIGSTOP) with two requests out and more transactions queued
+    behind them: every caller hears within about one deadline of asking, not two."""
+    with EtcdServer(tmp_path / "etcd") as server:
+        etcd = EtcdClient([server.endpoint], timeout=2.0)
+        try:
+            await etcd.put(b"/warm", b"up")
+            server.pause()
+            try:
+
+                async def put(i: int) -> float:
+                    asked = time.monotonic()
+                    with pytest.raises(StoreUnavailable):
+                        await etcd.txn(Txn([], [Put(f"/g{i}".encode(), b"x")]), batch=f"g{i}")
+                    return time.monotonic() - asked
+
+                waits = await asyncio.gather(*(put(i) for i in range(6)))
+            finally:
+                server.resume()
+            assert max(waits) < 3.0, waits  # two deadlines would be 4 s
+        finally:
+            await etcd.close()
