@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from tests.integration.groupstore import group_store
+from timeslice_orchestrator.store.etcd import EtcdClient
 from timeslice_orchestrator.store.groups import GroupStore
 from timeslice_tools.dev.etcd import EtcdServer
 
@@ -15,3 +16,11 @@ from timeslice_tools.dev.etcd import EtcdServer
 async def store(etcd_server: EtcdServer) -> AsyncIterator[GroupStore]:
     async with group_store(etcd_server.endpoint) as s:
         yield s
+
+
+@pytest.fixture
+async def etcd(etcd_server: EtcdServer) -> AsyncIterator[EtcdClient]:
+    """A client of the worker's etcd, closed after the test."""
+    client = EtcdClient([etcd_server.endpoint])
+    yield client
+    await client.close()

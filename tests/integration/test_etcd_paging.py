@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
 
 import pytest
 
@@ -30,13 +29,6 @@ from timeslice_orchestrator.store.records import HolderRecord, QueueRecord
 from timeslice_tools.dev.etcd import EtcdServer
 
 TXN_OPS = 128  # etcd's default --max-txn-ops
-
-
-@pytest.fixture
-async def etcd(etcd_server: EtcdServer) -> AsyncIterator[EtcdClient]:
-    client = EtcdClient([etcd_server.endpoint])
-    yield client
-    await client.close()
 
 
 def unique() -> bytes:

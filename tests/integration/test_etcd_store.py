@@ -27,13 +27,6 @@ from timeslice_orchestrator.store.etcd import (
 from timeslice_tools.dev.etcd import EtcdServer
 
 
-@pytest.fixture
-async def etcd(etcd_server: EtcdServer) -> AsyncIterator[EtcdClient]:
-    client = EtcdClient([etcd_server.endpoint])
-    yield client
-    await client.close()
-
-
 def unique() -> bytes:
     return f"/test/{uuid.uuid4().hex}/".encode()
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -21,13 +20,6 @@ from timeslice_orchestrator.store.etcd import (
     absent,
 )
 from timeslice_tools.dev.etcd import EtcdServer
-
-
-@pytest.fixture
-async def etcd(etcd_server: EtcdServer) -> AsyncIterator[EtcdClient]:
-    client = EtcdClient([etcd_server.endpoint])
-    yield client
-    await client.close()
 
 
 def unique() -> bytes:

@@ -11,7 +11,7 @@ import grpc
 import pytest
 from aetcd.rpc import rpc_pb2 as pb
 
-from timeslice_orchestrator.store.batch import TxnBatcher
+from timeslice_orchestrator.store.batch import Answer, TxnBatcher
 
 
 def _rpc_error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
@@ -69,6 +69,18 @@ async def _settle() -> None:
         await asyncio.sleep(0)
 
 
+async def _two_queued_behind_one(etcd: FakeEtcd) -> list[asyncio.Task[Answer]]:
+    """``a`` goes out alone and is answered; ``b`` and ``c`` (other groups), queued behind
+    it, go next in one request: their calls."""
+    batcher = TxnBatcher(etcd.send, in_flight=1)
+    first = asyncio.ensure_future(batcher.txn(_txn("a"), "g1"))
+    rest = [asyncio.ensure_future(batcher.txn(_txn(n), n)) for n in ("b", "c")]
+    await _settle()
+    etcd.release.set()
+    await first
+    return rest
+
+
 async def test_a_lone_transaction_goes_at_once_as_itself() -> None:
     etcd = FakeEtcd()
     etcd.release.set()
@@ -114,12 +126,7 @@ async def test_a_request_is_due_when_its_oldest_caller_is() -> None:
 async def test_an_unknown_outcome_goes_to_every_caller_and_nothing_is_sent_again() -> None:
     """No answer means the request may have applied: sending it again could apply it twice."""
     etcd = FakeEtcd(None, grpc.StatusCode.UNAVAILABLE)  # the second request: connection lost
-    batcher = TxnBatcher(etcd.send, in_flight=1)
-    first = asyncio.ensure_future(batcher.txn(_txn("a"), "g1"))
-    rest = [asyncio.ensure_future(batcher.txn(_txn(n), n)) for n in ("b", "c")]
-    await _settle()
-    etcd.release.set()
-    await first
+    rest = await _two_queued_behind_one(etcd)
     for call in rest:
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await call
@@ -129,12 +136,7 @@ async def test_an_unknown_outcome_goes_to_every_caller_and_nothing_is_sent_again
 
 async def test_a_request_refused_whole_is_sent_again_part_by_part() -> None:
     etcd = FakeEtcd(None, grpc.StatusCode.INVALID_ARGUMENT)  # say, a duplicate key
-    batcher = TxnBatcher(etcd.send, in_flight=1)
-    first = asyncio.ensure_future(batcher.txn(_txn("a"), "g1"))
-    rest = [asyncio.ensure_future(batcher.txn(_txn(n), n)) for n in ("b", "c")]
-    await _settle()
-    etcd.release.set()
-    await first
+    rest = await _two_queued_behind_one(etcd)
     answers = await asyncio.gather(*rest)
     assert all(a.succeeded for a in answers)
     assert [_names(r) for r in etcd.requests] == [["a"], ["b", "c"], ["b"], ["c"]]
