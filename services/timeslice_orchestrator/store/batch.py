@@ -23,6 +23,13 @@ When it batches, and why that is safe:
   gone, a duplicate key): then each transaction is sent again alone and gets its own answer.
   An error that leaves it unknown whether the request applied (no answer, a lost connection)
   goes to every caller, as it would have for each call alone.
+- A caller waits no longer than alone: its deadline counts from when it asked, and a request
+  is due when the earliest of its callers is. One whose turn comes with less than a quarter
+  of its deadline left is answered DEADLINE_EXCEEDED without being sent (the requests ahead
+  of it took the rest: etcd is stalled), so a request never goes with a deadline too short
+  for a healthy member, which would then be blamed for it.
+- Batches stay small (32 transactions, 32 KiB): a watch that catches up receives up to 1,000
+  revisions in one message, and each request is one revision.
 """
 
 from __future__ import annotations
@@ -41,9 +48,11 @@ log = logging.getLogger(__name__)
 # Requests out at once before transactions start waiting to share the next one.
 IN_FLIGHT = 2
 # etcd refuses more than 128 operations in one branch (--max-txn-ops) and requests over
-# 1.5 MiB (--max-request-bytes); stay well below both.
-MAX_TXNS = 64
-MAX_BYTES = 256 * 1024
+# 1.5 MiB (--max-request-bytes); the watch's catch-up messages (above) want less still.
+MAX_TXNS = 32
+MAX_BYTES = 32 * 1024
+# The share of its deadline a transaction must have left when its turn comes to be sent.
+MIN_SHARE_LEFT = 0.25
 
 # etcd's answers that refuse a request before any of it is applied: each part is sent alone.
 _REFUSED_WHOLE = frozenset(
@@ -69,34 +78,37 @@ class _Waiting:
     request: pb.TxnRequest
     key: str
     size: int
-    since: float = field(default_factory=time.monotonic)  # when its caller asked
+    due: float  # time.monotonic() by which its caller must have its answer
     answer: asyncio.Future[Answer] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
 
 
-# One etcd Txn call: the request, and since when (time.monotonic) its oldest caller has been
-# waiting, which is where the call's deadline counts from: queueing eats into it.
+# One etcd Txn call: the request and its deadline (time.monotonic()); raises AioRpcError.
 Send = Callable[[pb.TxnRequest, float], Awaitable[pb.TxnResponse]]
 
 
+def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
 class TxnBatcher:
-    """Sends transactions through ``send`` (one etcd Txn call, raising grpc's AioRpcError),
-    several at once when they queue up; see the module's docstring. A caller waits no longer
-    than it would alone: the deadline ``send`` applies counts from when the oldest of a
-    request's callers asked."""
+    """Sends transactions through ``send``, several in one request when they queue up, each
+    within ``timeout`` of its caller asking; see the module's docstring."""
 
     def __init__(
         self,
         send: Send,
+        timeout: float,
         *,
         in_flight: int = IN_FLIGHT,
         max_txns: int = MAX_TXNS,
         max_bytes: int = MAX_BYTES,
     ) -> None:
-        if in_flight < 1 or max_txns < 1:
-            raise ValueError("in_flight and max_txns must be at least 1")
+        if in_flight < 1 or max_txns < 1 or timeout <= 0:
+            raise ValueError("in_flight, max_txns and timeout must be positive")
         self._send = send
+        self._timeout = timeout
         self._in_flight = in_flight
         self._max_txns = max_txns
         self._max_bytes = max_bytes
@@ -108,25 +120,28 @@ class TxnBatcher:
 
     async def txn(self, request: pb.TxnRequest, key: str) -> Answer:
         """Run ``request``, batched with others of other keys when requests are out; raises
-        AioRpcError as the Txn call does."""
-        waiting = _Waiting(request, key, request.ByteSize())
+        AioRpcError as the Txn call does (CANCELLED once the client is closed)."""
+        if self._closed:
+            raise _error(grpc.StatusCode.CANCELLED, "the etcd client is closed")
+        waiting = _Waiting(request, key, request.ByteSize(), time.monotonic() + self._timeout)
         self._waiting.append(waiting)
         self._pump()
         return await waiting.answer
 
     async def close(self) -> None:
-        """Cancel requests still out; callers still waiting get CancelledError."""
+        """End the requests still out; every caller still waiting gets CANCELLED."""
         self._closed = True
+        closed = _error(grpc.StatusCode.CANCELLED, "the etcd client was closed")
         for task in list(self._requests):
             task.cancel()
         if self._requests:
             await asyncio.wait(self._requests)
         for waiting in self._waiting:
-            waiting.answer.cancel()
+            _settle(waiting, closed)
         self._waiting.clear()
 
     def _pump(self) -> None:
-        while self._waiting and len(self._requests) < self._in_flight:
+        while self._waiting and len(self._requests) < self._in_flight and not self._closed:
             batch = self._take()
             if not batch:
                 return
@@ -135,14 +150,25 @@ class TxnBatcher:
             task.add_done_callback(self._request_done)
 
     def _take(self) -> list[_Waiting]:
-        """The next request's transactions, oldest first: one per key, within the limits."""
+        """The next request's transactions, oldest first: one per key, within the limits.
+        Those whose callers left, or whose time is nearly out, are answered and dropped."""
         batch: list[_Waiting] = []
         keys: set[str] = set()
         size = 0
         left: list[_Waiting] = []
+        send_by = time.monotonic() + self._timeout * MIN_SHARE_LEFT
         for waiting in self._waiting:
             if waiting.answer.done():
                 continue  # its caller gave up before it was sent: it never runs
+            if waiting.due < send_by:
+                _settle(
+                    waiting,
+                    _error(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        "not sent: the deadline nearly passed while it waited for its turn",
+                    ),
+                )
+                continue
             fits = len(batch) < self._max_txns and (
                 not batch or size + waiting.size <= self._max_bytes
             )
@@ -153,6 +179,7 @@ class TxnBatcher:
             else:
                 left.append(waiting)
         self._waiting = left
+        self.txns_sent += len(batch)
         return batch
 
     def _request_done(self, task: asyncio.Task[None]) -> None:
@@ -160,8 +187,7 @@ class TxnBatcher:
         if not task.cancelled() and task.exception() is not None and not self._closed:
             # _run answers every caller itself; reaching here is a bug: make it visible.
             log.error("etcd batch request failed", exc_info=task.exception())
-        if not self._closed:
-            self._pump()
+        self._pump()
 
     async def _run(self, batch: list[_Waiting]) -> None:
         try:
@@ -169,38 +195,44 @@ class TxnBatcher:
                 await self._alone(batch[0])
                 return
             self.requests_sent += 1
-            self.txns_sent += len(batch)
             outer = pb.TxnRequest(success=[pb.RequestOp(request_txn=w.request) for w in batch])
             try:
-                response = await self._send(outer, min(w.since for w in batch))
+                response = await self._send(outer, min(w.due for w in batch))
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in _REFUSED_WHOLE:
+                if exc.code() in _REFUSED_WHOLE:
+                    response = None
+                else:
                     for waiting in batch:
                         _settle(waiting, exc)
                     return
+            if response is None:
                 # Nothing of it applied: each one alone finds out which part was refused.
-                await asyncio.gather(*(self._alone(w) for w in batch))
+                # (Rare, so they go at once, not counted against in_flight.)
+                outcomes = await asyncio.gather(
+                    *(self._alone(w) for w in batch), return_exceptions=True
+                )
+                for outcome in outcomes:
+                    if isinstance(outcome, BaseException):
+                        raise outcome
                 return
             revision = int(response.header.revision)
             for waiting, op in zip(batch, response.responses, strict=True):
                 own = op.response_txn
                 _settle(waiting, Answer(bool(own.succeeded), revision, list(own.responses)))
         except BaseException as exc:
-            for waiting in batch:
-                if isinstance(exc, asyncio.CancelledError):
-                    waiting.answer.cancel()
-                else:
-                    _settle(waiting, exc)
+            _settle_all(batch, exc)
             raise
 
     async def _alone(self, waiting: _Waiting) -> None:
         self.requests_sent += 1
-        self.txns_sent += 1
         try:
-            response = await self._send(waiting.request, waiting.since)
+            response = await self._send(waiting.request, waiting.due)
         except grpc.aio.AioRpcError as exc:
             _settle(waiting, exc)
             return
+        except BaseException as exc:
+            _settle_all([waiting], exc)
+            raise
         answer = Answer(
             bool(response.succeeded), int(response.header.revision), list(response.responses)
         )
@@ -209,8 +241,16 @@ class TxnBatcher:
 
 def _settle(waiting: _Waiting, outcome: Answer | BaseException) -> None:
     if waiting.answer.done():
-        return  # its caller was cancelled meanwhile
+        return  # answered already, or its caller was cancelled meanwhile
     if isinstance(outcome, Answer):
         waiting.answer.set_result(outcome)
     else:
         waiting.answer.set_exception(outcome)
+
+
+def _settle_all(batch: list[_Waiting], exc: BaseException) -> None:
+    """Answer callers a request could not: cancelled (the client closed) or a bug."""
+    if isinstance(exc, asyncio.CancelledError):
+        exc = _error(grpc.StatusCode.CANCELLED, "the etcd client was closed")
+    for waiting in batch:
+        _settle(waiting, exc)

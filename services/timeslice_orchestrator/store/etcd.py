@@ -379,8 +379,6 @@ ALL_FAILED_PAUSE = 0.1
 
 # Failures of one member rather than of the request: the call is sent elsewhere next time.
 _MEMBER_FAULTS = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-# A batched transaction with less time left than this when its turn comes is not sent.
-_BATCH_MIN_TRY = 0.05
 # UNAVAILABLE details meaning the request was never carried out: safe to send again even when
 # it writes. Anything else (a timeout, a connection lost mid-call) may have been applied.
 _NOT_APPLIED = (
@@ -518,7 +516,7 @@ class EtcdClient:
         self._keepalives: dict[int, _LeaseStream] = {}
         self._swept_at = 0.0
         self._watching: _Member | None = None  # the member the latest watch was opened on
-        self._batcher = TxnBatcher(self._send_txn)
+        self._batcher = TxnBatcher(self._send_txn, timeout)
 
     def _open_channels(self, credentials: grpc.ChannelCredentials | None) -> None:
         options = [*_CHANNEL_OPTIONS, ("grpc.max_receive_message_length", self._max_receive_bytes)]
@@ -808,17 +806,7 @@ class EtcdClient:
                 result.reads.append([_kv(kv) for kv in r.response_range.kvs])
         return result
 
-    async def _send_txn(self, request: pb.TxnRequest, since: float) -> pb.TxnResponse:
-        deadline = since + self._timeout
-        if deadline - time.monotonic() < _BATCH_MIN_TRY:
-            # Its time went by in the queue (the requests ahead of it took nearly the whole
-            # deadline): not sent, and no member is blamed for a timeout too short to meet.
-            raise grpc.aio.AioRpcError(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                grpc.aio.Metadata(),
-                grpc.aio.Metadata(),
-                "the deadline passed while the transaction waited for its turn",
-            )
+    async def _send_txn(self, request: pb.TxnRequest, deadline: float) -> pb.TxnResponse:
         response: pb.TxnResponse = await self._attempts(
             "kv", "Txn", request, read=False, deadline=deadline
         )
