@@ -17,6 +17,7 @@ from grpclib.client import Channel
 from grpclib.config import Configuration
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
+from timeslice._channel import LiveChannel
 from timeslice.backoff import Backoff
 from timeslice.errors import (
     InvalidArgument,
@@ -62,10 +63,10 @@ def open_channel(target: Target, tls: ReloadingContext | None = None) -> Channel
     certificate; a unix socket stays plaintext (it is local, guarded by its file mode).
     """
     if isinstance(target, UnixSocket):
-        return Channel(path=target.path, config=CHANNEL_CONFIG)
+        return LiveChannel(path=target.path, config=CHANNEL_CONFIG)
     if tls is not None:
         return TlsChannel(target, tls, CHANNEL_CONFIG)
-    return Channel(host=target.host, port=target.port, config=CHANNEL_CONFIG)
+    return LiveChannel(host=target.host, port=target.port, config=CHANNEL_CONFIG)
 
 
 def map_error(exc: BaseException, where: object) -> TimeSliceError | None:

@@ -23,10 +23,10 @@ import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from grpclib.client import Channel
 from grpclib.config import Configuration
 from grpclib.protocol import H2Protocol
 
+from timeslice._channel import LiveChannel
 from timeslice.errors import InvalidArgument
 from timeslice.targets import HostPort, Target, UnixSocket
 
@@ -204,7 +204,7 @@ TLS_SHUTDOWN_SECONDS = 1.0
 """How long closing a TLS connection waits for the peer's close_notify (asyncio: 30 s)."""
 
 
-class TlsChannel(Channel):
+class TlsChannel(LiveChannel):
     """A grpclib channel whose every new connection uses the current context of ``tls``.
 
     grpclib keeps one ``ssl`` for the channel's life; a reconnect after a rotation must
