@@ -18,11 +18,12 @@ from tests.conftest import ClusterFactory
 from tests.faults.harness import (
     check_switches,
     describe,
+    journals,
     replica_index,
     report_recovery,
     wait_for_status,
 )
-from timeslice import AsyncTimeSliceClient, register
+from timeslice import AsyncTimeSliceClient, Grant, register
 from timeslice_orchestrator.config import parse_args
 from timeslice_orchestrator.driver import DriverConfig
 from timeslice_proto.timeslice.v1 import GroupStatus, SwitchPhase
@@ -77,6 +78,31 @@ async def wait_for_phase(
         ) from None
 
 
+async def _park_b_state(
+    cluster: LocalCluster, a: AsyncTimeSliceClient, b: AsyncTimeSliceClient
+) -> Grant:
+    """Warm up so that b's state is parked on the host (its next restore then moves data and
+    takes long enough to be caught in), then give the group to a; returns a's grant.
+
+    b's first hold parks nothing when the replica serving it has not yet heard of b's worker
+    (the agent reports a registration asynchronously): nothing of b is known to be on the node,
+    so b is granted in place and a's switch checkpoints nothing of b. Its restore then moves
+    nothing and its RESTORE phase lasts a few milliseconds (a clean-clone run missed it so).
+    The agent's journal says whether b was checkpointed; if not, the warm-up runs again.
+    """
+    for _ in range(5):
+        await b.acquire("g", timeout=30)
+        await b.yield_("g")
+        first = await a.acquire("g", timeout=30)
+        if any(
+            e.kind == "checkpoint" and e.job == "b" and e.status == "ok" and e.bytes_moved > 0
+            for e in journals(cluster)
+        ):
+            return first
+        await a.yield_("g")
+    raise AssertionError(f"b's state never got parked on the host:\n{await describe(cluster, 'g')}")
+
+
 @pytest.mark.parametrize("phase", [SwitchPhase.CHECKPOINT, SwitchPhase.RESTORE])
 @pytest.mark.parametrize("repeat", REPEATS)
 async def test_killing_the_driver_mid_switch_loses_nothing(
@@ -90,10 +116,7 @@ async def test_killing_the_driver_mid_switch_loses_nothing(
             AsyncTimeSliceClient(cluster.targets, job_id="b") as b,
             AsyncTimeSliceClient(cluster.targets, job_id="observer") as observer,
         ):
-            # Warm up so that b's state is parked on the host: its restore then moves data.
-            await b.acquire("g", timeout=30)
-            await b.yield_("g")
-            first = await a.acquire("g", timeout=30)
+            first = await _park_b_state(cluster, a, b)
             waiter = asyncio.create_task(b.acquire("g", timeout=60))
             await wait_for_status(observer, "g", lambda s: [q.job_id for q in s.queue] == ["b"], 10)
             await a.yield_("g")
