@@ -18,6 +18,7 @@ never queues behind its own stale hold.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -40,6 +41,22 @@ _RETRY_INITIAL = 0.1
 _RETRY_MAX = 1.0
 
 
+class ReleaseOutcome(enum.Enum):
+    """How a pending release ended."""
+
+    PENDING = "pending"
+    RELEASED = "released"
+    """The orchestrator confirmed the Yield."""
+    GONE = "gone"
+    """The orchestrator no longer had the hold (a try whose answer was lost had landed)."""
+    SESSION_ENDED = "session ended"
+    """The session ended first; the orchestrator drops its holds with it."""
+    CLIENT_CLOSED = "client closed"
+    """The client closed its session, and the session's holds with it."""
+    FAILED = "failed"
+    """An error a retry does not fix; the hold stays until the session ends."""
+
+
 class PendingRelease:
     """The release of a hold that its yield could not confirm; see the module docstring.
 
@@ -59,9 +76,9 @@ class PendingRelease:
         self._wake = asyncio.Event()
         self._finished = asyncio.Event()
         self.attempts = 0
-        self.outcome = "pending"
-        """How it ended: ``released``, ``gone`` (the orchestrator no longer had the hold),
-        ``session ended``, or the error that stopped it."""
+        self.outcome = ReleaseOutcome.PENDING
+        self.error: TimeSliceError | None = None
+        """What ended it, when that was not the orchestrator's confirmation."""
         self.answered = False
         """Whether the job has been told of it: a later ``acquire`` of the group began, a
         ``yield_`` of it returned once it ended, or the hold was never the job's to yield
@@ -80,6 +97,22 @@ class PendingRelease:
         self.wake()
         await self._finished.wait()
 
+    def raise_unless_released(self, job: str) -> None:
+        """For the job's retry of the yield, once the release has ended: return when the
+        hold is off the orchestrator, raise why it is not (or not known to be) otherwise."""
+        if self.outcome in (ReleaseOutcome.RELEASED, ReleaseOutcome.GONE):
+            return
+        if self.outcome is ReleaseOutcome.SESSION_ENDED:
+            reason = f": {self.error}" if self.error is not None else ""
+            raise SessionExpired(
+                f"the session of job {job} ended before the release of group {self.group} "
+                f"(epoch {self.epoch}) was confirmed{reason}; its holds go with it"
+            )
+        if self.error is not None:
+            raise self.error
+        # Closed, or its task cancelled (the client is closing) before an answer.
+        raise Cancelled(f"the release of group {self.group} was stopped: the client closed")
+
     async def run(self) -> None:
         """Send Yield until the orchestrator answers it, or the session ends."""
         backoff = Backoff(_RETRY_INITIAL, _RETRY_MAX)
@@ -94,14 +127,16 @@ class PendingRelease:
                 except (NotHolder, PermissionDenied) as exc:
                     # A previous try landed, or the hold went another way (its session expired
                     # on the server): either way it is no longer ours.
-                    self.outcome = "gone"
+                    self.outcome = ReleaseOutcome.GONE
                     log.info("release of %s: the hold is already gone (%s)", self.group, exc)
                     return
                 except SessionExpired as exc:
+                    self.error = exc
                     self.session.lose(f"Yield: {exc}")
                     break
-                except Cancelled:
-                    self.outcome = "client closed"  # its session is closed: holds released
+                except Cancelled as exc:
+                    self.outcome = ReleaseOutcome.CLIENT_CLOSED
+                    self.error = exc
                     return
                 except (Unavailable, Timeout) as exc:
                     log.warning(
@@ -119,7 +154,8 @@ class PendingRelease:
                     continue
                 except TimeSliceError as exc:
                     # Not something a retry fixes (a bug on one side): say so, and stop.
-                    self.outcome = repr(exc)
+                    self.outcome = ReleaseOutcome.FAILED
+                    self.error = exc
                     log.error(
                         "release of %s (epoch %d) failed for good; the hold stays until the "
                         "session ends: %s",
@@ -128,7 +164,7 @@ class PendingRelease:
                         exc,
                     )
                     return
-                self.outcome = "released"
+                self.outcome = ReleaseOutcome.RELEASED
                 log.info(
                     "release of %s (epoch %d) confirmed after %d tries",
                     self.group,
@@ -136,6 +172,16 @@ class PendingRelease:
                     self.attempts,
                 )
                 return
-            self.outcome = "session ended"
+            if self.session.lost_reason is None:
+                self.outcome = ReleaseOutcome.CLIENT_CLOSED  # closed: its holds with it
+                return
+            self.outcome = ReleaseOutcome.SESSION_ENDED
+            log.warning(
+                "release of %s (epoch %d) ends with its session, after %d tries: the "
+                "orchestrator drops the session's holds with it",
+                self.group,
+                self.epoch,
+                self.attempts,
+            )
         finally:
             self._finished.set()

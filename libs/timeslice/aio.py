@@ -825,11 +825,13 @@ class AsyncTimeSliceClient:
                     f"confirmed after {pending.attempts} tries; it goes on in the background"
                 ) from None
             self._answer_release(group)
+            pending.raise_unless_released(self._job_id)
             return
         listed = self._releasing.get(group)
         if listed is not None and not listed.answered and group not in self._grants:
             # The same, when that release has already ended: the retry is answered once.
             self._answer_release(group)
+            listed.raise_unless_released(self._job_id)
             return
         grant = self._grants.get(group)
         session = self._session

@@ -16,6 +16,7 @@ from grpclib.const import Status
 
 from tests.sdk.fakes import FakeOrchestrator, OrchestratorState
 from timeslice import AsyncTimeSliceClient, NotHolder, Timeout, Unavailable
+from timeslice.errors import InvalidArgument, SessionExpired
 
 # Long enough for a first call on a loaded machine (a connection, a session: 1 s was too short
 # once, with two suites on the 2 cores); each failed yield waits all of it.
@@ -115,15 +116,60 @@ async def test_losing_the_session_ends_a_pending_release(orch: FakeOrchestrator)
         assert client.grants() == {"g1": grant}
 
 
+async def test_yield_again_after_the_session_ended_says_so(
+    orch: FakeOrchestrator, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The release ended because the session did, not because the orchestrator confirmed
+    it: the job's retry of the yield must not return as if it had (the hold goes with the
+    session, but the job has lost every other hold of it too)."""
+    async with AsyncTimeSliceClient(
+        orch.target, job_id="job-a", call_timeout=CALL_TIMEOUT, session_ttl=60
+    ) as client:
+        await client.acquire("g1")
+        session = client.session_id
+        assert session is not None
+        await _failed_yield(orch, client)
+        orch.do(lambda s: s.end_session(session))
+        orch.do(_yield_answers)
+        with caplog.at_level(logging.WARNING, logger="timeslice"):
+            with pytest.raises(SessionExpired, match="ended before the release of group g1"):
+                await client.yield_("g1")
+        assert any("ends with its session" in r.message for r in caplog.records)
+        # Answered once: the next yield has nothing to give back.
+        with pytest.raises(NotHolder):
+            await client.yield_("g1")
+
+
+async def test_yield_again_after_the_release_failed_for_good_raises_why(
+    orch: FakeOrchestrator,
+) -> None:
+    async with _client(orch) as client:
+        await client.acquire("g1")
+        await _failed_yield(orch, client)
+
+        def refuse(state: OrchestratorState) -> None:
+            state.fail["Yield"] = grpclib.GRPCError(
+                Status.INVALID_ARGUMENT, "[invalid_argument] a bug on one side"
+            )
+
+        orch.do(refuse)
+        with pytest.raises(InvalidArgument, match="a bug on one side"):
+            await client.yield_("g1")
+        # The server still has the hold: nothing said otherwise.
+        assert orch.do(lambda s: s.holder_of("g1")) == "job-a"
+
+
 async def test_close_ends_a_pending_release_quietly(
     orch: FakeOrchestrator, caplog: pytest.LogCaptureFixture
 ) -> None:
     client = _client(orch)
     await client.acquire("g1")
     await _failed_yield(orch, client)
-    with caplog.at_level(logging.ERROR, logger="timeslice"):
+    with caplog.at_level(logging.WARNING, logger="timeslice"):
         await asyncio.wait_for(client.close(), 5)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    # Closing is not the session ending under the job.
+    assert not [r for r in caplog.records if "ends with its session" in r.message]
     # CloseSession ended the session, and its hold with it.
     assert orch.do(lambda s: s.holder_of("g1")) is None
 

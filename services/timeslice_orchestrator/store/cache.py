@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from timeslice.backoff import Backoff
 from timeslice_orchestrator.store.etcd import (
     EtcdClient,
+    EtcdRewound,
     EventType,
     KeyValue,
     MustRelist,
@@ -204,6 +205,10 @@ class Mirror:
         self._heard_at = time.monotonic()
         self._seq = 0
         self.reconnects = 0
+        self.rewinds = 0
+        """Times etcd was found behind the mirror (it lost acknowledged writes): re-listed."""
+        # Set by a beacon write that came back at or below the mirror's revision.
+        self._rewound: EtcdRewound | None = None
 
     # -- reading ------------------------------------------------------------------------
 
@@ -591,7 +596,17 @@ class Mirror:
         everything etcd held before it. (etcd's revision alone can move by writes under other
         prefixes, which no event here shows.) Raises StoreUnavailable if etcd does not take
         the write, or the watch does not bring it back within ``timeout``."""
+        # Read before the write: the watch may bring the write back before its answer.
+        seen = self.revision
         written = await self._etcd.put(self._keys.beacon(), self._name.encode())
+        if written <= seen:
+            # A new write not past what the mirror had seen before it: etcd lost writes (its
+            # revisions are being used again), which no watch reports. _watch re-lists.
+            self._rewound = EtcdRewound(
+                f"etcd wrote the beacon at revision {written}, not past revision {seen} that "
+                f"this replica had seen: it lost writes it had acknowledged"
+            )
+            raise StoreUnavailable(str(self._rewound))
         await self.wait_for_revision(written, timeout)
 
     def _release_revision_waiters(self) -> None:
@@ -609,13 +624,26 @@ class Mirror:
     # -- maintaining --------------------------------------------------------------------
 
     async def run(self) -> None:
-        """List, then watch from the next revision; re-list on compaction, resume on errors."""
+        """List, then watch from the next revision; re-list on compaction, resume on errors.
+
+        A watch resumed after an error first checks that etcd is not behind the mirror: a
+        watch from a revision etcd has not reached (it lost writes) waits silently for new
+        ones and would skip those that reuse the lost revisions."""
         backoff = Backoff(jitter=False)
+        resuming = False
         while True:
             try:
                 if not self.synced.is_set():
                     await self._relist()
+                elif resuming:
+                    await self._check_not_rewound()
+                resuming = False
                 await self._watch(backoff)
+            except EtcdRewound as exc:
+                self.rewinds += 1
+                self._rewound = None
+                log.error("%s; re-listing", exc)
+                self.synced.clear()
             except MustRelist as exc:
                 # The watch's start, or the revision a paged list was being read at, is gone,
                 # or a watch response did not fit: list afresh and watch on from there.
@@ -623,8 +651,17 @@ class Mirror:
                 self.synced.clear()
             except StoreUnavailable as exc:
                 self.reconnects += 1
+                resuming = True
                 log.warning("etcd watch interrupted (%s); resuming from %d", exc, self.revision + 1)
                 await asyncio.sleep(backoff.next_delay())
+
+    async def _check_not_rewound(self) -> None:
+        current = await self._etcd.revision(self._keys.root)
+        if current < self.revision:
+            raise EtcdRewound(
+                f"etcd is at revision {current}, behind revision {self.revision} that this "
+                f"replica has seen: it lost writes it had acknowledged"
+            )
 
     async def _watch(self, backoff: Backoff) -> None:
         """Apply the watch's batches until it fails, or until it looks stuck (it brought back
@@ -642,6 +679,8 @@ class Mirror:
                 )
                 if beacon.done():
                     beacon.result()  # it only ends by a bug: let the supervisor see it
+                if self._rewound is not None:
+                    raise self._rewound
                 behind = self._behind_since
                 if follow.done() or behind is None:
                     continue

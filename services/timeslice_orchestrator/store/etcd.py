@@ -62,6 +62,13 @@ class WatchCompacted(Compacted):
     """The watch start revision was compacted away; the caller must re-list."""
 
 
+class EtcdRewound(MustRelist):
+    """etcd's revision is behind one already seen from it: it lost writes it had acknowledged
+    (restored from an older backup, or a single-member etcd before 3.5.5 / 3.4.21 that crashed
+    right after answering, etcd-io/etcd#14370). What was seen of the lost history is wrong
+    now, so the caller lists again."""
+
+
 class WatchTooLarge(MustRelist):
     """A watch response exceeded the receive limit. Resuming would ask for it again, so the
     caller re-lists (paged) past it and watches on from there."""
@@ -771,6 +778,13 @@ class EtcdClient:
     async def _page(self, key: bytes, end: bytes, limit: int, revision: int) -> Any:
         request = pb.RangeRequest(key=key, range_end=end, limit=limit, revision=revision)
         return await self._attempts("kv", "Range", request, read=True)
+
+    async def revision(self, key: bytes) -> int:
+        """etcd's current revision, from a linearizable read of ``key`` (a key the client may
+        read: with auth on, one under its prefix)."""
+        request = pb.RangeRequest(key=key, count_only=True)
+        resp = await self._unary("kv", "Range", request, read=True)
+        return int(resp.header.revision)
 
     async def put(self, key: bytes, value: bytes, *, lease: int = 0) -> int:
         resp = await self._unary(
