@@ -315,6 +315,10 @@ def register(
 ) -> WorkerRegistration:
     """Register this worker process with its node's timeslice agent.
 
+    Returns once the agent has the worker and, when the agent is connected to an orchestrator
+    that confirms it, once the orchestrator has recorded it (at most 5 s more): an
+    ``acquire`` right after ``register`` is then planned with this worker's device state.
+
     Args:
         group_id: the accelerator group the worker's devices belong to.
         job_id: the job; default ``TIMESLICE_JOB_ID``.

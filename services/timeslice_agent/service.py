@@ -55,6 +55,9 @@ DRAIN_SECONDS = 5.0
 SETTLE_SECONDS = 60.0
 DISCOVERY_INTERVAL_SECONDS = 2.0
 CLOSE_SECONDS = 5.0
+# How long a registration waits for the orchestrator to record it (the SDK's register() waits
+# 10 s for the agent by default).
+REGISTRATION_RECORD_SECONDS = 5.0
 _MAX_UNIX_PATH = 107
 # Owner and group may connect; nobody else (registering is a request to be frozen/checkpointed).
 WORKER_SOCKET_MODE = 0o660
@@ -205,6 +208,21 @@ class Agent:
         self.executor.on_workers_changed(job_id)
         self.link.workers_changed()
 
+    async def _registration_recorded(self) -> None:
+        """Until the orchestrator has the worker set as it is now in etcd: a worker told it is
+        registered may acquire at once, and a grant planned without it would leave its
+        device state beside the holder's. Bounded; without a confirming orchestrator
+        stream it does not wait (the worker goes out with the next hello)."""
+        version = self.link.workers_version
+        if not await self.link.workers_recorded(version, REGISTRATION_RECORD_SECONDS):
+            if self.link.ready and self.link.records_workers:
+                log.warning(
+                    "the orchestrator has not confirmed worker set %d within %g s; telling "
+                    "the worker it is registered anyway",
+                    version,
+                    REGISTRATION_RECORD_SECONDS,
+                )
+
     def _on_registration_refused(self, reason: str) -> None:
         self.metrics.registrations_refused.labels(reason).inc()
 
@@ -345,7 +363,13 @@ class Agent:
         # Strict decoding and a size limit: a worker's malformed or oversized message is
         # refused, typed, before a handler runs (timeslice.wire).
         self._grpc = strict_server(
-            [WorkerLinkService(self.registry, on_refused=self._on_registration_refused)],
+            [
+                WorkerLinkService(
+                    self.registry,
+                    on_refused=self._on_registration_refused,
+                    recorded=self._registration_recorded,
+                )
+            ],
             cfg.max_message_bytes,
         )
         sock = await asyncio.to_thread(

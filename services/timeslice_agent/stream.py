@@ -128,6 +128,12 @@ class OrchestratorLink:
         self._heartbeat_seq = 0
         self._last_tick = 0.0  # loop time the heartbeat ticker last ran
         self._stall = ""  # why the current stream is not trusted with directives ("" if it is)
+        # Versions of the worker set: the latest, and the latest the orchestrator recorded in
+        # etcd (only a Welcome with records_workers confirms; older replicas never do).
+        self._workers_version = 0
+        self._recorded_version = 0
+        self._records_workers = False
+        self._recorded_changed = asyncio.Event()
 
     @property
     def ready(self) -> bool:
@@ -137,6 +143,43 @@ class OrchestratorLink:
     def _set_ready(self, ready: bool) -> None:
         self._ready = ready
         self._metrics.stream_connected.set(1 if ready else 0)
+        self._notify_recorded()
+
+    def _notify_recorded(self) -> None:
+        changed, self._recorded_changed = self._recorded_changed, asyncio.Event()
+        changed.set()
+
+    @property
+    def records_workers(self) -> bool:
+        """Whether the current stream's orchestrator confirms recorded worker sets."""
+        return self._records_workers
+
+    @property
+    def workers_version(self) -> int:
+        """The version of the worker set: it counts up at each :meth:`workers_changed`."""
+        return self._workers_version
+
+    async def workers_recorded(self, version: int, timeout: float) -> bool:
+        """Wait until the orchestrator has the worker set of ``version`` in etcd.
+
+        True once it has. False at once when no stream is up or its orchestrator does not
+        confirm (a replica older than WorkersRecorded), and False when the stream ends or
+        ``timeout`` passes first: the workers then reach the orchestrator with the next
+        WorkersChanged or hello, unconfirmed.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._recorded_version < version:
+            remaining = deadline - loop.time()
+            if not self._ready or not self._records_workers or remaining <= 0:
+                return False
+            changed = self._recorded_changed
+            try:
+                async with asyncio.timeout(remaining):
+                    await changed.wait()
+            except TimeoutError:
+                return False
+        return True
 
     def send_ack(self, ack: DirectiveAck) -> None:
         """Queue an ack; it is sent on the current stream or the next one."""
@@ -172,6 +215,7 @@ class OrchestratorLink:
 
     def workers_changed(self) -> None:
         """Note that the worker set changed; a full WorkersChanged goes out on the stream."""
+        self._workers_version += 1
         self._workers_dirty = True
         self._wake.set()
 
@@ -221,14 +265,24 @@ class OrchestratorLink:
                     await self._settle()
                 # The hello carries the full worker list, so a pending change is covered by it.
                 self._workers_dirty = False
+                covered = self._workers_version
                 await stream.send_message(AgentMessage(hello=self._hello()))
-                await self._await_welcome(stream, target)
+                welcome = await self._await_welcome(stream, target)
+                self._records_workers = welcome.records_workers
+                if welcome.records_workers:
+                    # Such a replica records the hello's workers before it welcomes.
+                    self._workers_recorded_up_to(covered)
                 self._backoff.reset()
                 await self._serve(stream)
         finally:
             channel.close()
 
-    async def _await_welcome(self, stream: _AgentStream, target: Endpoint) -> None:
+    def _workers_recorded_up_to(self, version: int) -> None:
+        if version > self._recorded_version:
+            self._recorded_version = version
+            self._notify_recorded()
+
+    async def _await_welcome(self, stream: _AgentStream, target: Endpoint) -> Welcome:
         try:
             async with asyncio.timeout(self._welcome_timeout):
                 first = await stream.recv_message()
@@ -255,6 +309,7 @@ class OrchestratorLink:
             target,
             self.replica_id or "?",
         )
+        return welcome
 
     async def _serve(self, stream: _AgentStream) -> None:
         # Acks queued while no stream was up go out first.
@@ -306,7 +361,8 @@ class OrchestratorLink:
                 )
             if self._workers_dirty:
                 self._workers_dirty = False
-                message = AgentMessage(workers=WorkersChanged(workers=self._workers()))
+                changed = WorkersChanged(workers=self._workers(), seq=self._workers_version)
+                message = AgentMessage(workers=changed)
                 await stream.send_message(message)
             while self._acks:
                 await stream.send_message(AgentMessage(ack=self._acks[0]))
@@ -320,8 +376,12 @@ class OrchestratorLink:
                 raise StreamClosed("the orchestrator ended the stream")
             if message.directive is not None:
                 self._on_directive(message.directive)
+            elif message.workers_recorded is not None:
+                self._workers_recorded_up_to(message.workers_recorded.seq)
             elif message.welcome is not None:
                 self.replica_id = message.welcome.replica_id
+                self._records_workers = message.welcome.records_workers
+                self._notify_recorded()
                 if self._on_welcome is not None:
                     self._on_welcome(message.welcome)
                 log.info("orchestrator replica is now %s", self.replica_id)

@@ -29,7 +29,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpclib.const
@@ -369,10 +369,14 @@ class WorkerLinkService:
         *,
         own_pid: int | None = None,
         on_refused: Callable[[str], None] | None = None,
+        recorded: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._registry = registry
         self._own_pid = os.getpid() if own_pid is None else own_pid
         self._on_refused = on_refused
+        # Awaited between adding a registration and telling the worker: until the
+        # orchestrator has it (bounded), so an acquire right after is planned with it.
+        self._recorded = recorded
 
     async def _authorize(
         self, stream: grpclib.server.Stream[WorkerInfo, WorkerCommand], info: WorkerInfo
@@ -438,6 +442,8 @@ class WorkerLinkService:
             raise _grpc_error(exc) from None
         reason = "stream ended"
         try:
+            if self._recorded is not None:
+                await self._recorded()
             await stream.send_message(
                 WorkerCommand(
                     command_id=f"registered-{reg.reg_id}",

@@ -45,6 +45,7 @@ from timeslice_proto.timeslice.v1 import (
     OrchestratorMessage,
     Welcome,
     WorkerInfo,
+    WorkersRecorded,
 )
 
 log = logging.getLogger(__name__)
@@ -227,6 +228,7 @@ class AgentHub(AgentHubBase):
                     fence_revision=floor,
                     heartbeat_interval_ms=int(self.heartbeat_interval * 1000),
                     liveness_timeout_ms=int(self._liveness_timeout * 1000),
+                    records_workers=True,
                 )
             )
             closed = asyncio.ensure_future(conn.closed.wait())
@@ -417,9 +419,13 @@ class AgentHub(AgentHubBase):
                     fut.set_result(msg.ack)
             elif msg.workers is not None:
                 conn.record.workers = _worker_records(msg.workers.workers)
-                await self._store.publish_agent(
+                revision = await self._store.publish_agent(
                     conn.record, conn.lease, fence_revision=conn.fence_revision
                 )
+                if msg.workers.seq:
+                    # The agent holds the registrations of this change until it hears this.
+                    recorded = WorkersRecorded(seq=msg.workers.seq, revision=revision)
+                    await conn.outgoing.put(OrchestratorMessage(workers_recorded=recorded))
 
     async def execute(self, node: str, directive: Directive, timeout: float) -> DirectiveAck:
         """Send one directive and wait for its ack (at most ``timeout`` seconds)."""

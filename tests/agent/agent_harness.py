@@ -33,6 +33,7 @@ from timeslice_proto.timeslice.v1 import (
     OrchestratorMessage,
     Welcome,
     WorkersChanged,
+    WorkersRecorded,
 )
 
 WORKER_SCRIPT = Path(__file__).with_name("agent_worker.py")
@@ -42,8 +43,11 @@ WAIT = 10.0
 class FakeHub(AgentHubBase):
     """The orchestrator's side of ``AgentHub.Connect``, recording what the agent sends."""
 
-    def __init__(self, replica_id: str = "test-hub") -> None:
+    def __init__(self, replica_id: str = "test-hub", *, records_workers: bool = False) -> None:
         self.replica_id = replica_id
+        # As a replica that confirms worker sets does (the test confirms with record()); an
+        # older one does not.
+        self.records_workers = records_workers
         self.hellos: asyncio.Queue[AgentHello] = asyncio.Queue()
         self.workers: asyncio.Queue[WorkersChanged] = asyncio.Queue()
         self._acks: asyncio.Queue[DirectiveAck] = asyncio.Queue()
@@ -65,7 +69,8 @@ class FakeHub(AgentHubBase):
         get: asyncio.Future[OrchestratorMessage] | None = None
         self.active += 1
         try:
-            yield OrchestratorMessage(welcome=Welcome(replica_id=self.replica_id))
+            welcome = Welcome(replica_id=self.replica_id, records_workers=self.records_workers)
+            yield OrchestratorMessage(welcome=welcome)
             while True:
                 get = asyncio.ensure_future(self._out.get())
                 done, _ = await asyncio.wait(
@@ -104,6 +109,11 @@ class FakeHub(AgentHubBase):
 
         await eventually(idle, timeout, "the hub's streams to end")
         self._closing.clear()
+
+    def record(self, seq: int) -> None:
+        """Tell the agent the workers of its WorkersChanged ``seq`` are recorded."""
+        recorded = WorkersRecorded(seq=seq, revision=seq)
+        self._out.put_nowait(OrchestratorMessage(workers_recorded=recorded))
 
     def send(self, directive: Directive) -> None:
         self._out.put_nowait(OrchestratorMessage(directive=directive))
@@ -172,8 +182,10 @@ def directive(
 
 
 @contextlib.asynccontextmanager
-async def running_hub(port: int = 0) -> AsyncIterator[tuple[FakeHub, int]]:
-    hub = FakeHub()
+async def running_hub(
+    port: int = 0, *, records_workers: bool = False
+) -> AsyncIterator[tuple[FakeHub, int]]:
+    hub = FakeHub(records_workers=records_workers)
     server = Server([hub])
     await server.start("127.0.0.1", port)
     assert server._server is not None

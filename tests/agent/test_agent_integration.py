@@ -200,6 +200,54 @@ async def test_registration_is_validated_and_lives_with_the_stream(
     assert await agent.metric("timeslice_agent_registered_workers") == 0
 
 
+async def _registered(stub: WorkerLinkStub) -> AsyncGenerator[WorkerCommand, None]:
+    # The generated stub says AsyncIterator; the call returns an async generator.
+    return cast(
+        AsyncGenerator[WorkerCommand, None],
+        stub.register(WorkerInfo(job_id="j", group_id="g", pid=os.getpid())),
+    )
+
+
+async def test_a_registration_returns_once_the_orchestrator_recorded_it(
+    agents: AgentFactory,
+) -> None:
+    """A worker may acquire as soon as it is registered: the orchestrator must know of it
+    by then, or it plans that grant without the worker's device state."""
+    async with running_hub(records_workers=True) as (h, port):
+        agent = await agents(f"127.0.0.1:{port}").start()
+        await h.next_hello()
+        channel = Channel(path=str(agent.socket))
+        try:
+            commands = await _registered(WorkerLinkStub(channel))
+            first = asyncio.ensure_future(anext(commands))
+            changed = await h.next_workers()
+            assert [w.pid for w in changed.workers] == [os.getpid()] and changed.seq > 0
+            await asyncio.sleep(0.5)
+            assert not first.done()  # not before the orchestrator has it
+            h.record(changed.seq)
+            assert (await asyncio.wait_for(first, 5)).kind.name == "REGISTERED"
+            await commands.aclose()
+        finally:
+            channel.close()
+
+
+async def test_a_registration_does_not_wait_for_an_orchestrator_that_never_confirms(
+    hub: tuple[FakeHub, int], agents: AgentFactory
+) -> None:
+    """A replica older than WorkersRecorded (its Welcome does not offer it): at once."""
+    h, port = hub
+    agent = await agents(f"127.0.0.1:{port}").start()
+    await h.next_hello()
+    channel = Channel(path=str(agent.socket))
+    try:
+        commands = await _registered(WorkerLinkStub(channel))
+        first = await asyncio.wait_for(anext(commands), 4.0)
+        assert first.kind.name == "REGISTERED"
+        await commands.aclose()
+    finally:
+        channel.close()
+
+
 async def test_freeze_backend_stops_worker_process_and_refuses_acquirer(
     hub: tuple[FakeHub, int], agents: AgentFactory
 ) -> None:

@@ -241,7 +241,7 @@ class MemberStore(StoreBase):
         """A keeper that refreshes the agent lease while the agent's stream is held here."""
         return LeaseKeeper(self.etcd, lease, ttl)
 
-    async def publish_agent(self, record: AgentRecord, lease: int, *, fence_revision: int) -> None:
+    async def publish_agent(self, record: AgentRecord, lease: int, *, fence_revision: int) -> int:
         """Write the agent's record (its workers) on the agent lease, unless the node was
         fenced since its hello read ``fence_revision`` (its fence key's revision; 0: never).
 
@@ -251,7 +251,7 @@ class MemberStore(StoreBase):
         FailedPrecondition then: the stream ends and the agent's next hello sees the fence.
 
         The node is also remembered for good (``nodes/<node>``, on no lease): a node that is
-        away can still be pinned, one that never existed cannot.
+        away can still be pinned, one that never existed cannot. Returns the write's revision.
         """
         node = record.node
         known = self.keys.known_node(node)
@@ -269,3 +269,4 @@ class MemberStore(StoreBase):
             raise FailedPrecondition(
                 f"node {node} was fenced after its hello read fence revision {fence_revision}"
             )
+        return result.revision

@@ -59,6 +59,7 @@ __all__ = (
     "WorkerLinkBase",
     "WorkerLinkStub",
     "WorkersChanged",
+    "WorkersRecorded",
     "YieldRequest",
     "YieldResponse",
 )
@@ -970,6 +971,10 @@ class OrchestratorMessage(betterproto2.Message):
         2, betterproto2.TYPE_MESSAGE, optional=True, group="body"
     )
 
+    workers_recorded: "WorkersRecorded | None" = betterproto2.field(
+        3, betterproto2.TYPE_MESSAGE, optional=True, group="body"
+    )
+
 
 default_message_pool.register_message("timeslice.v1", "OrchestratorMessage", OrchestratorMessage)
 
@@ -1081,6 +1086,12 @@ class Welcome(betterproto2.Message):
     half of it refuses directives until it has said hello again.
     """
 
+    records_workers: "bool" = betterproto2.field(5, betterproto2.TYPE_BOOL)
+    """
+    True when the orchestrator answers each WorkersChanged with a seq by WorkersRecorded (the
+    hello's workers are recorded before this Welcome). Older replicas leave it false.
+    """
+
 
 default_message_pool.register_message("timeslice.v1", "Welcome", Welcome)
 
@@ -1139,8 +1150,30 @@ default_message_pool.register_message("timeslice.v1", "WorkerInfo", WorkerInfo)
 class WorkersChanged(betterproto2.Message):
     workers: "list[WorkerInfo]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
 
+    seq: "int" = betterproto2.field(2, betterproto2.TYPE_UINT64)
+    """
+    The agent's version of its worker set (it counts up at each change); 0 asks for no
+    WorkersRecorded.
+    """
+
 
 default_message_pool.register_message("timeslice.v1", "WorkersChanged", WorkersChanged)
+
+
+@dataclass(eq=False, repr=False)
+class WorkersRecorded(betterproto2.Message):
+    """
+    Sent by an orchestrator whose Welcome set records_workers, once the workers of the
+    WorkersChanged ``seq`` are in etcd (the agent's record, written at ``revision``): a worker's
+    registration returns only then, so an acquire right after it is planned with the worker.
+    """
+
+    seq: "int" = betterproto2.field(1, betterproto2.TYPE_UINT64)
+
+    revision: "int" = betterproto2.field(2, betterproto2.TYPE_UINT64)
+
+
+default_message_pool.register_message("timeslice.v1", "WorkersRecorded", WorkersRecorded)
 
 
 @dataclass(eq=False, repr=False)
