@@ -316,7 +316,7 @@ def register(
     """Register this worker process with its node's timeslice agent.
 
     Returns once the agent has the worker and, when the agent is connected to an orchestrator
-    that confirms it, once the orchestrator has recorded it (at most 5 s more): an
+    that confirms it, once the orchestrator has recorded it (at most 3 s more): an
     ``acquire`` right after ``register`` is then planned with this worker's device state.
 
     Args:

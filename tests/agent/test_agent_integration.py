@@ -241,7 +241,7 @@ async def test_a_registration_does_not_wait_for_an_orchestrator_that_never_confi
     channel = Channel(path=str(agent.socket))
     try:
         commands = await _registered(WorkerLinkStub(channel))
-        first = await asyncio.wait_for(anext(commands), 4.0)
+        first = await asyncio.wait_for(anext(commands), 2.5)
         assert first.kind.name == "REGISTERED"
         await commands.aclose()
     finally:

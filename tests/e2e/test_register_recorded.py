@@ -11,7 +11,6 @@ orchestrator has confirmed the worker set that includes it (WorkersRecorded).
 from __future__ import annotations
 
 import asyncio
-import time
 
 from tests.conftest import ClusterFactory
 from tests.faults.harness import journals
@@ -32,11 +31,9 @@ async def test_a_job_that_acquires_right_after_registering_gets_a_switch(
             AsyncTimeSliceClient(cluster.target, job_id="b") as b,
         ):
             await a.acquire("g", timeout=20)
-            started = time.monotonic()
             workers.append(await asyncio.to_thread(register, "g", job_id="b", socket=socket))
-            # Confirmed by the orchestrator in a moment, not let through at the agent's 5 s
-            # bound.
-            assert time.monotonic() - started < 4.0
+            # Confirmed by the orchestrator, not let through at the end of the agent's wait.
+            assert "has not confirmed" not in cluster.log_tail("node-0", 400)
             waiting = asyncio.create_task(b.acquire("g", timeout=20))
             await asyncio.sleep(0.2)
             await a.yield_("g")

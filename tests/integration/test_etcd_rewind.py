@@ -21,7 +21,7 @@ import pytest
 
 from timeslice_orchestrator.store import cache
 from timeslice_orchestrator.store.cache import Mirror
-from timeslice_orchestrator.store.etcd import EtcdClient
+from timeslice_orchestrator.store.etcd import EtcdClient, StoreUnavailable
 from timeslice_orchestrator.store.keys import Keyspace
 from timeslice_tools.dev.etcd import EtcdServer
 
@@ -49,6 +49,20 @@ class Restorable:
         self.server.start()
 
 
+@dataclass
+class Scene:
+    """A running mirror, and a caller of it waiting for a write that etcd then loses."""
+
+    mirror: Mirror
+    running: asyncio.Task[None]
+    waiting: asyncio.Future[None]
+
+    async def stop(self) -> None:
+        self.running.cancel()
+        self.waiting.cancel()
+        await asyncio.gather(self.running, self.waiting, return_exceptions=True)
+
+
 @pytest.fixture
 async def restorable(tmp_path: Path) -> AsyncIterator[Restorable]:
     server = EtcdServer(tmp_path / "etcd").start()
@@ -60,7 +74,7 @@ async def restorable(tmp_path: Path) -> AsyncIterator[Restorable]:
         await asyncio.to_thread(server.close)
 
 
-async def _mirror_after_lost_writes(etcd: Restorable) -> tuple[Mirror, asyncio.Task[None]]:
+async def _mirror_after_lost_writes(etcd: Restorable) -> Scene:
     """A running mirror that has seen group ``kept`` (in the backup) and groups ``lost-*``
     (written after it); then the backup is restored."""
     keys = etcd.keys
@@ -73,8 +87,9 @@ async def _mirror_after_lost_writes(etcd: Restorable) -> tuple[Mirror, asyncio.T
         written = await etcd.client.put(keys.meta(f"lost-{n}"), b"")
     await mirror.wait_for_revision(written, 10)
     assert mirror.has_group("lost-0") and mirror.has_group("kept")
+    waiting = asyncio.ensure_future(mirror.wait_for_revision(written + 1, 60))
     await asyncio.to_thread(etcd.restore_backup)
-    return mirror, running
+    return Scene(mirror, running, waiting)
 
 
 async def _until_relisted(mirror: Mirror, timeout: float) -> None:
@@ -86,19 +101,51 @@ async def _until_relisted(mirror: Mirror, timeout: float) -> None:
 async def test_a_watch_resumed_on_an_etcd_behind_the_mirror_lists_again(
     restorable: Restorable, caplog: pytest.LogCaptureFixture
 ) -> None:
-    mirror, running = await _mirror_after_lost_writes(restorable)
+    scene = await _mirror_after_lost_writes(restorable)
+    mirror = scene.mirror
     try:
         await _until_relisted(mirror, 15)
         assert mirror.has_group("kept")
         assert not any(mirror.has_group(f"lost-{n}") for n in range(LOST_WRITES))
         assert any("lost writes it had acknowledged" in r.message for r in caplog.records)
+        # A caller waiting for a write of the lost history answers at once (UNAVAILABLE:
+        # its client retries), not when a new write reuses that revision.
+        with pytest.raises(StoreUnavailable, match="lost writes"):
+            await asyncio.wait_for(scene.waiting, 5)
         # And it follows etcd's new history from there.
         written = await restorable.client.put(restorable.keys.meta("after"), b"")
         await mirror.wait_for_revision(written, 10)
         assert mirror.has_group("after") and mirror.rewinds == 1
     finally:
-        running.cancel()
-        await asyncio.gather(running, return_exceptions=True)
+        await scene.stop()
+
+
+async def test_a_watch_resumed_after_etcd_passed_the_lost_revisions_lists_again(
+    restorable: Restorable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """New writes took etcd past the mirror's revision before the watch resumed (another
+    replica's, say): etcd's revision alone no longer shows the loss, but the newest write the
+    mirror saw is not what etcd has at its revision."""
+    client = restorable.client
+    check = Mirror._check_not_rewound
+    passed: list[int] = []
+
+    async def after_new_writes(mirror: Mirror) -> None:
+        if not passed and await client.revision(mirror._keys.root) < mirror.revision:
+            for n in range(LOST_WRITES + 2):
+                passed.append(await client.put(restorable.keys.meta(f"new-{n}"), b""))
+        await check(mirror)
+
+    monkeypatch.setattr(Mirror, "_check_not_rewound", after_new_writes)
+    scene = await _mirror_after_lost_writes(restorable)
+    mirror = scene.mirror
+    try:
+        await _until_relisted(mirror, 15)
+        assert passed and passed[-1] > 0
+        assert not any(mirror.has_group(f"lost-{n}") for n in range(LOST_WRITES))
+        assert mirror.has_group("kept") and mirror.has_group(f"new-{LOST_WRITES + 1}")
+    finally:
+        await scene.stop()
 
 
 async def test_a_beacon_written_below_the_mirror_lists_again(
@@ -113,11 +160,11 @@ async def test_a_beacon_written_below_the_mirror_lists_again(
 
     monkeypatch.setattr(Mirror, "_check_not_rewound", unchecked)
     monkeypatch.setattr(cache, "WATCH_QUIET_AFTER", 0.5)
-    mirror, running = await _mirror_after_lost_writes(restorable)
+    scene = await _mirror_after_lost_writes(restorable)
+    mirror = scene.mirror
     try:
         await _until_relisted(mirror, 15)
         assert mirror.has_group("kept")
         assert not any(mirror.has_group(f"lost-{n}") for n in range(LOST_WRITES))
     finally:
-        running.cancel()
-        await asyncio.gather(running, return_exceptions=True)
+        await scene.stop()

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from timeslice.backoff import Backoff
 from timeslice_orchestrator.store.etcd import (
+    Compacted,
     EtcdClient,
     EtcdRewound,
     EventType,
@@ -209,6 +210,8 @@ class Mirror:
         """Times etcd was found behind the mirror (it lost acknowledged writes): re-listed."""
         # Set by a beacon write that came back at or below the mirror's revision.
         self._rewound: EtcdRewound | None = None
+        # The newest write the watch brought: a resumed watch checks etcd still has it.
+        self._last_put: KeyValue | None = None
 
     # -- reading ------------------------------------------------------------------------
 
@@ -641,8 +644,8 @@ class Mirror:
                 await self._watch(backoff)
             except EtcdRewound as exc:
                 self.rewinds += 1
-                self._rewound = None
                 log.error("%s; re-listing", exc)
+                self._fail_revision_waiters(exc)
                 self.synced.clear()
             except MustRelist as exc:
                 # The watch's start, or the revision a paged list was being read at, is gone,
@@ -656,12 +659,36 @@ class Mirror:
                 await asyncio.sleep(backoff.next_delay())
 
     async def _check_not_rewound(self) -> None:
+        """Raise EtcdRewound if etcd lost writes this mirror has seen: its revision is behind
+        the mirror's, or (new writes may have taken it past since) the newest write the
+        watch brought is not what etcd has at that revision."""
         current = await self._etcd.revision(self._keys.root)
         if current < self.revision:
             raise EtcdRewound(
                 f"etcd is at revision {current}, behind revision {self.revision} that this "
                 f"replica has seen: it lost writes it had acknowledged"
             )
+        last = self._last_put
+        if last is None:
+            return
+        try:
+            there = await self._etcd.get(last.key, revision=last.mod_revision)
+        except Compacted:
+            return  # that history is gone: the resumed watch is told so, and re-lists
+        if there != last:
+            raise EtcdRewound(
+                f"etcd's revision {last.mod_revision} is not the write of {last.key!r} this "
+                f"replica saw there: it lost writes it had acknowledged"
+            )
+
+    def _fail_revision_waiters(self, rewound: EtcdRewound) -> None:
+        """Callers waiting for their writes to show: those writes may be among the lost, and
+        new writes will reuse their revisions. They answer UNAVAILABLE; clients retry."""
+        waiters, self._revision_waiters = self._revision_waiters, []
+        self._behind_since = None
+        for _, _, waiter in waiters:
+            if not waiter.done():
+                waiter.set_exception(StoreUnavailable(str(rewound)))
 
     async def _watch(self, backoff: Backoff) -> None:
         """Apply the watch's batches until it fails, or until it looks stuck (it brought back
@@ -772,6 +799,8 @@ class Mirror:
         for ref, kv in owned:
             self._owners.stored(ref, self._owner_of(ref, kv))
         self.revision = revision
+        self._last_put = None
+        self._rewound = None  # whatever a beacon found is covered by this listing
         self._heard_at = time.monotonic()
         self.synced.set()
         await self._notify(old | set(topics))
@@ -786,6 +815,7 @@ class Mirror:
                 continue  # not a key of the layout: nothing reads it
             if ev.type is EventType.PUT:
                 self._store(ref, ev.kv)
+                self._last_put = ev.kv
             else:
                 self._drop(ref)
             topics.add(ref.topic)

@@ -701,8 +701,10 @@ class EtcdClient:
         except grpc.aio.AioRpcError as exc:
             raise _typed(exc, self._timeout) from exc
 
-    async def get(self, key: bytes) -> KeyValue | None:
-        resp = await self._unary("kv", "Range", pb.RangeRequest(key=key), read=True)
+    async def get(self, key: bytes, *, revision: int = 0) -> KeyValue | None:
+        """``key`` now, or as it was at ``revision`` (Compacted when that is gone)."""
+        request = pb.RangeRequest(key=key, revision=revision)
+        resp = await self._unary("kv", "Range", request, read=True)
         kvs = resp.kvs
         return _kv(kvs[0]) if kvs else None
 
