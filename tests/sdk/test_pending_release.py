@@ -99,18 +99,26 @@ async def test_yield_again_waits_for_the_pending_release(orch: FakeOrchestrator)
             await client.yield_("g1")
 
 
+async def _session_ends_after_a_failed_yield(
+    orch: FakeOrchestrator, client: AsyncTimeSliceClient
+) -> str:
+    """Acquire g1, fail its yield, then end the session on the server (its lease expired:
+    the hold goes with it); Yield answers again. Returns the session's id."""
+    await client.acquire("g1")
+    session = client.session_id
+    assert session is not None
+    await _failed_yield(orch, client)
+    orch.do(lambda s: s.end_session(session))
+    orch.do(_yield_answers)
+    return session
+
+
 async def test_losing_the_session_ends_a_pending_release(orch: FakeOrchestrator) -> None:
     async with AsyncTimeSliceClient(
         orch.target, job_id="job-a", call_timeout=CALL_TIMEOUT, session_ttl=0.6
     ) as client:
-        await client.acquire("g1")
-        session = client.session_id
-        assert session is not None
-        await _failed_yield(orch, client)
-        # The lease expires on the server: the hold goes with it, and the client learns of it
-        # at its next keepalive.
-        orch.do(lambda s: s.end_session(session))
-        orch.do(_yield_answers)
+        # The client learns of the session's end at its next keepalive.
+        session = await _session_ends_after_a_failed_yield(orch, client)
         grant = await client.acquire("g1", timeout=5)
         assert client.session_id != session
         assert client.grants() == {"g1": grant}
@@ -125,12 +133,7 @@ async def test_yield_again_after_the_session_ended_says_so(
     async with AsyncTimeSliceClient(
         orch.target, job_id="job-a", call_timeout=CALL_TIMEOUT, session_ttl=60
     ) as client:
-        await client.acquire("g1")
-        session = client.session_id
-        assert session is not None
-        await _failed_yield(orch, client)
-        orch.do(lambda s: s.end_session(session))
-        orch.do(_yield_answers)
+        await _session_ends_after_a_failed_yield(orch, client)
         with caplog.at_level(logging.WARNING, logger="timeslice"):
             with pytest.raises(SessionExpired, match="ended before the release of group g1"):
                 await client.yield_("g1")
