@@ -173,9 +173,9 @@ class _CountingReads(EtcdClient):
 
     reads = 0
 
-    async def get(self, key: bytes) -> KeyValue | None:
+    async def get(self, key: bytes, *, revision: int = 0) -> KeyValue | None:
         self.reads += 1
-        return await super().get(key)
+        return await super().get(key, revision=revision)
 
 
 async def _counting(store: GroupStore) -> GroupStore:
