@@ -39,6 +39,7 @@ from typing import Any
 from bench._common import thread_cpu_seconds
 from bench.analysis import Stats
 from bench.controlplane import cycle_throughput, handoff_latency
+from bench.grpc_floor import round_trip_after_idle
 from timeslice_orchestrator.store.etcd import EtcdClient, Put, Txn, absent
 from timeslice_tools.dev.etcd import EtcdServer
 
@@ -69,6 +70,17 @@ class Floor:
     txn_after_idle_ms: Stats | None = None
     # This process's CPU per back-to-back transaction, by thread name: what the client costs.
     client_cpu_ms_per_txn: dict[str, float] = field(default_factory=dict)
+    # A gRPC round trip (grpclib, a server doing no work) after the same idling: a hand-over
+    # crosses gRPC twice, in and out, so this plus one transaction after idling is the least
+    # a handoff can take on this machine (bench.grpc_floor).
+    grpc_after_idle_ms: Stats | None = None
+
+    @property
+    def handoff_floor_ms(self) -> float | None:
+        """One gRPC round trip and one etcd transaction, each after idling (p50s)."""
+        if self.grpc_after_idle_ms is None or self.txn_after_idle_ms is None:
+            return None
+        return self.grpc_after_idle_ms.p50 + self.txn_after_idle_ms.p50
 
 
 @dataclass
@@ -90,10 +102,12 @@ async def measure_floor() -> Floor:
         await asyncio.to_thread(server.start)
         client = EtcdClient([server.endpoint])
         try:
-            return await _floor(client)
+            floor = await _floor(client)
         finally:
             await client.close()
             await asyncio.to_thread(server.close)
+    floor.grpc_after_idle_ms = await round_trip_after_idle(_FLOOR_IDLE_SECONDS, _FLOOR_SAMPLES)
+    return floor
 
 
 async def _floor(client: EtcdClient) -> Floor:
@@ -190,6 +204,11 @@ def _cpu(run: BuildRun) -> str:
     return ", ".join(f"{k} {v:.2f}" for k, v in sorted(run.cpu_ms_per_cycle.items()))
 
 
+def _over_floor(handoff_ms: float, floor: Floor) -> str:
+    least = floor.handoff_floor_ms
+    return "" if not least else f" ({handoff_ms / least:.2f}x the handoff floor)"
+
+
 def report(floor: Floor, runs: list[BuildRun]) -> str:
     lines = [
         "etcd floor (this process, the orchestrator's client, private etcd):",
@@ -204,6 +223,15 @@ def report(floor: Floor, runs: list[BuildRun]) -> str:
                 f"{floor.txn_after_idle_ms.p50:.3f} ms  p99 {floor.txn_after_idle_ms.p99:.3f} ms"
             ]
             if floor.txn_after_idle_ms is not None
+            else []
+        ),
+        *(
+            [
+                f"  gRPC round trip after {_FLOOR_IDLE_SECONDS * 1000:g} ms idle p50 "
+                f"{floor.grpc_after_idle_ms.p50:.3f} ms  p99 {floor.grpc_after_idle_ms.p99:.3f} ms",
+                f"  handoff floor (one of each, after idling): {floor.handoff_floor_ms:.2f} ms",
+            ]
+            if floor.grpc_after_idle_ms is not None and floor.handoff_floor_ms is not None
             else []
         ),
         *(
@@ -223,9 +251,9 @@ def report(floor: Floor, runs: list[BuildRun]) -> str:
         *(_row(r) for r in runs),
     ]
     builds = sorted({r.build for r in runs}, key=[r.build for r in runs].index)
-    if len(runs) > len(builds):
+    if runs:
         lines.append("")
-        lines.append("medians over rounds:")
+        lines.append("medians over rounds:" if len(runs) > len(builds) else "per build:")
         for build in builds:
             mine = [r for r in runs if r.build == build]
             lines.append(
@@ -234,6 +262,7 @@ def report(floor: Floor, runs: list[BuildRun]) -> str:
                 f"{statistics.median(r.replica_cpu_ms_per_cycle for r in mine):.2f}"
                 f", handoff p50 {statistics.median(r.handoff_ms.p50 for r in mine):.2f} ms"
                 f", p99 {statistics.median(r.handoff_ms.p99 for r in mine):.2f} ms"
+                + _over_floor(statistics.median(r.handoff_ms.p50 for r in mine), floor)
             )
     lines.append("")
     lines.append("targets: " + ", ".join(f"{k} {v}" for k, v in TARGETS.items()))
@@ -266,7 +295,10 @@ async def main(argv: list[str] | None = None) -> int:
                 print(_row(runs[-1]), file=sys.stderr, flush=True)
     print(report(floor, runs))
     if args.json is not None:
-        data = {"floor": asdict(floor), "runs": [asdict(r) for r in runs]}
+        data = {
+            "floor": {**asdict(floor), "handoff_floor_ms": floor.handoff_floor_ms},
+            "runs": [asdict(r) for r in runs],
+        }
         args.json.write_text(json.dumps(data, indent=2))
     return 1 if any(r.violations for r in runs) else 0
 

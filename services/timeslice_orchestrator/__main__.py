@@ -1,4 +1,7 @@
-"""`python -m timeslice_orchestrator`: run one orchestrator replica."""
+"""`python -m timeslice_orchestrator`: run one orchestrator replica.
+
+``python -m timeslice_orchestrator features ...`` shows or sets the deployment's features
+(:mod:`timeslice_orchestrator.features`)."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import logging
 import sys
 
 from timeslice.errors import TimeSliceError
+from timeslice_orchestrator import features
 from timeslice_orchestrator.app import serve
 from timeslice_orchestrator.config import parse_args
 from timeslice_orchestrator.store.etcd import StoreError
@@ -20,6 +24,8 @@ GC_YOUNG_THRESHOLD = 20_000
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["features"]:
+        sys.exit(features.main(sys.argv[2:]))
     config = parse_args()
     for files in (config.tls, config.etcd_tls):
         if files is not None:

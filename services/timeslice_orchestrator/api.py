@@ -29,6 +29,7 @@ from timeslice_orchestrator.locks import LockService, Progress
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.rpc import Call, encoded_off_loop, served
 from timeslice_orchestrator.store.cache import GroupView, Mirror, group_topic
+from timeslice_orchestrator.store.records import hold_epoch
 from timeslice_proto.timeslice.v1 import (
     AcquireEvent,
     AcquireRequest,
@@ -339,7 +340,7 @@ def group_status(view: GroupView, mirror: Mirror) -> GroupStatus:
     )
     if view.holder is not None:
         status.holder_job_id = view.holder.record.job
-        status.holder_epoch = view.holder.create_revision
+        status.holder_epoch = hold_epoch(view.holder)
         status.held_since = view.holder.record.granted_at
     if view.switch is not None:
         s = view.switch.record

@@ -53,6 +53,7 @@ from timeslice_orchestrator.relay import DirectiveRouter
 from timeslice_orchestrator.store.cache import Mirror
 from timeslice_orchestrator.store.etcd import EtcdClient, LeaseKeeper, StoreUnavailable
 from timeslice_orchestrator.store.groups import GroupStore
+from timeslice_orchestrator.store.handover import CURRENT_FEATURES
 from timeslice_orchestrator.store.idle import IdleStore
 from timeslice_orchestrator.store.keys import Keyspace
 from timeslice_orchestrator.store.relay import RelayStore
@@ -145,6 +146,9 @@ class Orchestrator:
     async def start(self) -> None:
         cfg = self.config
         await self._first_answer(lambda: self.etcd.get(self.keys.root))
+        # Before this replica writes anything: an empty keyspace is a new deployment.
+        if await self._first_answer(self.store.start_features):
+            log.info("new deployment under %s: features %s", cfg.prefix, CURRENT_FEATURES)
         self._spawn(self.mirror.run(), "etcd-mirror")
         try:
             async with asyncio.timeout(cfg.start_timeout):

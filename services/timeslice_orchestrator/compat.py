@@ -62,7 +62,7 @@ from timeslice_orchestrator.rpc import Call, encoded_off_loop, served
 from timeslice_orchestrator.store.cache import GroupView, Mirror
 from timeslice_orchestrator.store.etcd import StoreError
 from timeslice_orchestrator.store.groups import GroupStore
-from timeslice_orchestrator.store.records import AgentRecord, HolderRecord, Stored
+from timeslice_orchestrator.store.records import AgentRecord, HolderRecord, Stored, hold_epoch
 from timeslice_proto.timeslice_orchestrator.v1alpha1 import (
     AcquireRequest,
     AcquireResponse,
@@ -227,7 +227,7 @@ class CompatService(TimeSliceOrchestratorServiceBase):
                 # the identity check above (a TLS job certificate must be this job's).
                 with contextlib.suppress(NotHolder):  # it lapsed meanwhile: nobody holds
                     await self._locks.release(
-                        "", job, group, holder.create_revision, secret="", operator=True
+                        "", job, group, hold_epoch(holder), secret="", operator=True
                     )
         await stream.send_message(
             YieldResponse(success=True, pending_waiters=pending, snapshot_deferred=pending == 0)

@@ -47,6 +47,7 @@ from timeslice_orchestrator.store.records import (
     HolderRecord,
     Stored,
     SwitchRecord,
+    hold_epoch,
 )
 
 log = logging.getLogger(__name__)
@@ -468,7 +469,7 @@ class Dashboard:
         out: dict[str, Any] = {
             "name": view.group,
             "holder": holder.job if holder else None,
-            "epoch": view.holder.create_revision if view.holder is not None else 0,
+            "epoch": hold_epoch(view.holder) if view.holder is not None else 0,
             "held_since": holder.granted_at if holder else 0.0,
             "queue": [q.job for q in view.queue[: self.config.max_queue]],
             "queue_length": len(view.queue),

@@ -81,6 +81,7 @@ from timeslice_orchestrator.store.records import (
     Stored,
     SwitchPhase,
     SwitchRecord,
+    hold_epoch,
 )
 from timeslice_orchestrator.switch_plan import plan, plan_operation
 from timeslice_orchestrator.workqueue import KeyedBackoff, WorkQueue
@@ -247,7 +248,7 @@ class SwitchDriver:
         self.retries.forget_ended(
             group,
             ((q.job, q.revision) for q in view.queue),
-            (view.holder.record.job, view.holder.create_revision) if view.holder else None,
+            (view.holder.record.job, hold_epoch(view.holder)) if view.holder else None,
         )
         if view.switch is not None:
             # Ours in flight, or left by a driver that died: carry it on from its phase.
@@ -309,7 +310,7 @@ class SwitchDriver:
         """
         holder = view.holder
         assert holder is not None
-        job, epoch = holder.record.job, holder.create_revision
+        job, epoch = holder.record.job, hold_epoch(holder)
         key = (view.group, job, epoch)
         steps = plan(view, job, self._mirror.agents(), self._config.co_residency)
         if not steps:
@@ -346,7 +347,7 @@ class SwitchDriver:
             return Next.IDLE
         # Keyed by the hold's epoch, not the waiter's entry: the switch's own retries of the
         # waiter (and when it is faulted) must not count the prefetches' failures.
-        key = (view.group, head.job, view.holder.create_revision)
+        key = (view.group, head.job, hold_epoch(view.holder))
         steps = plan(
             view, head.job, self._mirror.agents(), co_residency=True,
             protect=view.holder.record.job,

@@ -52,7 +52,7 @@ from timeslice_orchestrator.store.groups import (
     Hold,
     lease_of,
 )
-from timeslice_orchestrator.store.records import Hint, SessionRecord, Stored
+from timeslice_orchestrator.store.records import Hint, SessionRecord, Stored, hold_epoch
 
 log = logging.getLogger(__name__)
 
@@ -330,12 +330,12 @@ class LockService:
             holder is not None
             and holder.record.job == job
             and holder.record.session == session_id
-            and holder.create_revision > entry_revision
+            and hold_epoch(holder) > entry_revision
         ):
             h = holder.record
             return Progress(
                 AcquireStage.GRANTED,
-                epoch=holder.create_revision,
+                epoch=hold_epoch(holder),
                 waited_seconds=h.waited_seconds,
                 restored=h.restored,
                 previous_job=h.previous_job,
@@ -412,11 +412,7 @@ class LockService:
             return
         # Marked before the release is written: the driver sees that write too.
         with self.hand_overs.handing(group):
-            await self._release(hold)
-            # The mirror may not show the release yet: the view is the group after it.
-            answered = await self._hand_over(
-                dataclasses.replace(self._mirror.group(group), holder=None)
-            )
+            answered = await self._release_and_hand_over(hold)
         if answered is not None:
             # The waiter's grant goes out before this yield's answer (both share this
             # replica's loop and often the caller's host): the hand-over is for the waiter.
@@ -427,22 +423,61 @@ class LockService:
                 pass  # its stream is slow to take the grant: answer the yield anyway
 
     async def _release(self, hold: Hold) -> None:
-        group = hold.group
         revision = await self._store.release(
-            hold, Hint(self._mirror.holder(group)), Hint(self._mirror.usage(group))
+            hold, Hint(self._mirror.holder(hold.group)), Hint(self._mirror.usage(hold.group))
         )
+        self._note_release(hold.group, revision)
+
+    def _note_release(self, group: str, revision: int) -> None:
+        """Remember the release's revision: this replica's next grant of the group in place
+        waits until its mirror shows it (see _take_free)."""
         self._released[group] = revision
         if len(self._released) > _RELEASED_KEPT:
             seen = self._mirror.revision
             self._released = {g: r for g, r in self._released.items() if r > seen}
 
-    async def _hand_over(self, view: GroupView) -> _LocalWaiter | None:
-        """Grant the group's next waiter in place, as the driver would (``view``: the group
-        just after the release, as this replica saw it; every part of it the grant relies on
-        is compared, so a stale view costs only the driver's usual pass).
+    async def _release_and_hand_over(self, hold: Hold) -> _LocalWaiter | None:
+        """Release ``hold``, then grant the group's next waiter in place, as the driver
+        would, if its state is already where it runs: in one transaction when the deployment
+        allows it (store.handover), else one after the other. Every part of the group the
+        grant relies on is compared, so a stale view costs only the two-step path, or the
+        driver's usual pass.
 
         Returns the waiter answered here, if the grant went to an Acquire call on this replica.
         """
+        group = hold.group
+        view = self._mirror.group(group)
+        features = self._mirror.features()
+        seen = view.holder
+        if (
+            features is not None
+            and features.record.one_transaction_hand_over
+            and seen is not None
+            and hold_epoch(seen) == hold.epoch
+        ):
+            grant = self._next_grant(dataclasses.replace(view, holder=None))
+            if grant is not None:
+                # An unknown outcome (StoreUnavailable) is the yield's: the client retries,
+                # and a retry that finds the hold gone or handed on is answered as done.
+                epoch = await self._store.hand_over(hold, seen, view.usage, grant, features)
+                if epoch is not None:
+                    self._note_release(group, epoch)
+                    return self._granted(grant, epoch)
+        await self._release(hold)
+        # The mirror may not show the release yet: the view is the group after it.
+        grant = self._next_grant(dataclasses.replace(self._mirror.group(group), holder=None))
+        if grant is None:
+            return None
+        try:
+            epoch = await self._store.grant(None, grant)
+        except StoreUnavailable as exc:
+            log.info("group %s: no hand-over on yield (%s); the driver grants", group, exc)
+            return None
+        return None if epoch is None else self._granted(grant, epoch)
+
+    def _next_grant(self, view: GroupView) -> Grant | None:
+        """The grant in place of the group's next waiter (``view``: the group after the
+        release), or None when its state must move first (the driver's work) or nobody waits."""
         if not view.queue:
             return None  # the waiter left meanwhile
         head = order(self.policy, view)[0]
@@ -452,7 +487,7 @@ class LockService:
         holder = holder_for(head)
         stats = view.stats
         stats.grants += 1
-        grant = Grant(
+        return Grant(
             view.group,
             head,
             holder,
@@ -461,16 +496,13 @@ class LockService:
             stats,
             stats_revision=view.stats_revision,
         )
-        try:
-            epoch = await self._store.grant(None, grant)
-        except StoreUnavailable as exc:
-            log.info("group %s: no hand-over on yield (%s); the driver grants", view.group, exc)
-            return None
-        if epoch is None:
-            return None
+
+    def _granted(self, grant: Grant, epoch: int) -> _LocalWaiter | None:
+        """Count a grant made on yield, and answer its waiter if it waits on this replica."""
+        head, holder = grant.waiter, grant.holder
         self._metrics.grants.labels(kind="on_yield").inc()
         self._metrics.acquire_wait_seconds.observe(holder.waited_seconds)
-        waiter = self._waiting.get((view.group, head.job))
+        waiter = self._waiting.get((grant.group, head.job))
         if (
             waiter is not None
             and waiter.entry_revision == head.revision

@@ -27,7 +27,13 @@ from tests.faults.harness import wait_for_status
 from tests.integration.etcdview import etcd_client
 from timeslice import AsyncTimeSliceClient
 from timeslice_orchestrator.store.keys import Keyspace
-from timeslice_orchestrator.store.records import GroupStats, HolderRecord, QueueRecord, Stored
+from timeslice_orchestrator.store.records import (
+    GroupStats,
+    HolderRecord,
+    QueueRecord,
+    Stored,
+    hold_epoch,
+)
 from timeslice_tools.dev.cluster import LocalCluster
 from timeslice_tools.history import (
     Attempt,
@@ -140,10 +146,11 @@ async def test_a_grant_committed_on_a_dying_replica_is_re_attached_by_request_id
             granted = recorder.now()
             recorder.attempt(Attempt("b", GROUP, waiting_since, granted))
 
-            # The client got the committed grant back: same epoch, same ticket.
+            # The client got the committed grant back: same epoch, same ticket. (A hand-over in
+            # one transaction overwrote a's hold: the epoch is that write's revision.)
             assert (grant.job_id, grant.epoch, grant.ticket) == (
                 "b",
-                committed.create_revision,
+                hold_epoch(committed),
                 committed.record.ticket,
             )
             held = await etcd.holder()
@@ -151,6 +158,7 @@ async def test_a_grant_committed_on_a_dying_replica_is_re_attached_by_request_id
             # Re-attached through r1 with the same request id: the one hold, re-stamped with
             # r1's attempt (so r0's leftover clean-up could not take it), nothing else written.
             assert held.create_revision == committed.create_revision
+            assert hold_epoch(held) == hold_epoch(committed)  # the re-stamp kept the epoch
             assert held.record.request_id == entry.record.request_id
             assert held.record.attempt != committed.record.attempt
             assert held.record.session == committed.record.session == b.session_id

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from timeslice_orchestrator.store.etcd import EtcdClient
 from timeslice_orchestrator.store.keys import Keyspace
+from timeslice_orchestrator.store.records import FeaturesRecord
 from timeslice_tools.dev.cluster import LocalCluster
 
 
@@ -22,5 +23,15 @@ async def snapshot(cluster: LocalCluster) -> dict[str, tuple[bytes, int]]:
     try:
         _, kvs = await client.get_prefix(f"{prefix}/".encode())
         return {kv.key.decode(): (kv.value, kv.mod_revision) for kv in kvs if kv.key != beacon}
+    finally:
+        await client.close()
+
+
+async def set_features(cluster: LocalCluster, record: FeaturesRecord) -> None:
+    """Write the deployment's features record, as ``python -m timeslice_orchestrator features``
+    does (``FeaturesRecord()``: what a deployment upgraded from an older version has)."""
+    client = etcd_client(cluster)
+    try:
+        await client.put(Keyspace(cluster.prefix).features(), record.encode())
     finally:
         await client.close()

@@ -4,6 +4,11 @@ A free group nobody waits for is granted in the Acquire's own transaction: one w
 queue entry, no hop to the driver. Its hold is like any other: the epoch is the holder key's
 create revision, and the ticket (its place in line) is below the epoch and above every earlier
 grant's ticket. A contended Acquire still queues and is granted by the driver.
+
+A Yield that hands the group over to a waiter whose state is in place is one write where the
+deployment's features record allows it (a new deployment: ``one``), and a release then a
+grant where it does not (one upgraded from an older version: ``two``); each such test runs
+both ways.
 """
 
 from __future__ import annotations
@@ -13,12 +18,14 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+import pytest
+
 from tests.conftest import ClusterFactory
-from tests.integration.etcdview import etcd_client
+from tests.integration.etcdview import etcd_client, set_features
 from tests.integration.rawclient import opened, raw_stub
 from timeslice_orchestrator.store.etcd import EventType
 from timeslice_orchestrator.store.keys import Keyspace
-from timeslice_orchestrator.store.records import HolderRecord
+from timeslice_orchestrator.store.records import FeaturesRecord, HolderRecord
 from timeslice_proto.timeslice.v1 import (
     AcquireEvent,
     AcquireRequest,
@@ -31,6 +38,15 @@ from timeslice_proto.timeslice.v1 import (
 from timeslice_tools.dev.cluster import LocalCluster
 
 T = TypeVar("T")
+
+HAND_OVER = pytest.mark.parametrize("one_transaction", [True, False], ids=["one", "two"])
+
+
+async def _deployment(cluster: LocalCluster, one_transaction: bool) -> None:
+    """A new deployment hands over in one transaction; make this one an upgraded one that
+    has not enabled it yet, unless ``one_transaction``."""
+    if not one_transaction:
+        await set_features(cluster, FeaturesRecord())
 
 
 async def _writes(
@@ -77,10 +93,12 @@ async def _until_queued(stub: TimeSliceStub, group: str = "g") -> None:
             await asyncio.sleep(0.01)
 
 
+@HAND_OVER
 async def test_a_free_group_costs_one_write_to_acquire_and_one_to_yield(
-    cluster_factory: ClusterFactory,
+    cluster_factory: ClusterFactory, one_transaction: bool
 ) -> None:
     cluster = cluster_factory(agents=0)
+    await _deployment(cluster, one_transaction)
     prefix = cluster.prefix
     async with raw_stub(cluster.target) as stub:
         a, a_secret = await _session(stub, "a")
@@ -128,16 +146,22 @@ async def test_a_free_group_costs_one_write_to_acquire_and_one_to_yield(
         kv = await client.get(f"{prefix}/groups/g/holder".encode())
     finally:
         await client.close()
-    assert kv is not None and kv.create_revision == third.epoch
+    assert kv is not None and kv.mod_revision == third.epoch
+    if one_transaction:  # b's hold overwritten: the key is still the one b's grant created
+        assert kv.create_revision == second.epoch
+    else:
+        assert kv.create_revision == third.epoch
     assert HolderRecord.decode(kv.value).ticket == third.ticket
 
 
+@HAND_OVER
 async def test_a_yield_hands_the_group_to_a_waiter_whose_state_is_in_place(
-    cluster_factory: ClusterFactory,
+    cluster_factory: ClusterFactory, one_transaction: bool
 ) -> None:
     # Nothing has to move for b (no workers), so the replica that serves a's Yield grants b
     # in place before it answers: b's hold is in etcd when the Yield returns.
     cluster = cluster_factory(agents=0)
+    await _deployment(cluster, one_transaction)
     async with raw_stub(cluster.target) as stub:
         a, a_secret = await _session(stub, "a")
         b, b_secret = await _session(stub, "b")
@@ -152,6 +176,18 @@ async def test_a_yield_hands_the_group_to_a_waiter_whose_state_is_in_place(
             cluster,
             lambda: stub.yield_(YieldRequest(a, "a", "g", first.epoch, session_secret=a_secret)),
         )
+        if one_transaction:
+            # Written before the Yield returned, all at once: a's hold overwritten by b's, b's
+            # queue entry gone, a's time in the ledger, the statistics.
+            second = await waiter
+            assert {(r, t, k) for r, t, k in writes} == {
+                (second.epoch, EventType.PUT, "/groups/g/holder"),
+                (second.epoch, EventType.DELETE, "/groups/g/queue/b"),
+                (second.epoch, EventType.PUT, "/groups/g/usage"),
+                (second.epoch, EventType.PUT, "/groups/g/stats"),
+            }, writes
+            assert first.epoch < second.ticket < second.epoch
+            return
         # Written before the Yield returned: the release, then b's grant (the driver may
         # claim the group between them; it finds nothing left to do).
         release = min(r for r, _, _ in writes)
@@ -168,13 +204,15 @@ async def test_a_yield_hands_the_group_to_a_waiter_whose_state_is_in_place(
         assert first.epoch < second.ticket < second.epoch
 
 
+@HAND_OVER
 async def test_a_grant_that_moves_nothing_leaves_the_residency_record_alone(
-    cluster_factory: ClusterFactory,
+    cluster_factory: ClusterFactory, one_transaction: bool
 ) -> None:
     # No workers anywhere, so no grant changes whose state is where: after the first grant
     # wrote the (empty) residency record, neither an Acquire of the free group nor a Yield's
     # hand-over writes it again; each still compares it.
     cluster = cluster_factory(agents=0)
+    await _deployment(cluster, one_transaction)
     async with raw_stub(cluster.target) as stub:
         a, a_secret = await _session(stub, "a")
         b, b_secret = await _session(stub, "b")
@@ -202,10 +240,13 @@ async def test_a_grant_that_moves_nothing_leaves_the_residency_record_alone(
             lambda: stub.yield_(YieldRequest(b, "b", "g", second.epoch, session_secret=b_secret)),
         )
         third = await waiter
+        # The hand-over's own transaction also carries b's time into the ledger.
+        ledger = {"/groups/g/usage"} if one_transaction else set()
         assert {k for r, _, k in writes if r == third.epoch} == {
             "/groups/g/holder",
             "/groups/g/queue/a",
             "/groups/g/stats",
+            *ledger,
         }, writes
     client = etcd_client(cluster)
     try:

@@ -2,6 +2,8 @@
 
 In-process LockService over a real etcd and a real mirror. The mirror is stopped after the
 waiter queues, so the only way the waiter can learn of its grant is the hand-over itself.
+Each test runs with the hand-over in one transaction (a deployment whose features record
+allows it) and as a release then a grant (one upgraded from an older version).
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ from timeslice_orchestrator.locks import LockService, Progress
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.store.cache import Mirror
 from timeslice_orchestrator.store.groups import GroupStore
+from timeslice_orchestrator.store.handover import CURRENT_FEATURES
+from timeslice_orchestrator.store.records import hold_epoch
+
+ONE_TRANSACTION = pytest.mark.parametrize("one_transaction", [True, False], ids=["one", "two"])
 
 
 async def _until(stages: AsyncIterator[Progress], stage: AcquireStage) -> Progress:
@@ -29,7 +35,12 @@ async def _until(stages: AsyncIterator[Progress], stage: AcquireStage) -> Progre
     raise AssertionError(f"the acquire ended before {stage}")
 
 
-async def test_a_hand_over_reaches_a_waiter_here_without_the_watch(store: GroupStore) -> None:
+@ONE_TRANSACTION
+async def test_a_hand_over_reaches_a_waiter_here_without_the_watch(
+    store: GroupStore, one_transaction: bool
+) -> None:
+    if one_transaction:
+        await store.set_features(CURRENT_FEATURES)
     mirror = Mirror(store.etcd, store.keys)
     watching = asyncio.create_task(mirror.run())
     try:
@@ -49,25 +60,34 @@ async def test_a_hand_over_reaches_a_waiter_here_without_the_watch(store: GroupS
         granted = await _until(waiting, AcquireStage.GRANTED)
         hold = await holder(store)
         assert hold is not None and hold.record.job == "b"
-        assert granted.epoch == hold.create_revision > first.epoch
+        assert granted.epoch == hold_epoch(hold) == hold.mod_revision > first.epoch
+        # One transaction overwrites a's hold (the key stays); two delete it and create b's.
+        assert hold.record.handed_over is one_transaction
+        assert (hold.create_revision == first.epoch) is one_transaction
         assert granted.ticket == hold.record.ticket
         seen = mirror.holder("g")  # the mirror still shows a's hold
         assert seen is not None and seen.record.job == "a"
         await waiting.aclose()
+        # b's hold is b's to yield, by the epoch it was given.
+        await locks.release(b, "b", "g", granted.epoch, secret=b_secret)
+        assert await holder(store) is None
     finally:
         watching.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watching
 
 
+@ONE_TRANSACTION
 async def test_the_waiter_gets_its_grant_before_the_yield_returns(
-    store: GroupStore, monkeypatch: pytest.MonkeyPatch
+    store: GroupStore, monkeypatch: pytest.MonkeyPatch, one_transaction: bool
 ) -> None:
     """The hand-over is for the waiter: its stream takes the grant before the yielding call
     answers (both answers leave this replica's one loop, and the waiter's is the handoff)."""
     # The yield's wait for the waiter is bounded (0.1 s); a loaded machine that stalls this
     # loop longer would answer the yield first, which is not what this test is about.
     monkeypatch.setattr(locks_module, "_WAITER_FIRST_SECONDS", 30.0)
+    if one_transaction:
+        await store.set_features(CURRENT_FEATURES)
     mirror = Mirror(store.etcd, store.keys)
     watching = asyncio.create_task(mirror.run())
     try:

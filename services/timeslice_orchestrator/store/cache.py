@@ -34,6 +34,7 @@ from timeslice_orchestrator.store.records import (
     AgentRecord,
     CorruptRecord,
     FaultRecord,
+    FeaturesRecord,
     GroupStats,
     HolderRecord,
     MembersRecord,
@@ -47,6 +48,7 @@ from timeslice_orchestrator.store.records import (
     Stored,
     SwitchRecord,
     UsageRecord,
+    hold_epoch,
 )
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,7 @@ _R = TypeVar(
     QueueRecord,
     FaultRecord,
     OperationRecord,
+    FeaturesRecord,
 )
 
 __all__ = [
@@ -257,10 +260,31 @@ class Mirror:
         return Stored.of(kv, self._decoded_record(ref, kv, HolderRecord)) if kv else None
 
     def hold_epoch(self, group: str) -> int:
-        """The epoch of the group's hold (its key's create revision); 0 when free. Decodes
-        nothing: it runs on every change of every group."""
-        kv = self._kv(KeyRef(Kind.HOLDER, group))
-        return kv.create_revision if kv else 0
+        """The epoch of the group's hold (:func:`hold_epoch`); 0 when free. It runs on every
+        change of every group, so a hold its grant wrote and nothing rewrote (the usual one)
+        is not decoded: its epoch is its create revision."""
+        ref = KeyRef(Kind.HOLDER, group)
+        kv = self._kv(ref)
+        if kv is None:
+            return 0
+        if kv.mod_revision == kv.create_revision:
+            return kv.create_revision
+        try:
+            return hold_epoch(Stored.of(kv, self._decoded_record(ref, kv, HolderRecord)))
+        except CorruptRecord:
+            return kv.create_revision
+
+    def features(self) -> Stored[FeaturesRecord] | None:
+        """The deployment's feature record as last seen (None: none written, or corrupt)."""
+        ref = KeyRef(Kind.FEATURES)
+        kv = self._kv(ref)
+        if kv is None:
+            return None
+        try:
+            return Stored.of(kv, self._decoded_record(ref, kv, FeaturesRecord))
+        except CorruptRecord:
+            log.exception("ignoring a corrupt features record: older behaviour until rewritten")
+            return None
 
     def stats(self, group: str) -> GroupStats | None:
         """The group's statistics as last seen, decoded once per write (callers must not

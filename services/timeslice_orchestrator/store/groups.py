@@ -4,6 +4,7 @@ A thin facade over one class per concept, so callers hold one object:
 
 * :mod:`.sessions` - client sessions (one lease each);
 * :mod:`.queue` - enqueue, withdraw and release (Acquire and Yield);
+* :mod:`.handover` - a yield that grants the next waiter in the same transaction;
 * :mod:`.switches` - the driver key, switch records, grants, giving up on a waiter;
 * :mod:`.members` - pinned members, agent records, residency reports;
 * :mod:`.operations` - operator snapshot / restore requests and their outcomes.
@@ -15,6 +16,7 @@ Directives relayed between replicas have their own store, :class:`.relay.RelaySt
 
 from __future__ import annotations
 
+from timeslice_orchestrator.store.handover import HandOverStore
 from timeslice_orchestrator.store.members import MemberStore
 from timeslice_orchestrator.store.operations import (
     OperationStore,
@@ -54,6 +56,6 @@ __all__ = [
 ]
 
 
-class GroupStore(SessionStore, QueueStore, SwitchStore, MemberStore, OperationStore):
+class GroupStore(SessionStore, QueueStore, HandOverStore, SwitchStore, MemberStore, OperationStore):
     """Sessions, queues and holds, switches, membership and operator operations over one
     etcd client."""

@@ -14,9 +14,11 @@ split back into its parts.
                                        can be pinned (not mirrored: read by SetGroupMembers)
     beacon                             written by a replica to see its watch bring it back
                                        (not state: its value is the last writer's ID)
+    features                           what the replicas may do that older ones would misread
     groups/<group>/meta                marks the group as existing
     groups/<group>/queue/<job>         a waiter, attached to its session; FIFO by create revision
-    groups/<group>/holder              the hold; its create revision is the fencing epoch
+    groups/<group>/holder              the hold; its create revision is the fencing epoch, or
+                                       the revision of the hand-over that wrote it (hold_epoch)
     groups/<group>/resident            whose device state is on which node
     groups/<group>/switch              a switch in progress; its create revision is its epoch
     groups/<group>/driver              the replica driving the group, attached to its lease
@@ -51,6 +53,7 @@ class Kind(enum.Enum):
     STATS = "stats"
     FAULT = "faulted"
     OPERATION = "operations"
+    FEATURES = "features"
     OTHER = "other"  # a key of a group this version does not know: it still makes the group exist
 
 
@@ -132,6 +135,8 @@ class Keyspace:
                 return KeyRef(Kind.SESSION, name=session_id)
             case ["agents", node]:
                 return KeyRef(Kind.AGENT, name=node)
+            case ["features"]:
+                return KeyRef(Kind.FEATURES)
             case ["relay", node, directive_id]:
                 return KeyRef(Kind.RELAY, name=node, directive=directive_id)
             case ["groups", group, name] if name in _SINGLE:
@@ -161,6 +166,9 @@ class Keyspace:
         (``Mirror.catch_up``: on rejoin, and when the watch has been quiet); outside the
         layout the mirror reads."""
         return self._k("beacon")
+
+    def features(self) -> bytes:
+        return self._k("features")
 
     def known_node(self, node: str) -> bytes:
         return self._k("nodes", node)

@@ -2,9 +2,10 @@
 
 The queue is a set of keys ``groups/<g>/queue/<job>`` ordered by create revision and attached
 to the waiters' session leases; the hold is ``groups/<g>/holder``, attached to the holder's
-session, and its create revision is the fencing epoch. Every change here is one transaction
-whose compares carry its whole authority (the session still exists, the holder is the one
-read), so a stale read costs a retry, never a wrong answer.
+session, and its create revision is the fencing epoch (or the revision of the hand-over
+that wrote it: :func:`~timeslice_orchestrator.store.records.hold_epoch`). Every change here is
+one transaction whose compares carry its whole authority (the session still exists, the
+holder is the one read), so a stale read costs a retry, never a wrong answer.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from timeslice_orchestrator.store.base import StoreBase
 from timeslice_orchestrator.store.etcd import (
     Delete,
     Get,
+    KeyValue,
     Put,
     Txn,
     absent,
@@ -43,6 +45,7 @@ from timeslice_orchestrator.store.records import (
     SessionRecord,
     Stored,
     UsageRecord,
+    hold_epoch,
 )
 
 # Tries of an enqueue whose group keeps changing between its read and its transaction.
@@ -109,7 +112,7 @@ class Hold:
 
     group: str
     job: str
-    epoch: int  # the fencing token: the holder key's create revision
+    epoch: int  # the fencing token (records.hold_epoch)
     # "" accepts the hold of any session of the job: the operator yield, which the client
     # API allows only to an operator (every other caller names its session and its secret).
     session_id: str = ""
@@ -183,7 +186,8 @@ class QueueStore(StoreBase):
         queued = Stored.of(current, QueueRecord.decode(current.value))
         if queued.record.session != req.session_id:
             raise AlreadyExists(f"job {job} already waits for group {group} in another session")
-        stamped = await self._restamp(k.queue_entry(group, job), queued, req.attempt)
+        restamped = dataclasses.replace(queued.record, attempt=req.attempt)
+        stamped = await self._restamp(k.queue_entry(group, job), queued, restamped)
         if stamped is None:
             return None
         revision, value = stamped
@@ -249,20 +253,23 @@ class QueueStore(StoreBase):
             req.request_id and held.request_id == req.request_id and held.session == req.session_id
         ):
             raise AlreadyExists(f"job {req.job} already holds group {req.group}")
-        stamped = await self._restamp(self.keys.holder(req.group), holder, req.attempt)
+        # The rewrite moves the key's mod revision, which a handed-over hold's epoch was.
+        restamped = dataclasses.replace(held, attempt=req.attempt, epoch=hold_epoch(holder))
+        stamped = await self._restamp(self.keys.holder(req.group), holder, restamped)
         if stamped is None:
             return None
         # The ticket is the place in line the grant served, as if it had been delivered.
         return Enqueued(req, stamped[0], held.ticket, b"", reattached=True)
 
     async def _restamp(
-        self, key: bytes, seen: Stored[_Stamped], attempt: str
+        self, key: bytes, seen: Stored[_Stamped], stamped: _Stamped
     ) -> tuple[int, bytes] | None:
-        """Re-attach: stamp ``attempt`` on an entry or hold if it is still as read.
+        """Re-attach: write ``stamped`` (the entry or hold with the new attempt's stamp) if the
+        key is still as read (``seen``).
 
         Returns the store revision and the value written, or None if the key changed.
         """
-        value = dataclasses.replace(seen.record, attempt=attempt).encode()
+        value = stamped.encode()
         taken = await self.etcd.txn(
             Txn([modified_at(key, seen.mod_revision)], [Put(key, value, lease=seen.lease)])
         )
@@ -292,7 +299,7 @@ class QueueStore(StoreBase):
         record = HolderRecord.decode(holder.value)
         if record.job != job or record.session != req.session_id:
             return False
-        if record.attempt != enqueued.attempt or holder.create_revision < enqueued.entry_revision:
+        if record.attempt != enqueued.attempt or _epoch_of(holder) < enqueued.entry_revision:
             return False
         released = await self.etcd.txn(
             Txn([modified_at(k.holder(group), holder.mod_revision)], [Delete(k.holder(group))]),
@@ -322,26 +329,16 @@ class QueueStore(StoreBase):
         k = self.keys
         group, job, epoch = hold.group, hold.job, hold.epoch
         seen = holder.seen if holder is not None else None
-        current = seen if seen is not None and seen.create_revision == epoch else None
+        current = seen if seen is not None and hold_epoch(seen) == epoch else None
         if current is None:
             current = await self._holder(group)
         if current is None:
             if await self.etcd.get(k.meta(group)) is None:
                 raise NotFound(f"group {group} does not exist")
             raise NotHolder(f"job {job} does not hold group {group} (nobody does)")
-        record = current.record
-        if record.job != job:
-            raise PermissionDenied(f"group {group} is held by another job, not {job}")
-        if current.create_revision != epoch:
-            raise NotHolder(
-                f"epoch {epoch} does not match: job {job} holds group {group} "
-                f"under epoch {current.create_revision}"
-            )
-        if hold.session_id and record.session != hold.session_id:
-            raise PermissionDenied(f"the hold on {group} belongs to another session of {job}")
+        check_hold(hold, current)
         ledger_seen = usage.seen if usage is not None else await self._usage(group)
-        ledger = ledger_seen.record.copy() if ledger_seen is not None else UsageRecord()
-        ledger.add(job, record.granted_at, time.time())
+        ledger = ledger_after(hold, current, ledger_seen)
         result = await self.etcd.txn(
             Txn(
                 [
@@ -358,7 +355,7 @@ class QueueStore(StoreBase):
         now = result.reads[0]
         ledger_only = bool(now) and now[0].mod_revision == current.mod_revision
         # The same hold, re-stamped since our copy of it (say, a mirror lagging a re-attach).
-        restamped = bool(now) and now[0].create_revision == epoch and not exact
+        restamped = bool(now) and _epoch_of(now[0]) == epoch and not exact
         if ledger_only or restamped:
             if tries <= 1:
                 raise Unavailable(f"the hold on {group} kept changing: not released yet")
@@ -376,7 +373,7 @@ class QueueStore(StoreBase):
         current = await self._holder(hold.group)
         if (
             current is None
-            or current.create_revision != hold.epoch
+            or hold_epoch(current) != hold.epoch
             or current.record.attempt != attempt
         ):
             return None
@@ -396,3 +393,31 @@ class QueueStore(StoreBase):
     async def _usage(self, group: str) -> Stored[UsageRecord] | None:
         kv = await self.etcd.get(self.keys.usage(group))
         return Stored.of(kv, UsageRecord.decode(kv.value)) if kv else None
+
+
+def check_hold(hold: Hold, current: Stored[HolderRecord]) -> None:
+    """Raise unless ``current`` is the hold ``hold`` names (its job, epoch and session)."""
+    record, group, job = current.record, hold.group, hold.job
+    if record.job != job:
+        raise PermissionDenied(f"group {group} is held by another job, not {job}")
+    epoch = hold_epoch(current)
+    if epoch != hold.epoch:
+        raise NotHolder(
+            f"epoch {hold.epoch} does not match: job {job} holds group {group} under epoch {epoch}"
+        )
+    if hold.session_id and record.session != hold.session_id:
+        raise PermissionDenied(f"the hold on {group} belongs to another session of {job}")
+
+
+def ledger_after(
+    hold: Hold, current: Stored[HolderRecord], seen: Stored[UsageRecord] | None
+) -> UsageRecord:
+    """The group's usage ledger once ``current`` (the hold being released) has ended."""
+    ledger = seen.record.copy() if seen is not None else UsageRecord()
+    ledger.add(hold.job, current.record.granted_at, time.time())
+    return ledger
+
+
+def _epoch_of(kv: KeyValue) -> int:
+    """The epoch of a hold read as a bare key-value."""
+    return hold_epoch(Stored.of(kv, HolderRecord.decode(kv.value)))

@@ -98,6 +98,21 @@ class HolderRecord(_Record):
     # Kept so a client that re-attaches to its grant (after a replica died mid-delivery)
     # learns the same ticket as if the grant had reached it the first time.
     ticket: int = 0
+    # Written by a hand-over in one transaction (the previous hold overwritten, not deleted:
+    # the key keeps its create revision), whose epoch is the revision of that write. A later
+    # rewrite of such a hold (a re-attach) keeps its epoch in ``epoch``. See :func:`hold_epoch`.
+    handed_over: bool = False
+    epoch: int = 0
+
+
+@dataclass(slots=True)
+class FeaturesRecord(_Record):
+    """What the deployment's replicas may do that older replicas would misread
+    (``features``; docs/operations.md, "Upgrades"). A replica reads it, never assumes it."""
+
+    # Yield hands the group to the next waiter in the release's own transaction (the holder
+    # key overwritten): an older replica would take the new hold's epoch for the old one's.
+    one_transaction_hand_over: bool = False
 
 
 @dataclass(slots=True)
@@ -340,6 +355,16 @@ class Stored(Generic[T]):
     @classmethod
     def of(cls, kv: KeyValue, record: T) -> Stored[T]:
         return cls(record, kv.create_revision, kv.mod_revision, kv.lease)
+
+
+def hold_epoch(hold: Stored[HolderRecord]) -> int:
+    """A hold's fencing epoch: its key's create revision, or, for a hold a hand-over wrote
+    over the previous one, the revision of that write (kept in the record once rewritten).
+    Either way it is above the epoch of every earlier hold of the group."""
+    record = hold.record
+    if record.epoch:
+        return record.epoch
+    return hold.mod_revision if record.handed_over else hold.create_revision
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,6 +47,36 @@ def new_switch_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
+def grant_txn(keys: Keyspace, auth: Authority | None, grant: Grant, holder: Compare) -> Txn:
+    """The transaction of ``grant``, with ``holder`` as its compare on the holder key (the key
+    absent, or the hold a hand-over overwrites); see :meth:`SwitchStore.grant`."""
+    k = keys
+    group, job, entry = grant.group, grant.waiter.job, grant.waiter.entry
+    compare: list[Compare] = [] if auth is None else [SwitchStore.driving(k, group, auth)]
+    if grant.stats_revision is not None:
+        compare.append(modified_at(k.stats(group), grant.stats_revision))
+    elif auth is None:
+        raise ValueError("a grant by a replica that does not drive must compare the stats")
+    compare += [
+        holder,
+        modified_at(k.queue_entry(group, job), entry.mod_revision),
+        modified_at(k.resident(group), grant.resident_revision),
+    ]
+    ops: list[Op] = [
+        Put(k.holder(group), grant.holder.encode(), lease=entry.lease),
+        Delete(k.queue_entry(group, job)),
+        Put(k.stats(group), grant.stats.encode()),
+    ]
+    if grant.resident is not None:
+        ops.append(Put(k.resident(group), grant.resident.encode()))
+    if grant.switch is not None:
+        compare.append(modified_at(k.switch(group), grant.switch.mod_revision))
+        ops.append(Delete(k.switch(group)))
+    else:
+        compare.append(absent(k.switch(group)))
+    return Txn(compare, ops)
+
+
 @dataclass(frozen=True, slots=True)
 class Authority:
     """Who may drive a group: a replica incarnation, identified by its etcd lease."""
@@ -61,7 +91,7 @@ class Grant:
 
     group: str
     waiter: QueuedJob  # the queue entry served, as read: a waiter that re-attached since waits
-    holder: HolderRecord  # the new hold; its epoch is the holder key's create revision
+    holder: HolderRecord  # the new hold; its epoch is the revision of the grant's write
     # The residency after the hand-over; None: as it was (compared, not written again).
     resident: ResidentRecord | None
     resident_revision: int  # mod revision of the residency it was computed from (0: none)
@@ -125,32 +155,9 @@ class SwitchStore(StoreBase):
         Returns the epoch (the holder key's create revision) or None if a compare failed
         (the waiter left or re-attached, another replica drives, or the group changed).
         """
-        k = self.keys
-        group, job, entry = grant.group, grant.waiter.job, grant.waiter.entry
-        compare: list[Compare] = [] if auth is None else [self._driving(group, auth)]
-        if grant.stats_revision is not None:
-            compare.append(modified_at(k.stats(group), grant.stats_revision))
-        elif auth is None:
-            raise ValueError("a grant by a replica that does not drive must compare the stats")
-        compare += [
-            absent(k.holder(group)),
-            modified_at(k.queue_entry(group, job), entry.mod_revision),
-            modified_at(k.resident(group), grant.resident_revision),
-        ]
-        ops: list[Op] = [
-            Put(k.holder(group), grant.holder.encode(), lease=entry.lease),
-            Delete(k.queue_entry(group, job)),
-            Put(k.stats(group), grant.stats.encode()),
-        ]
-        if grant.resident is not None:
-            ops.append(Put(k.resident(group), grant.resident.encode()))
-        if grant.switch is not None:
-            compare.append(modified_at(k.switch(group), grant.switch.mod_revision))
-            ops.append(Delete(k.switch(group)))
-        else:
-            compare.append(absent(k.switch(group)))
+        txn = grant_txn(self.keys, auth, grant, absent(self.keys.holder(grant.group)))
         # Batched: a hold's epoch is compared only within its group (never with a fence).
-        result = await self.etcd.txn(Txn(compare, ops), batch=group)
+        result = await self.etcd.txn(txn, batch=grant.group)
         return result.revision if result.succeeded else None
 
     async def begin_switch(
