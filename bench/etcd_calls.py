@@ -8,17 +8,18 @@ A cluster of one replica and no agents; two jobs on one group. Two kinds of cycl
 - **free**: one job acquires a free group nobody waits for, then yields it (the grant in
   place inside the Acquire's own transaction);
 - **hand-over**: the other job is queued when the holder yields, and the yield's replica
-  grants it at once (its state needs no moving); per cycle the waiter's enqueue, the
-  release and the grant.
+  grants it at once (its state needs no moving); per cycle the waiter's enqueue, and the
+  release and the grant, in one transaction (a new deployment: the features record allows
+  it, store/handover.py), then again in two (the record switched off, as on a deployment
+  upgraded from an older version that has not enabled it).
 
 The counts are the differences of etcd's own ``grpc_server_handled_total`` (calls answered OK,
 by method) and ``etcd_mvcc_*_total`` (its store operations) over the cycles, divided by their
 number: a count, not a timing, so it is the same on a loaded machine as on a quiet one (unless
 the cycles stall for 5 s: a replica whose watch brought nothing for that long writes its
-beacon, one Put, see ``WATCH_QUIET_AFTER``). Each
-of the hand-over's three transactions is the least the design allows (the epoch is the holder
-key's create revision, so the grant must create the key the release deleted, and etcd refuses
-a transaction that writes one key twice).
+beacon, one Put, see ``WATCH_QUIET_AFTER``). The hand-over's two transactions (enqueue,
+then release-and-grant) are the least the design allows: the waiter must be in line before
+the holder yields.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ import urllib.request
 
 from bench._common import running_cluster
 from timeslice import AsyncTimeSliceClient
+from timeslice_orchestrator.store.etcd import EtcdClient
+from timeslice_orchestrator.store.keys import Keyspace
+from timeslice_orchestrator.store.records import FeaturesRecord
 
 _HANDLED = re.compile(
     r'^grpc_server_handled_total\{grpc_code="OK",grpc_method="(\w+)",'
@@ -82,16 +86,30 @@ async def measure(cycles: int) -> dict[str, dict[str, float]]:
 
             holder, waiter = a, b
             await holder.acquire(_GROUP, timeout=30)
-            start = _counts(endpoint)
-            for _ in range(cycles):
-                waiting = asyncio.create_task(waiter.acquire(_GROUP, timeout=30))
-                await asyncio.sleep(0.01)  # queued before the yield
-                await holder.yield_(_GROUP)
-                await waiting
-                holder, waiter = waiter, holder
-            handover = _per_cycle(start, _counts(endpoint), cycles)
+            handovers: dict[str, dict[str, float]] = {}
+            for way in ("one transaction", "two transactions"):
+                if way == "two transactions":
+                    await _switch_off_features(endpoint, cluster.prefix)
+                start = _counts(endpoint)
+                for _ in range(cycles):
+                    waiting = asyncio.create_task(waiter.acquire(_GROUP, timeout=30))
+                    await asyncio.sleep(0.01)  # queued before the yield
+                    await holder.yield_(_GROUP)
+                    await waiting
+                    holder, waiter = waiter, holder
+                handovers[f"hand-over, {way}"] = _per_cycle(start, _counts(endpoint), cycles)
             await holder.yield_(_GROUP)
-    return {"free": free, "hand-over": handover}
+    return {"free": free, **handovers}
+
+
+async def _switch_off_features(endpoint: str, prefix: str) -> None:
+    """What ``timeslice orchestrator features disable`` does; then a moment for the mirror."""
+    etcd = EtcdClient([endpoint])
+    try:
+        await etcd.put(Keyspace(prefix).features(), FeaturesRecord().encode())
+    finally:
+        await etcd.close()
+    await asyncio.sleep(1.0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,7 +47,7 @@ from timeslice_orchestrator.http import make_app
 from timeslice_orchestrator.hub import AgentHub
 from timeslice_orchestrator.limits import Quotas
 from timeslice_orchestrator.locks import LockService
-from timeslice_orchestrator.metrics import BatchMetrics, Metrics
+from timeslice_orchestrator.metrics import BatchMetrics, FeatureMetrics, Metrics
 from timeslice_orchestrator.operations import NodeOperationsService
 from timeslice_orchestrator.relay import DirectiveRouter
 from timeslice_orchestrator.store.cache import Mirror
@@ -100,6 +100,10 @@ class Orchestrator:
         self._group_metrics = GroupMetrics(self.mirror, self.metrics.hold_seconds)
         self.metrics.registry.register(self._group_metrics)
         self.metrics.registry.register(BatchMetrics(self.etcd.batcher))
+        mirror = self.mirror
+        self.metrics.registry.register(
+            FeatureMetrics(lambda: stored.record if (stored := mirror.features()) else None)
+        )
         # The dashboard shows the hold tracker's figures (the same as /metrics), not its own.
         self.dashboard = Dashboard(
             self.mirror,

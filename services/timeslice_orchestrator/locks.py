@@ -462,6 +462,7 @@ class LockService:
                 epoch = await self._store.hand_over(hold, seen, view.usage, grant, features)
                 if epoch is not None:
                     self._note_release(group, epoch)
+                    self._metrics.hand_overs.labels(transactions="one").inc()
                     return self._granted(grant, epoch)
         await self._release(hold)
         # The mirror may not show the release yet: the view is the group after it.
@@ -473,7 +474,10 @@ class LockService:
         except StoreUnavailable as exc:
             log.info("group %s: no hand-over on yield (%s); the driver grants", group, exc)
             return None
-        return None if epoch is None else self._granted(grant, epoch)
+        if epoch is None:
+            return None
+        self._metrics.hand_overs.labels(transactions="two").inc()
+        return self._granted(grant, epoch)
 
     def _next_grant(self, view: GroupView) -> Grant | None:
         """The grant in place of the group's next waiter (``view``: the group after the

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from timeslice_orchestrator.store.batch import TxnBatcher
+from timeslice_orchestrator.store.records import FeaturesRecord
 
 
 class Metrics:
@@ -16,6 +18,13 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.grants = Counter("timeslice_grants", "Grants made", ["kind"], registry=r)
+        self.hand_overs = Counter(
+            "timeslice_hand_overs",
+            "Yields that granted the next waiter in place, by etcd transactions taken (one "
+            "where the deployment's features allow it, else two)",
+            ["transactions"],
+            registry=r,
+        )
         self.switches = Counter(
             "timeslice_switches", "Context switches by outcome", ["outcome"], registry=r
         )
@@ -154,3 +163,22 @@ class BatchMetrics(Collector):
             "etcd requests that carried them: one per transaction when nothing queues",
             value=self._batcher.requests_sent,
         )
+
+
+class FeatureMetrics(Collector):
+    """The deployment's features record as this replica's mirror sees it (store.handover):
+    after ``timeslice orchestrator features enable``, each replica shows it here."""
+
+    def __init__(self, features: Callable[[], FeaturesRecord | None]) -> None:
+        self._features = features
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "timeslice_feature_enabled",
+            "1 when the deployment's features record, as this replica sees it, turns it on",
+            labels=["feature"],
+        )
+        record = self._features() or FeaturesRecord()
+        for f in dataclasses.fields(FeaturesRecord):
+            family.add_metric([f.name], 1.0 if getattr(record, f.name) else 0.0)
+        yield family

@@ -5,7 +5,8 @@ an older version (its keyspace already has keys when the replicas start) starts 
 until an operator runs ``python -m timeslice_orchestrator features enable``; ``disable`` turns
 it off again (before a rollback). Which way a hand-over went shows in etcd: in one
 transaction the holder key is overwritten (its create revision stays the previous hold's
-epoch), in two it is deleted and created again.
+epoch), in two it is deleted and created again; each replica's metrics say which features its
+mirror sees and how it handed over.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 import uuid
 
 from tests.conftest import ClusterFactory
+from tests.e2e.test_metrics_live import scrape, total, value
 from timeslice import AsyncTimeSliceClient
 from timeslice_orchestrator.store.etcd import EtcdClient
 from timeslice_orchestrator.store.keys import Keyspace
@@ -30,7 +33,6 @@ def _features(cluster: LocalCluster, action: str) -> str:
         sys.executable, "-m", "timeslice_orchestrator", "features", action,
         "--etcd", cluster.etcd_endpoint, "--prefix", cluster.prefix,
         "--etcd-ca", tls.ca, "--etcd-cert", tls.cert, "--etcd-key", tls.key,
-        "--insecure",  # no gRPC port: the command talks to etcd only
     ]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
@@ -52,8 +54,31 @@ async def _hand_over(
     assert grant.epoch > epoch
     kv = await etcd.get(keys.holder("g"))
     assert kv is not None and kv.mod_revision == grant.epoch
-    assert (await waiter.status("g")).holder_epoch == grant.epoch
+    async with asyncio.timeout(10):  # its replica's mirror shows it too (it may lag the grant)
+        while (await waiter.status("g")).holder_epoch != grant.epoch:
+            await asyncio.sleep(0.02)
     return grant.epoch, kv.create_revision != grant.epoch
+
+
+def _seen_by_every_replica(cluster: LocalCluster, on: bool) -> None:
+    """Until every replica's mirror shows the feature ``on`` (or off)."""
+    deadline = time.monotonic() + 15
+    feature = "one_transaction_hand_over"
+    while True:
+        seen = [
+            value(scrape(http), "timeslice_feature_enabled", feature=feature)
+            for http in cluster.replica_http
+        ]
+        if seen == [1.0 if on else 0.0] * len(seen):
+            return
+        assert time.monotonic() < deadline, f"replicas see {feature} as {seen}"
+        time.sleep(0.05)
+
+
+def _hand_overs_counted(cluster: LocalCluster) -> dict[str, float]:
+    """Hand-overs made so far, by transactions taken, over every replica."""
+    samples = [s for http in cluster.replica_http for s in scrape(http)]
+    return {n: total(samples, "timeslice_hand_overs_total", transactions=n) for n in ("one", "two")}
 
 
 async def _hand_overs(cluster: LocalCluster, expected: list[tuple[str | None, bool]]) -> None:
@@ -70,10 +95,15 @@ async def _hand_overs(cluster: LocalCluster, expected: list[tuple[str | None, bo
             for turn, (action, one_transaction) in enumerate(expected):
                 if action is not None:
                     _features(cluster, action)
+                    await asyncio.to_thread(_seen_by_every_replica, cluster, action == "enable")
+                before = await asyncio.to_thread(_hand_overs_counted, cluster)
                 epoch, in_one = await _hand_over(
                     holder, waiter, epoch, etcd, Keyspace(cluster.prefix)
                 )
                 assert in_one is one_transaction, f"hand-over {turn} (after {action})"
+                after = await asyncio.to_thread(_hand_overs_counted, cluster)
+                way = "one" if one_transaction else "two"
+                assert after[way] == before[way] + 1, (turn, before, after)
                 holder, waiter = waiter, holder
             await holder.yield_("g")
     finally:
@@ -85,6 +115,7 @@ async def test_a_new_deployment_hands_over_in_one_transaction(
 ) -> None:
     cluster = cluster_factory(agents=0, replicas=2)
     assert "one_transaction_hand_over: on" in _features(cluster, "show")
+    await asyncio.to_thread(_seen_by_every_replica, cluster, True)
     # With two replicas the waiter may wait on the other one: it learns of its grant, and
     # of its epoch, through its replica's mirror.
     await _hand_overs(cluster, [(None, True), (None, True), ("disable", False), ("enable", True)])

@@ -22,7 +22,7 @@ from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.store.cache import Mirror
 from timeslice_orchestrator.store.groups import GroupStore
 from timeslice_orchestrator.store.handover import CURRENT_FEATURES
-from timeslice_orchestrator.store.records import hold_epoch
+from timeslice_orchestrator.store.records import FeaturesRecord, hold_epoch
 
 ONE_TRANSACTION = pytest.mark.parametrize("one_transaction", [True, False], ids=["one", "two"])
 
@@ -121,6 +121,47 @@ async def test_the_waiter_gets_its_grant_before_the_yield_returns(
                 epoch = await waiting
             assert order == ["granted", "yield returned"], f"turn {turn}: {order}"
             holder_job, waiter_job = waiter_job, holder_job
+    finally:
+        watching.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watching
+
+
+async def test_a_one_transaction_hand_over_whose_reads_moved_goes_in_two(store: GroupStore) -> None:
+    """An operator disabled the feature after this replica's mirror last looked: the
+    one-transaction try fails its compare on the features record, changes nothing, and the
+    yield releases and grants in two transactions instead."""
+    await store.set_features(CURRENT_FEATURES)
+    mirror = Mirror(store.etcd, store.keys)
+    watching = asyncio.create_task(mirror.run())
+    try:
+        await asyncio.wait_for(mirror.synced.wait(), 10)
+        metrics = Metrics()
+        locks = LockService(store, mirror, metrics, 30)
+        a, a_secret, _ = await locks.open_session("a", 30, "host", 1)
+        b, b_secret, _ = await locks.open_session("b", 30, "host", 2)
+        first = await _until(locks.acquire(a, "a", "g", 0, secret=a_secret), AcquireStage.GRANTED)
+        waiting = locks.acquire(b, "b", "g", 0, secret=b_secret)
+        await _until(waiting, AcquireStage.QUEUED)
+
+        watching.cancel()  # the mirror keeps showing the feature on
+        with contextlib.suppress(asyncio.CancelledError):
+            await watching
+        await store.set_features(FeaturesRecord())
+        await locks.release(a, "a", "g", first.epoch, secret=a_secret)
+
+        granted = await _until(waiting, AcquireStage.GRANTED)
+        hold = await holder(store)
+        assert hold is not None and hold.record.job == "b" and not hold.record.handed_over
+        assert granted.epoch == hold.create_revision == hold_epoch(hold) > first.epoch
+        counted = {
+            way: metrics.registry.get_sample_value(
+                "timeslice_hand_overs_total", {"transactions": way}
+            )
+            for way in ("one", "two")
+        }
+        assert counted == {"one": None, "two": 1.0}, counted
+        await waiting.aclose()
     finally:
         watching.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -207,6 +207,8 @@ class Mirror:
         self._behind_since: float | None = None
         # When (time.monotonic()) the watch last brought something, or a beacon was written.
         self._heard_at = time.monotonic()
+        # The mod revision of the corrupt features record last logged (0: none).
+        self._corrupt_features = 0
         self._seq = 0
         self.reconnects = 0
         self.rewinds = 0
@@ -283,7 +285,9 @@ class Mirror:
         try:
             return Stored.of(kv, self._decoded_record(ref, kv, FeaturesRecord))
         except CorruptRecord:
-            log.exception("ignoring a corrupt features record: older behaviour until rewritten")
+            if self._corrupt_features != kv.mod_revision:  # once per write, not per yield
+                self._corrupt_features = kv.mod_revision
+                log.exception("ignoring a corrupt features record: all off until rewritten")
             return None
 
     def stats(self, group: str) -> GroupStats | None:

@@ -4,7 +4,7 @@ A yield whose group has a waiter whose state is already where it would run ends 
 grants that waiter. As two transactions (release, then grant) that costs two etcd round
 trips one after the other; as one, the grant overwrites the holder key instead of creating
 it, so the new hold's epoch is the revision of that write, not the key's create revision
-(:func:`~timeslice_orchestrator.store.records.hold_epoch`; docs/fencing.md).
+(:func:`~timeslice_orchestrator.store.records.hold_epoch`).
 
 A replica of an older version would take the key's create revision for the new hold's epoch
 (the previous hold's), so a replica hands over this way only while the deployment's
