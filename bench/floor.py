@@ -8,9 +8,13 @@
 The floor is what etcd costs on this machine, from this process, through the same typed client
 the orchestrator uses: a bare put, a bare transaction (one compare, one put) and a bare lease
 grant, one at a time (round-trip p50/p99), transactions with 100 in flight (throughput), and a
-transaction after 2 ms of idling (round trip), as each of a hand-over's two is: on a virtual
-machine the wake-ups of both processes cost more than the work, which back to back hides. It
-also prints this process's CPU per back-to-back transaction, by thread (the loop's, gRPC's).
+transaction after 2 ms of idling (round trip), as a hand-over's is: on a virtual machine the
+wake-ups of both processes cost more than the work, which back to back hides. It also prints
+this process's CPU per back-to-back transaction, by thread (the loop's, gRPC's), and a gRPC
+round trip after the same idling (:mod:`bench.grpc_floor`). A hand-over crosses gRPC in and out
+and etcd once, so one of each after idling is its floor: the least it could take here with no
+work at all. The host's speed drifts within a run, so that floor is measured again before
+each round, and each handoff is printed as a multiple of its round's floor.
 
 Each round runs, for every build, :func:`bench.controlplane.cycle_throughput` (100 groups,
 1 replica: acquire/yield cycles per second and the replica's CPU per cycle) and
@@ -49,6 +53,8 @@ _FLOOR_IN_FLIGHT = 100
 _FLOOR_BATCH = 5000
 # The pause before each transaction of the after-idle floor.
 _FLOOR_IDLE_SECONDS = 0.002
+# Samples of each round's handoff floor (each kind).
+_ROUND_FLOOR_SAMPLES = 200
 TARGETS = {
     "cycles_per_second": ">= 500",
     "replica_cpu_ms_per_cycle": "<= 2",
@@ -93,6 +99,32 @@ class BuildRun:
     handoff_ms: Stats
     yield_call_ms: Stats
     violations: list[str]
+    # The handoff floor measured just before this round (the host's speed drifts within a
+    # run): one gRPC round trip and one etcd transaction, each after idling (p50s, ms).
+    round_floor_ms: float | None = None
+
+
+async def measure_handoff_floor(samples: int = _ROUND_FLOOR_SAMPLES) -> float:
+    """The handoff floor now: p50 of a gRPC round trip plus p50 of an etcd transaction, each
+    after idling (a private etcd; see Floor.handoff_floor_ms)."""
+    with tempfile.TemporaryDirectory(prefix="timeslice-floor-") as scratch:
+        server = EtcdServer(Path(scratch))
+        await asyncio.to_thread(server.start)
+        client = EtcdClient([server.endpoint])
+        try:
+            times = []
+            for i in range(20 + samples):
+                await asyncio.sleep(_FLOOR_IDLE_SECONDS)
+                key = f"/floor/round/{i}".encode()
+                t0 = time.perf_counter()
+                await client.txn(Txn([absent(key)], [Put(key, b"x")]))
+                if i >= 20:
+                    times.append(time.perf_counter() - t0)
+        finally:
+            await client.close()
+            await asyncio.to_thread(server.close)
+    grpc = await round_trip_after_idle(_FLOOR_IDLE_SECONDS, samples)
+    return grpc.p50 + Stats.of(times).scaled(1000).p50
 
 
 async def measure_floor() -> Floor:
@@ -196,17 +228,27 @@ def _row(run: BuildRun) -> str:
     return (
         f"| {run.build} | {run.cycles_per_second:.0f} | {run.replica_cpu_ms_per_cycle:.2f} | "
         f"{run.cycle_ms.p50:.2f} | {run.handoff_ms.p50:.2f} | {run.handoff_ms.p99:.2f} | "
-        f"{run.yield_call_ms.p50:.2f} | {_cpu(run)} | {len(run.violations)} |"
+        f"{run.yield_call_ms.p50:.2f} | {_cpu(run)} | {len(run.violations)} | "
+        f"{_ratio(run)} |"
     )
+
+
+def _ratio(run: BuildRun) -> str:
+    """The handoff p50 over the round's floor (and the floor), or '-' without one."""
+    if not run.round_floor_ms:
+        return "-"
+    return f"{run.handoff_ms.p50 / run.round_floor_ms:.2f}x of {run.round_floor_ms:.2f}"
 
 
 def _cpu(run: BuildRun) -> str:
     return ", ".join(f"{k} {v:.2f}" for k, v in sorted(run.cpu_ms_per_cycle.items()))
 
 
-def _over_floor(handoff_ms: float, floor: Floor) -> str:
-    least = floor.handoff_floor_ms
-    return "" if not least else f" ({handoff_ms / least:.2f}x the handoff floor)"
+def _over_floor(runs: list[BuildRun]) -> str:
+    ratios = [r.handoff_ms.p50 / r.round_floor_ms for r in runs if r.round_floor_ms]
+    if not ratios:
+        return ""
+    return f" ({statistics.median(ratios):.2f}x the round's handoff floor)"
 
 
 def report(floor: Floor, runs: list[BuildRun]) -> str:
@@ -246,8 +288,8 @@ def report(floor: Floor, runs: list[BuildRun]) -> str:
         "",
         "| build | cycles/s (100 groups, 1 replica) | replica CPU ms/cycle | cycle p50 ms "
         "| handoff p50 ms | handoff p99 ms | yield call p50 ms | CPU ms/cycle by process "
-        "| violations |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| violations | handoff / round's floor (ms) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *(_row(r) for r in runs),
     ]
     builds = sorted({r.build for r in runs}, key=[r.build for r in runs].index)
@@ -262,7 +304,7 @@ def report(floor: Floor, runs: list[BuildRun]) -> str:
                 f"{statistics.median(r.replica_cpu_ms_per_cycle for r in mine):.2f}"
                 f", handoff p50 {statistics.median(r.handoff_ms.p50 for r in mine):.2f} ms"
                 f", p99 {statistics.median(r.handoff_ms.p99 for r in mine):.2f} ms"
-                + _over_floor(statistics.median(r.handoff_ms.p50 for r in mine), floor)
+                + _over_floor(mine)
             )
     lines.append("")
     lines.append("targets: " + ", ".join(f"{k} {v}" for k, v in TARGETS.items()))
@@ -290,8 +332,10 @@ async def main(argv: list[str] | None = None) -> int:
         floor = await measure_floor()
         runs = []
         for _ in range(args.rounds):
+            least = await measure_handoff_floor()
             for name, path in builds:
                 runs.append(await run_build(name, path, args.seconds, args.samples))
+                runs[-1].round_floor_ms = least
                 print(_row(runs[-1]), file=sys.stderr, flush=True)
     print(report(floor, runs))
     if args.json is not None:
