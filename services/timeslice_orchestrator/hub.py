@@ -91,6 +91,7 @@ class AgentConnection:
     heartbeats: bool = False  # the agent sends heartbeats: its silence means it is stalled
     last_heard: float = 0.0  # loop time of the last message from the agent
     fence_revision: int = 0  # the node's fence as its hello found it (0: never fenced)
+    record_revision: int = 0  # the revision of this stream's last write of the agent record
 
     def fail_pending(self, reason: str, error: type[AgentUnavailable] = AgentUnavailable) -> None:
         for fut in self.pending.values():
@@ -211,7 +212,9 @@ class AgentHub(AgentHubBase):
             await self._forget_off_device(node, hello.jobs)
             conn.lease = await self._store.agent_lease(node, self._agent_ttl)
             conn.fence_revision = floor
-            await self._store.publish_agent(record, conn.lease, fence_revision=floor)
+            conn.record_revision = await self._store.publish_agent(
+                record, conn.lease, fence_revision=floor
+            )
             background.append(
                 asyncio.create_task(
                     self._store.keep_agent_lease(conn.lease, self._agent_ttl).run(),
@@ -419,9 +422,15 @@ class AgentHub(AgentHubBase):
                     fut.set_result(msg.ack)
             elif msg.workers is not None:
                 conn.record.workers = _worker_records(msg.workers.workers)
+                # Raises FailedPrecondition (the stream ends) once a newer stream of the
+                # agent has published: this one's late write must not undo that one's.
                 revision = await self._store.publish_agent(
-                    conn.record, conn.lease, fence_revision=conn.fence_revision
+                    conn.record,
+                    conn.lease,
+                    fence_revision=conn.fence_revision,
+                    after=conn.record_revision,
                 )
+                conn.record_revision = revision
                 if msg.workers.seq:
                     # The agent holds the registrations of this change until it hears this.
                     recorded = WorkersRecorded(seq=msg.workers.seq, revision=revision)

@@ -241,7 +241,9 @@ class MemberStore(StoreBase):
         """A keeper that refreshes the agent lease while the agent's stream is held here."""
         return LeaseKeeper(self.etcd, lease, ttl)
 
-    async def publish_agent(self, record: AgentRecord, lease: int, *, fence_revision: int) -> int:
+    async def publish_agent(
+        self, record: AgentRecord, lease: int, *, fence_revision: int, after: int = 0
+    ) -> int:
         """Write the agent's record (its workers) on the agent lease, unless the node was
         fenced since its hello read ``fence_revision`` (its fence key's revision; 0: never).
 
@@ -250,14 +252,22 @@ class MemberStore(StoreBase):
         unreconciled, its agent told an older fence than the directives it must refuse.
         FailedPrecondition then: the stream ends and the agent's next hello sees the fence.
 
+        ``after`` (a later write of one agent stream: the revision of its previous one) makes
+        the write also wait for nothing else to have written the record since: a newer stream
+        of the agent (on this replica or another) has published the whole worker set, which
+        an older stream's late write must not replace. FailedPrecondition then too.
+
         The node is also remembered for good (``nodes/<node>``, on no lease): a node that is
         away can still be pinned, one that never existed cannot. Returns the write's revision.
         """
         node = record.node
         known = self.keys.known_node(node)
+        compare = [modified_at(self.keys.fence(node), fence_revision)]
+        if after:
+            compare.append(modified_at(self.keys.agent(node), after))
         result = await self.etcd.txn(
             Txn(
-                [modified_at(self.keys.fence(node), fence_revision)],
+                compare,
                 [
                     Put(self.keys.agent(node), record.encode(), lease=lease),
                     Txn([absent(known)], [Put(known, b"{}")]),
@@ -268,5 +278,8 @@ class MemberStore(StoreBase):
         if not result.succeeded:
             raise FailedPrecondition(
                 f"node {node} was fenced after its hello read fence revision {fence_revision}"
+                if not after
+                else f"node {node}'s record changed since this stream wrote it (revision "
+                f"{after}): fenced, expired, or the agent connected again"
             )
         return result.revision
