@@ -63,7 +63,9 @@ def _discover_blocking() -> list[Device]:
 async def discover_devices(timeout: float = 10.0) -> list[Device]:
     """Devices NVML reports, or an empty list; NVML calls run off the event loop."""
     try:
-        return await asyncio.wait_for(asyncio.to_thread(_discover_blocking), timeout)
+        # asyncio.timeout: wait_for (3.11) can lose a cancel that comes as the call ends.
+        async with asyncio.timeout(timeout):
+            return await asyncio.to_thread(_discover_blocking)
     except TimeoutError:
         log.warning("nvml: discovery took longer than %g s; no devices discovered", timeout)
         return []
@@ -127,7 +129,8 @@ class NvmlDeviceMemory:
         # file writes and driver calls run there).
         future = asyncio.get_running_loop().run_in_executor(self._thread, func)
         try:
-            return await asyncio.wait_for(future, _NVML_CALL_SECONDS)
+            async with asyncio.timeout(_NVML_CALL_SECONDS):
+                return await future
         except TimeoutError:
             raise TimeoutError(f"NVML did not answer within {_NVML_CALL_SECONDS:g} s") from None
 

@@ -320,8 +320,10 @@ class CompatService(TimeSliceOrchestratorServiceBase):
         interval = self._ttl / 3
         try:
             while True:
+                # asyncio.timeout: wait_for (3.11) can lose a cancel that comes as it ends.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(implicit.poke.wait(), interval)
+                    async with asyncio.timeout(interval):
+                        await implicit.poke.wait()
                 implicit.poke.clear()
                 closed = {c for c in implicit.connections if c.is_closing()}
                 for conn in closed:

@@ -102,8 +102,12 @@ async def _hand_overs(cluster: LocalCluster, expected: list[tuple[str | None, bo
                 )
                 assert in_one is one_transaction, f"hand-over {turn} (after {action})"
                 after = await asyncio.to_thread(_hand_overs_counted, cluster)
-                way = "one" if one_transaction else "two"
-                assert after[way] == before[way] + 1, (turn, before, after)
+                if one_transaction:
+                    assert after["one"] == before["one"] + 1, (turn, before, after)
+                else:
+                    # Between the release and the grant the other replica's driver may grant
+                    # first (then the yield's own grant fails its compare and counts nothing).
+                    assert after["one"] == before["one"], (turn, before, after)
                 holder, waiter = waiter, holder
             await holder.yield_("g")
     finally:

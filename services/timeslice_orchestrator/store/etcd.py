@@ -656,7 +656,10 @@ class EtcdClient:
         """Await a stream step within ``timeout`` (the client's by default), errors typed."""
         limit = self._timeout if timeout is None else timeout
         try:
-            return await asyncio.wait_for(coro, limit)  # type: ignore[arg-type]
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result when the
+            # step ends as its caller is cancelled, and the cancellation is lost (gh-86296).
+            async with asyncio.timeout(limit):
+                return await coro  # type: ignore[misc]
         except TimeoutError as exc:
             raise StoreUnavailable(f"etcd did not answer within {limit:g} s") from exc
         except grpc.aio.AioRpcError as exc:
@@ -946,7 +949,10 @@ class EtcdClient:
                     # A member that does not even confirm the watch (paused, say) is left now
                     # rather than when the connection's keepalive gives up on it.
                     try:
-                        resp = await asyncio.wait_for(call.read(), self._timeout)
+                        # Not wait_for (see _call): a cancel as the answer came would be lost,
+                        # and the watch would run on after its mirror stopped it.
+                        async with asyncio.timeout(self._timeout):
+                            resp = await call.read()
                     except TimeoutError:
                         self._failed(member, "no answer to a watch request")
                         raise StoreUnavailable(
