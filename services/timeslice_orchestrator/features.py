@@ -12,7 +12,6 @@ certificate), so it runs where a replica runs.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import sys
 from collections.abc import Sequence
@@ -75,8 +74,7 @@ def parse_args(argv: Sequence[str]) -> tuple[str, Target]:
 def describe(record: FeaturesRecord | None) -> str:
     """One line per feature: its name and whether it is on."""
     shown = record if record is not None else FeaturesRecord()
-    fields = dataclasses.fields(FeaturesRecord)
-    lines = [f"{f.name}: {'on' if getattr(shown, f.name) else 'off'}" for f in fields]
+    lines = [f"{name}: {'on' if on else 'off'}" for name, on in shown.switches().items()]
     if record is None:
         lines.append("(no features record: a deployment upgraded from an older version)")
     return "\n".join(lines)

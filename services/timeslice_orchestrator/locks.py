@@ -446,17 +446,16 @@ class LockService:
         Returns the waiter answered here, if the grant went to an Acquire call on this replica.
         """
         group = hold.group
-        view = self._mirror.group(group)
         features = self._mirror.features()
-        seen = view.holder
-        if (
-            features is not None
-            and features.record.one_transaction_hand_over
-            and seen is not None
-            and hold_epoch(seen) == hold.epoch
-        ):
-            grant = self._next_grant(dataclasses.replace(view, holder=None))
-            if grant is not None:
+        if features is not None and features.record.one_transaction_hand_over:
+            view = self._mirror.group(group)
+            seen = view.holder
+            if seen is not None and hold_epoch(seen) == hold.epoch:
+                grant = self._next_grant(dataclasses.replace(view, holder=None))
+                if grant is None:
+                    # State must move (or nobody waits): the driver's work, after the release.
+                    await self._release(hold)
+                    return None
                 # An unknown outcome (StoreUnavailable) is the yield's: the client retries,
                 # and a retry that finds the hold gone or handed on is answered as done.
                 epoch = await self._store.hand_over(hold, seen, view.usage, grant, features)

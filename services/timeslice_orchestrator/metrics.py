@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -179,6 +178,6 @@ class FeatureMetrics(Collector):
             labels=["feature"],
         )
         record = self._features() or FeaturesRecord()
-        for f in dataclasses.fields(FeaturesRecord):
-            family.add_metric([f.name], 1.0 if getattr(record, f.name) else 0.0)
+        for name, on in record.switches().items():
+            family.add_metric([name], 1.0 if on else 0.0)
         yield family

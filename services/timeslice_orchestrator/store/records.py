@@ -114,6 +114,10 @@ class FeaturesRecord(_Record):
     # key overwritten): an older replica would take the new hold's epoch for the old one's.
     one_transaction_hand_over: bool = False
 
+    def switches(self) -> dict[str, bool]:
+        """Each feature by name, and whether it is on."""
+        return {f.name: bool(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
 
 @dataclass(slots=True)
 class ResidentRecord(_Record):
