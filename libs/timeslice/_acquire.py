@@ -114,7 +114,8 @@ class AcquireCall:
 
     After :meth:`until_granted`, :attr:`granted` is the GRANTED event and :attr:`session` the
     session it was granted under; both are also set when the call was aborted after a grant
-    arrived, so that the caller can give the grant back.
+    arrived, so that the caller can give the grant back. The caller then runs :meth:`finish`,
+    which reads the rest of the stream.
     """
 
     def __init__(
@@ -150,6 +151,8 @@ class AcquireCall:
         # Streams left, still open, for a replica that seemed cut off from etcd: closed once
         # another attempt has re-attached (see _attempt).
         self._detached: list[_Stream] = []
+        # The granted stream's reader, until finish() has read it to its end.
+        self._tail: Prefetch[AcquireEvent] | None = None
 
     @property
     def group(self) -> str:
@@ -167,7 +170,14 @@ class AcquireCall:
         )
 
     async def until_granted(self) -> None:
-        """Return once GRANTED arrived and the stream ended; raise the typed error otherwise."""
+        """Return as soon as GRANTED arrives; raise the typed error otherwise.
+
+        The server ends the stream right after GRANTED. Waiting for that end would make every
+        acquire wait for one more read, so :meth:`finish`, which the caller runs in the
+        background, reads the rest. The stream is not reset meanwhile: a reset that reached
+        the server before it sent GRANTED would make it take the grant back (it cannot once
+        it has sent it, but a reset is not needed either).
+        """
         stream = retrying_stream(
             self._transport,
             self._attempt,
@@ -179,26 +189,51 @@ class AcquireCall:
         )
         reader = Prefetch(stream, name=f"timeslice-acquire-{self._group}")
         try:
-            while True:
+            while self.granted is None:
                 event = await reader.next()
                 if event is None:
                     break
-                if self.granted is None:
-                    self._on_event(event)
+                self._on_event(event)
         except BaseException:
-            await self._drain(reader)
-            raise
-        finally:
             try:
-                await reader.aclose()
+                await self._drain(reader)
             finally:
-                # A GRANTED that reached a stream left open by a move is ours too: when the
-                # call is being aborted, the caller gives it back.
-                left = await self._close_detached()
-                if left is not None and self.granted is None:
-                    self.granted = left
+                await self._close(reader)
+            raise
+        if self.granted is not None:
+            self._tail = reader
+            return
+        await self._close(reader)
         if self.granted is None:
             raise InternalError(f"the Acquire stream of group {self._group} ended without a grant")
+
+    async def finish(self, limit: float) -> None:
+        """Read the granted stream to its end (at most ``limit`` seconds), then close it and
+        any stream a move left open. Does nothing unless :meth:`until_granted` returned."""
+        reader, self._tail = self._tail, None
+        if reader is None:
+            return
+        try:
+            async with asyncio.timeout(limit):
+                while await reader.next() is not None:
+                    pass
+        except TimeoutError:
+            log.info("the Acquire stream of %s did not end %gs after GRANTED", self._group, limit)
+        except Exception as exc:
+            # The grant stands: only the stream's tail failed (see _attempt).
+            log.info("the Acquire stream of %s failed after GRANTED: %s", self._group, exc)
+        finally:
+            await self._close(reader)
+
+    async def _close(self, reader: Prefetch[AcquireEvent]) -> None:
+        """Stop ``reader`` and close the streams left open by moves; a GRANTED that reached
+        one of those is ours too (when the call is being aborted, the caller gives it back)."""
+        try:
+            await reader.aclose()
+        finally:
+            left = await self._close_detached()
+            if left is not None and self.granted is None:
+                self.granted = left
 
     # ------------------------------------------------------------ one attempt
 

@@ -626,6 +626,12 @@ class AsyncTimeSliceClient:
                         # been given unseen goes back first, or this one meets it.
                         await asyncio.wait((sweep,))
                     await call.until_granted()
+                    # The stream's end follows GRANTED: read it without making the job wait.
+                    self._tasks.spawn(
+                        call.finish(self._call_timeout),
+                        f"timeslice-acquire-end-{group}",
+                        kind="acquire end",
+                    )
             except TimeoutError:
                 if limit.expired():
                     raise Timeout(

@@ -242,22 +242,45 @@ async def test_cancelling_the_awaiting_task_cancels_the_stream(orch: FakeOrchest
         await client.yield_("g1")
 
 
-async def test_grant_received_before_the_deadline_is_given_back(orch: FakeOrchestrator) -> None:
-    # The server sends GRANTED but never ends the stream, and (like a server that already
-    # finished) does not release on cancel: only the client can give the grant back.
+async def test_a_grant_is_the_jobs_as_soon_as_it_arrives(orch: FakeOrchestrator) -> None:
+    # The server sends GRANTED but never ends the stream (and, like a server that already
+    # finished, does not release on a reset). The grant is committed and delivered: the
+    # acquire returns it at once instead of waiting for the stream's end, which is read in
+    # the background and reset after the call timeout, leaving the hold with the job.
     orch.do(lambda s: setattr(s, "hang_after_grant", True))
     orch.do(lambda s: setattr(s, "release_raced", False))
-    async with client_for(orch) as client:
-        # The deadline is the test's only wait on the client: long enough for GRANTED to
-        # reach it on a loaded host (with 0.3 s the request could miss the deadline before
-        # the server granted anything, leaving nothing to give back).
-        acquire = asyncio.create_task(client.acquire("g1", timeout=2))
-        await orch.until(lambda s: s.holder_of("g1") == "job-a")
-        with pytest.raises(Timeout):
-            await acquire
-        await orch.until(lambda s: s.holder_of("g1") is None)
+    async with client_for(orch, call_timeout=1.0) as client:
+        started = time.monotonic()
+        grant = await client.acquire("g1", timeout=5)
+        assert time.monotonic() - started < 1.0
+        assert client.grants() == {"g1": grant}
+        assert orch.do(lambda s: s.holder_of("g1")) == "job-a"
+        assert [t.get_name() for t in client._tasks.running("acquire end")] == [
+            "timeslice-acquire-end-g1"
+        ]
+        deadline = time.monotonic() + 10
+        while client._tasks.running("acquire end"):
+            assert time.monotonic() < deadline, "the stream's tail was never closed"
+            await asyncio.sleep(0.05)
+        assert time.monotonic() - started >= 1.0
+        # The reset of the tail took nothing back: the job still holds the group.
+        assert orch.do(lambda s: s.holder_of("g1")) == "job-a"
+        await client.yield_("g1")
+        assert orch.do(lambda s: s.holder_of("g1")) is None
         assert orch.do(lambda s: s.calls.count("Yield")) == 1
-        assert client.grants() == {}
+
+
+async def test_the_stream_of_a_grant_is_read_to_its_end(orch: FakeOrchestrator) -> None:
+    # Returning at GRANTED must not reset the stream: the server finishes it normally.
+    async with client_for(orch) as client:
+        await client.acquire("g1", timeout=5)
+        await orch.until(lambda s: s.finished_acquires == 1)
+        deadline = time.monotonic() + 10
+        while client._tasks.running("acquire end"):
+            assert time.monotonic() < deadline, "the stream's tail was never read"
+            await asyncio.sleep(0.01)
+        assert orch.do(lambda s: s.cancelled_acquires) == 0
+        await client.yield_("g1")
 
 
 async def test_grant_that_raced_a_cancel_is_given_back(orch: FakeOrchestrator) -> None:
