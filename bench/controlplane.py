@@ -54,9 +54,11 @@ from timeslice_tools.history import (
 __all__ = [
     "CyclesResult",
     "FanoutResult",
+    "HandOver",
     "HandoffResult",
     "MemoryResult",
     "cycle_throughput",
+    "hand_over_once",
     "handoff_latency",
     "memory_per_group",
     "profile_orchestrator",
@@ -102,6 +104,50 @@ async def _close_all(clients: Sequence[AsyncTimeSliceClient]) -> None:
 
 
 # -- handoff ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HandOver:
+    """One measured hand-over (see :func:`hand_over_once`)."""
+
+    grant: Grant  # the waiter's
+    released_at: float  # time.monotonic() just before the yield (the holder's hold ends)
+    yield_seconds: float  # the yield call alone
+    handoff_seconds: float  # from calling yield to the waiter's acquire returning
+
+
+async def hand_over_once(
+    holder: AsyncTimeSliceClient, waiter: AsyncTimeSliceClient, group: str
+) -> HandOver:
+    """``waiter`` queues for ``group``, which ``holder`` holds; once it is queued and the
+    replicas' mirrors have settled, ``holder`` yields. Measures that yield to the grant."""
+    queued = asyncio.Event()
+
+    def progress(p: AcquireProgress) -> None:
+        if p.state is AcquireStage.QUEUED:
+            queued.set()
+
+    async def wait_grant() -> tuple[Grant, float]:
+        g = await waiter.acquire(group, timeout=_CALL_TIMEOUT, on_progress=progress)
+        return g, time.perf_counter()
+
+    task = asyncio.create_task(wait_grant())
+    try:
+        async with asyncio.timeout(_CALL_TIMEOUT):
+            await queued.wait()
+        await asyncio.sleep(_SETTLE_SECONDS)
+        released_at = time.monotonic()
+        t0 = time.perf_counter()
+        await holder.yield_(group)
+        t_yield = time.perf_counter()
+        async with asyncio.timeout(_CALL_TIMEOUT):
+            grant, t1 = await task
+    except BaseException:
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        raise
+    return HandOver(grant, released_at, t_yield - t0, t1 - t0)
 
 
 @dataclass
@@ -154,44 +200,21 @@ async def handoff_latency(
             granted_at = time.monotonic()
             cpu0 = cpu_seconds(pids)
             for i in range(samples + warmup):
-                queued = asyncio.Event()
-
-                def progress(p: AcquireProgress, queued: asyncio.Event = queued) -> None:
-                    if p.state is AcquireStage.QUEUED:
-                        queued.set()
-
-                async def wait_grant(
-                    client: AsyncTimeSliceClient = waiter,
-                    progress: Callable[[AcquireProgress], None] = progress,
-                ) -> tuple[Grant, float]:
-                    g = await client.acquire(group, timeout=_CALL_TIMEOUT, on_progress=progress)
-                    return g, time.perf_counter()
-
-                task = asyncio.create_task(wait_grant())
-                try:
-                    async with asyncio.timeout(_CALL_TIMEOUT):
-                        await queued.wait()
-                    await asyncio.sleep(_SETTLE_SECONDS)
-                    released_at = time.monotonic()
-                    t0 = time.perf_counter()
-                    await holder.yield_(group)
-                    t_yield = time.perf_counter()
-                    recorder.hold(
-                        Hold(
-                            holder.job_id, group, grant.epoch, grant.ticket, granted_at, released_at
-                        )
+                measured = await hand_over_once(holder, waiter, group)
+                recorder.hold(
+                    Hold(
+                        holder.job_id,
+                        group,
+                        grant.epoch,
+                        grant.ticket,
+                        granted_at,
+                        measured.released_at,
                     )
-                    async with asyncio.timeout(_CALL_TIMEOUT):
-                        grant, t1 = await task
-                except BaseException:
-                    task.cancel()
-                    with contextlib.suppress(BaseException):
-                        await task
-                    raise
-                granted_at = time.monotonic()
+                )
+                grant, granted_at = measured.grant, time.monotonic()
                 if i >= warmup:
-                    handoffs.append(t1 - t0)
-                    yields.append(t_yield - t0)
+                    handoffs.append(measured.handoff_seconds)
+                    yields.append(measured.yield_seconds)
                 holder, waiter = waiter, holder
             cpu = cpu_by_role(cpu0, cpu_seconds(pids))
             await holder.yield_(group)

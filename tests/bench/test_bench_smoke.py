@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import controlplane, figures
+from bench import controlplane, figures, paired
 from bench.profiles import PROFILES
 from bench.report import workload_table
 from bench.workload import SimCosts, arun_profile
@@ -88,3 +88,13 @@ async def test_control_plane_benchmarks_measure_and_check(etcd_server: EtcdServe
     )
     assert cycles.cycles > 0 and cycles.violations == []
     assert cycles.cpu_ms_per_cycle["orchestrator"] > 0
+
+
+async def test_paired_builds_alternate_sample_by_sample() -> None:
+    # Both sides are this tree (an A/A run): two child processes, each with its own cluster.
+    result = await paired.measure(("a", None), ("b", None), pairs=6)
+    assert (result.before, result.after, result.pairs) == ("a", "b", 6)
+    assert 0 < result.before_ms.p50 < 250 and 0 < result.after_ms.p50 < 250
+    assert result.p50_ratio == pytest.approx(result.after_ms.p50 / result.before_ms.p50)
+    assert result.chunk_ratios == []  # fewer pairs than one chunk
+    assert "after / before p50" in paired.report(result)
