@@ -13,8 +13,10 @@ A wait is bounded too: any acquire longer than ``--max-wait`` (20 s: a replica k
 lease TTL of 4 s and a reconnect), or longer than ``--max-quiet-wait`` (15 s) with no fault
 overlapping it, is a violation (a wait that long is a liveness bug, not an outage ridden out).
 
-The report lists every fault with its time (seconds from the start) and the longest waits with
-the faults that overlapped them, so a long wait can be told apart from the outage it rode out;
+The report lists every fault with its time (seconds from the start), the longest waits with
+the faults that overlapped them, so a long wait can be told apart from the outage it rode out,
+and the waits split by the kind of fault they overlapped (``waits_by_fault``: how many, how
+many over 2 s, p50, p99, max; ``none`` is the waits no fault touched, the soak's quiet p99);
 ``--keep DIR`` keeps the cluster's logs and journals there to read what happened.
 """
 
@@ -69,6 +71,22 @@ class LongWait:
     faults: list[str]
 
 
+# A wait this long is listed by the faults it overlapped (a quiet soak's p99 is under 2 s).
+LONG_WAIT_S = 2.0
+QUIET = "none"  # the fault kind of a wait that no fault overlapped
+
+
+@dataclass(frozen=True)
+class FaultWaits:
+    """The granted waits that one kind of fault overlapped (or none did: ``QUIET``)."""
+
+    waits: int
+    over_2s: int
+    p50_s: float
+    p99_s: float
+    max_s: float
+
+
 @dataclass
 class SoakReport:
     duration_s: float
@@ -88,6 +106,10 @@ class SoakReport:
     wait_max_s: float = 0.0
     faults: list[FaultEvent] = field(default_factory=list)
     longest_waits: list[LongWait] = field(default_factory=list)
+    # Waits split by the kinds of fault they overlapped ("kill", "etcd", "agent", "none"; a
+    # wait that overlapped two kinds counts for both): tells a change in how long waits are
+    # apart from a change in how many of them a run's faults happened to catch.
+    waits_by_fault: dict[str, FaultWaits] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -232,6 +254,31 @@ def _longest_waits(
     return out
 
 
+def waits_by_fault(
+    attempts: list[Attempt], faults: list[FaultEvent], t0: float
+) -> dict[str, FaultWaits]:
+    """Every granted wait under each kind of fault it overlapped, or under ``QUIET``."""
+    split: dict[str, list[float]] = {}
+    for a in attempts:
+        if a.granted_at is None:
+            continue
+        wait = a.granted_at - a.started_at
+        start = a.started_at - t0
+        kinds = {f.kind for f in faults if f.start_s < start + wait and f.end_s > start}
+        for kind in kinds or {QUIET}:
+            split.setdefault(kind, []).append(wait)
+    return {
+        kind: FaultWaits(
+            waits=len(waits),
+            over_2s=sum(w > LONG_WAIT_S for w in waits),
+            p50_s=round(percentile(waits, 0.5), 3),
+            p99_s=round(percentile(waits, 0.99), 3),
+            max_s=round(max(waits), 3),
+        )
+        for kind, waits in sorted(split.items())
+    }
+
+
 async def soak(
     duration: float,
     *,
@@ -310,6 +357,7 @@ async def soak(
     report.wait_p99_s = percentile(waits, 0.99)
     report.wait_max_s = waits[-1] if waits else 0.0
     report.longest_waits = _longest_waits(recorder.attempts, report.faults, t0)
+    report.waits_by_fault = waits_by_fault(recorder.attempts, report.faults, t0)
     report.violations += wait_violations(recorder.attempts, report.faults, t0, wait_bounds)
     return report
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.soak import FaultEvent, WaitBounds, wait_violations
+from bench.soak import FaultEvent, FaultWaits, WaitBounds, wait_violations, waits_by_fault
 from timeslice_tools.history import Attempt
 
 T0 = 1000.0
@@ -39,3 +39,21 @@ def test_the_default_bounds_are_20_s_and_15_s_without_a_fault() -> None:
     during = [_attempt(49.0, 19.9), _attempt(50.5, 20.1, "job-2")]
     found = wait_violations(quiet + during, [KILL], T0, WaitBounds())
     assert [v.split(" waited")[0] for v in found] == ["wait_bound: job-1", "wait_bound: job-2"]
+
+
+def test_waits_are_split_by_the_kind_of_fault_they_overlapped() -> None:
+    pause = FaultEvent("etcd", "etcd", 100.0, 101.0)
+    attempts = [
+        _attempt(10.0, 0.5),  # quiet
+        _attempt(20.0, 1.5),  # quiet
+        _attempt(49.0, 4.2),  # the kill
+        _attempt(50.5, 3.0, "job-1"),  # the kill
+        _attempt(99.0, 2.5),  # the pause
+        _attempt(49.9, 51.0, "job-2"),  # both: counted under each
+        _attempt(300.0, None),  # never granted: not a wait
+    ]
+    split = waits_by_fault(attempts, [KILL, pause], T0)
+    assert set(split) == {"kill", "etcd", "none"}
+    assert split["none"] == FaultWaits(waits=2, over_2s=0, p50_s=0.5, p99_s=1.5, max_s=1.5)
+    assert (split["kill"].waits, split["kill"].over_2s, split["kill"].max_s) == (3, 3, 51.0)
+    assert (split["etcd"].waits, split["etcd"].over_2s, split["etcd"].p50_s) == (2, 2, 2.5)
