@@ -44,6 +44,7 @@ from timeslice._streams import Retry, retrying_stream
 from timeslice._transport import Transport
 from timeslice._types import AcquireProgress, AcquireStage, Grant
 from timeslice._validate import check_positive, check_priority, check_seconds
+from timeslice._yields import YieldStreams
 from timeslice.backoff import Backoff
 from timeslice.errors import (
     AlreadyExists,
@@ -73,7 +74,6 @@ from timeslice_proto.timeslice.v1 import (
     TimeSliceStub,
     WatchGroupRequest,
     YieldRequest,
-    YieldResponse,
 )
 
 __all__ = ["AsyncTimeSliceClient", "ProgressCallback"]
@@ -180,6 +180,8 @@ class AsyncTimeSliceClient:
         self._session_ttl = check_positive(session_ttl, "session_ttl")
         self._call_timeout = check_positive(call_timeout, "call_timeout")
         self._transport = Transport(self._targets, self._tls)
+        # Yields go over one long-lived stream per connection (_yields.py).
+        self._yield_streams = YieldStreams()
         self._runner = ClientRunner(
             self._job_id, call_timeout=self._call_timeout, acquire=self._acquire, yield_=self._yield
         )
@@ -801,10 +803,10 @@ class AsyncTimeSliceClient:
             epoch=epoch,
         )
 
-        async def call(stub: TimeSliceStub, timeout: float) -> YieldResponse:
+        async def call(stub: TimeSliceStub, timeout: float) -> None:
             nonlocal attempts
             attempts += 1
-            return await stub.yield_(request, timeout=timeout)
+            await self._yield_streams.send(stub, request, timeout)
 
         try:
             await self._unary(f"Yield({group})", call)
@@ -919,4 +921,5 @@ class AsyncTimeSliceClient:
         if session is not None:
             await session.close(budget=min(self._call_timeout, _CLOSE_BUDGET))
         await self._tasks.cancel_all(timeout=1.0)
+        await self._yield_streams.close()
         self._transport.close()

@@ -190,6 +190,12 @@ class Admission:
             self._metrics.admission.labels(outcome="waited").inc()
         return client
 
+    async def admit_message(self, peer_addr: Any, method: str) -> _Client:
+        """Admit one request that a long-lived stream carries (a YieldStream's yield) as the
+        call it stands for: it pays that call's cost from the caller's bucket. Run it in the
+        stream's handler (the caller's identity is known there); :meth:`done` the ticket."""
+        return await self.admit(_client_key(peer_addr), method)
+
     def done(self, client: _Client, status: Status | None) -> None:
         """A call admitted on ``client`` ended, with this status (None: OK)."""
         client.active -= 1

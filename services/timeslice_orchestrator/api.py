@@ -21,8 +21,9 @@ from grpclib.const import Handler, Status
 from opentelemetry.trace import Span, Tracer
 
 from timeslice import AcquireStage
-from timeslice.errors import ErrorKind, TimeSliceError
+from timeslice.errors import ErrorKind, ResourceExhausted, TimeSliceError
 from timeslice_orchestrator import identity
+from timeslice_orchestrator.admission import Admission
 from timeslice_orchestrator.authz import Authorizer, peer_of
 from timeslice_orchestrator.limits import Limits, Quotas
 from timeslice_orchestrator.locks import LockService, Progress
@@ -56,6 +57,7 @@ from timeslice_proto.timeslice.v1 import (
     WatchGroupRequest,
     YieldRequest,
     YieldResponse,
+    YieldStreamReply,
 )
 
 log = logging.getLogger(__name__)
@@ -73,8 +75,12 @@ class TimeSliceService(TimeSliceBase):
         tracer: Tracer,
         authz: Authorizer | None = None,
         quotas: Quotas | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self._locks = locks
+        # Admits each yield of a YieldStream as the Yield call it stands for (the stream
+        # itself is admitted once, when it opens).
+        self._admission = admission
         self._quotas = quotas if quotas is not None else Quotas(Limits(), mirror)
         self._mirror = mirror
         self._metrics = metrics
@@ -89,6 +95,7 @@ class TimeSliceService(TimeSliceBase):
         for method, handler in (
             ("SetGroupMembers", self._rpc_set_group_members),
             ("Yield", self._rpc_yield),
+            ("YieldStream", self._rpc_yield_stream),
         ):
             name = f"/{_SERVICE}/{method}"
             generated = mapping[name]
@@ -175,6 +182,45 @@ class TimeSliceService(TimeSliceBase):
         if operator:
             self._require_operator(stream, "Yield")
         await stream.send_message(await self._yield(request, operator, peer_of(stream)))
+
+    async def yield_stream(
+        self, messages: AsyncIterator[YieldRequest]
+    ) -> AsyncIterator[YieldStreamReply]:
+        # grpclib calls _rpc_yield_stream (see __mapping__).
+        async for message in messages:
+            yield await self._streamed_yield(message, None, "")
+
+    async def _rpc_yield_stream(self, stream: grpclib.server.Stream[YieldRequest, Any]) -> None:
+        peer = peer_of(stream)
+        address = stream.peer.addr()
+        async for request in stream:
+            await stream.send_message(await self._streamed_yield(request, address, peer))
+
+    async def _streamed_yield(
+        self, request: YieldRequest, address: Any, peer: str
+    ) -> YieldStreamReply:
+        """One Yield carried by a YieldStream: the same checks and effects (an operator yield,
+        without a session, is refused as it is without an operator identity), answered with
+        the status the Yield call would have ended with."""
+        ticket = None
+        if self._admission is not None and self._admission.enabled:
+            try:
+                ticket = await self._admission.admit_message(address, "Yield")
+            except ResourceExhausted as exc:
+                return YieldStreamReply(status=exc.status.value, message=exc.wire_message())
+        status: Status | None = Status.UNKNOWN
+        try:
+            try:
+                await self._yield(request, operator=False, peer=peer)
+            except grpclib.GRPCError as exc:
+                status = exc.status
+                return YieldStreamReply(status=exc.status.value, message=exc.message or "")
+            status = None
+            return YieldStreamReply(status=Status.OK.value)
+        finally:
+            if ticket is not None:
+                assert self._admission is not None
+                self._admission.done(ticket, status)
 
     async def _yield(self, message: YieldRequest, operator: bool, peer: str = "") -> YieldResponse:
         with self._call("Yield", message.group_id, message.job_id, peer):

@@ -180,7 +180,8 @@ class Orchestrator:
         tracer = tracer_for(self._tracing)
         authz = await self._authorizer()
         quotas = Quotas(cfg.limits, self.mirror)
-        api = TimeSliceService(locks, self.mirror, self.metrics, tracer, authz, quotas)
+        admitter = Admission.from_limits(cfg.limits, self.metrics)
+        api = TimeSliceService(locks, self.mirror, self.metrics, tracer, authz, quotas, admitter)
         # Strict decoding and a message size limit: malformed or oversized requests are
         # refused, typed, before a handler runs (timeslice.wire).
         # The llm-d reference's v1alpha1 API, on the same port (docs/migrating-from-llm-d.md).
@@ -195,7 +196,7 @@ class Orchestrator:
         self._server = strict_server([api, hub, compat, operations], cfg.limits.max_message_bytes)
         # Per-connection token buckets: a flood from one client waits, or is refused, before
         # its requests are read, and other clients keep their latency (admission.py).
-        admission.install(self._server, Admission.from_limits(cfg.limits, self.metrics))
+        admission.install(self._server, admitter)
         if cfg.limits.idle_group_ttl > 0:
             cleaner = IdleGroupCleaner(
                 IdleStore(self.etcd, self.keys), self.mirror, cfg.limits, self.metrics

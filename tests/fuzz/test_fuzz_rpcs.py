@@ -67,6 +67,7 @@ ORCHESTRATOR_METHODS: dict[str, type[betterproto2.Message]] = {
     "/timeslice.v1.TimeSlice/CloseSession": CloseSessionRequest,
     "/timeslice.v1.TimeSlice/Acquire": AcquireRequest,
     "/timeslice.v1.TimeSlice/Yield": YieldRequest,
+    "/timeslice.v1.TimeSlice/YieldStream": YieldRequest,
     "/timeslice.v1.TimeSlice/ListGroups": ListGroupsRequest,
     "/timeslice.v1.TimeSlice/GetGroupStatus": GetGroupStatusRequest,
     "/timeslice.v1.TimeSlice/WatchGroup": WatchGroupRequest,

@@ -671,3 +671,18 @@ def test_generators_cannot_be_decorated() -> None:
         @client.on_accelerators("g1")
         def gen() -> object:
             yield 1
+
+
+async def test_yields_are_yield_calls_on_a_server_without_yield_stream(
+    orch: FakeOrchestrator,
+) -> None:
+    # The fake, like a replica older than YieldStream, answers it UNIMPLEMENTED: the first
+    # yield falls back to a Yield call at once, and later ones do not try the stream again.
+    async with client_for(orch) as client:
+        for _ in range(3):
+            await client.acquire("g1", timeout=5)
+            await client.yield_("g1")
+            assert orch.do(lambda s: s.holder_of("g1")) is None
+        assert orch.do(lambda s: s.calls.count("Yield")) == 3
+        assert client._yield_streams.open_streams == 0
+        assert len(client._yield_streams._unsupported) == 1

@@ -62,6 +62,7 @@ __all__ = (
     "WorkersRecorded",
     "YieldRequest",
     "YieldResponse",
+    "YieldStreamReply",
 )
 
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
@@ -1207,6 +1208,19 @@ class YieldResponse(betterproto2.Message):
 default_message_pool.register_message("timeslice.v1", "YieldResponse", YieldResponse)
 
 
+@dataclass(eq=False, repr=False)
+class YieldStreamReply(betterproto2.Message):
+    status: "int" = betterproto2.field(1, betterproto2.TYPE_UINT32)
+    """
+    The gRPC status code the Yield call would have ended with (0: OK), and its message.
+    """
+
+    message: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+
+
+default_message_pool.register_message("timeslice.v1", "YieldStreamReply", YieldStreamReply)
+
+
 class AgentHubStub(betterproto2_grpclib.ServiceStub):
     async def connect(
         self,
@@ -1395,6 +1409,32 @@ class TimeSliceStub(betterproto2_grpclib.ServiceStub):
             deadline=deadline,
             metadata=metadata,
         )
+
+    async def yield_stream(
+        self,
+        messages: "AsyncIterable[YieldRequest] | Iterable[YieldRequest]",
+        *,
+        timeout: "float | None" = None,
+        deadline: "Deadline | None" = None,
+        metadata: "MetadataLike | None" = None,
+    ) -> "AsyncIterator[YieldStreamReply]":
+        """
+        Yields over one long-lived stream: each YieldRequest is one Yield (the same checks and
+        effects), answered in order by one YieldStreamReply, without the set-up of a call per
+        yield. Operator yields (no session) are refused here: they use Yield. A server without
+        this method answers UNIMPLEMENTED, and clients use Yield.
+        """
+
+        async for response in self._stream_stream(
+            "/timeslice.v1.TimeSlice/YieldStream",
+            messages,
+            YieldRequest,
+            YieldStreamReply,
+            timeout=timeout,
+            deadline=deadline,
+            metadata=metadata,
+        ):
+            yield response
 
     async def list_groups(
         self,
@@ -1661,6 +1701,19 @@ class TimeSliceBase(betterproto2_grpclib.ServiceBase):
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
 
+    async def yield_stream(
+        self, messages: "AsyncIterator[YieldRequest]"
+    ) -> "AsyncIterator[YieldStreamReply]":
+        """
+        Yields over one long-lived stream: each YieldRequest is one Yield (the same checks and
+        effects), answered in order by one YieldStreamReply, without the set-up of a call per
+        yield. Operator yields (no session) are refused here: they use Yield. A server without
+        this method answers UNIMPLEMENTED, and clients use Yield.
+        """
+
+        raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
+        yield YieldStreamReply()
+
     async def list_groups(self, message: "ListGroupsRequest") -> "ListGroupsResponse":
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
@@ -1729,6 +1782,16 @@ class TimeSliceBase(betterproto2_grpclib.ServiceBase):
         response = await self.yield_(request)
         await stream.send_message(response)
 
+    async def __rpc_yield_stream(
+        self, stream: "grpclib.server.Stream[YieldRequest, YieldStreamReply]"
+    ) -> None:
+        request = stream.__aiter__()
+        await self._call_rpc_handler_server_stream(
+            self.yield_stream,
+            stream,
+            request,
+        )
+
     async def __rpc_list_groups(
         self, stream: "grpclib.server.Stream[ListGroupsRequest, ListGroupsResponse]"
     ) -> None:
@@ -1795,6 +1858,12 @@ class TimeSliceBase(betterproto2_grpclib.ServiceBase):
                 grpclib.const.Cardinality.UNARY_UNARY,
                 YieldRequest,
                 YieldResponse,
+            ),
+            "/timeslice.v1.TimeSlice/YieldStream": grpclib.const.Handler(
+                self.__rpc_yield_stream,
+                grpclib.const.Cardinality.STREAM_STREAM,
+                YieldRequest,
+                YieldStreamReply,
             ),
             "/timeslice.v1.TimeSlice/ListGroups": grpclib.const.Handler(
                 self.__rpc_list_groups,
