@@ -39,6 +39,16 @@ log = logging.getLogger("timeslice")
 _CLOSE_SECONDS = 1.0
 
 
+def _method_missing(exc: GRPCError) -> bool:
+    """Whether a call failed because the server does not have its method. A grpclib server
+    (0.4.9, pinned) answers that UNIMPLEMENTED in a response without a content-type, which
+    the grpclib client reports as UNKNOWN "Missing content-type header" before it reads the
+    status; that response is also the only one of a grpclib server that lacks it."""
+    if exc.status is Status.UNIMPLEMENTED:
+        return True
+    return exc.status is Status.UNKNOWN and exc.message == "Missing content-type header"
+
+
 class _YieldStream:
     """One YieldStream call: one yield at a time, answered in order."""
 
@@ -114,7 +124,7 @@ class YieldStreams:
         try:
             await stream.send(request, timeout)
         except GRPCError as exc:
-            if exc.status is not Status.UNIMPLEMENTED or stream.answered:
+            if stream.answered or not _method_missing(exc):
                 raise
             # An older server: it never acted on the request.
             log.info("the server has no YieldStream (%s); yields are Yield calls there", exc)

@@ -9,9 +9,13 @@ killed and started again the next yield opens a new stream on the new process.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator
+from pathlib import Path
 
+import pytest
 from grpclib.const import Status
+from grpclib.exceptions import GRPCError
 
 from tests.conftest import ClusterFactory
 from tests.integration.rawclient import opened, raw_stub
@@ -136,3 +140,24 @@ async def test_the_sdk_yields_over_one_stream_per_client_and_reopens_it(
         assert a._yield_streams.open_streams == 1
         assert b._yield_streams.open_streams == 1
         assert (await a.status("g")).holder_job_id == ""
+
+
+async def test_the_sdk_uses_yield_calls_with_an_older_replica(
+    cluster_factory: ClusterFactory,
+) -> None:
+    # A replica of a version before YieldStream (rolling upgrades: new jobs, old replicas).
+    older = Path(__file__).parent / "older_replica"
+    paths = [str(older), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {"PYTHONPATH": os.pathsep.join(paths), "TIMESLICE_TEST_OLDER_REPLICA": "1"}
+    cluster = cluster_factory(agents=0, tls=False, env=env)
+    async with raw_stub(cluster.target, insecure=True) as stub:
+        replies = stub.yield_stream(_Lockstep().outgoing())
+        with pytest.raises(GRPCError):
+            await anext(replies)  # the replica really is an older one
+    async with AsyncTimeSliceClient(cluster.targets, job_id="job-a", **cluster.client_tls) as a:
+        for _ in range(3):
+            await a.acquire("g", timeout=30)
+            await a.yield_("g")
+        assert (await a.status("g")).holder_job_id == ""
+        assert a._yield_streams.open_streams == 0
+        assert len(a._yield_streams._unsupported) == 1

@@ -248,6 +248,13 @@ class Frontend(TimeSliceBase):
         # A dead replica cannot clean up: what it held stays, as it would in etcd.
         self.dead = False
 
+    def __mapping__(self) -> dict[str, Any]:
+        # Like a replica older than YieldStream: the method is not there at all, so grpclib
+        # answers it as a method not found (the SDK falls back to Yield calls).
+        mapping = super().__mapping__()
+        del mapping["/timeslice.v1.TimeSlice/YieldStream"]
+        return mapping
+
     def _enter(self, method: str) -> None:
         self.state.calls.append(method)
         error = self.state.fail.get(method)

@@ -34,6 +34,8 @@ class FakeStub:
         self.delay = 0.0
         self.reply = YieldStreamReply()
         self.unimplemented = False
+        # How a grpclib client may see a grpclib server's "method not found" (see _yields).
+        self.missing = GRPCError(Status.UNIMPLEMENTED, "Method not found")
 
     async def yield_(self, request: YieldRequest, *, timeout: float) -> YieldResponse:
         self.calls += 1
@@ -44,7 +46,7 @@ class FakeStub:
     ) -> AsyncIterator[YieldStreamReply]:
         self.streams += 1
         if self.unimplemented:
-            raise GRPCError(Status.UNIMPLEMENTED, "Method not found")
+            raise self.missing
         async for _ in requests:
             await asyncio.sleep(self.delay)
             yield self.reply
@@ -98,9 +100,22 @@ async def test_a_stream_that_timed_out_is_never_used_again() -> None:
     await streams.close()
 
 
-async def test_a_server_without_the_method_gets_yield_calls_from_then_on() -> None:
+@pytest.mark.parametrize(
+    "missing",
+    [
+        GRPCError(Status.UNIMPLEMENTED, "Method not found"),
+        # A grpclib server answers it without a content-type; the grpclib client can then
+        # report that before the status (which of the two comes out depends on timing).
+        GRPCError(Status.UNKNOWN, "Missing content-type header"),
+    ],
+    ids=["unimplemented", "grpclib-trailers-only"],
+)
+async def test_a_server_without_the_method_gets_yield_calls_from_then_on(
+    missing: GRPCError,
+) -> None:
     fake, streams = FakeStub(), YieldStreams()
     fake.unimplemented = True
+    fake.missing = missing
     for _ in range(3):
         await streams.send(_stub(fake), REQUEST, 5)
     assert (fake.streams, fake.calls, streams.open_streams) == (1, 3, 0)
@@ -131,3 +146,13 @@ async def test_the_server_ending_the_stream_is_unavailable() -> None:
         await streams.send(_stub(fake), REQUEST, 5)
     assert raised.value.status is Status.UNAVAILABLE
     assert streams.open_streams == 0
+
+
+async def test_another_failure_before_any_answer_is_raised() -> None:
+    # Not a missing method: what a Yield call would raise, for the caller's retries.
+    fake, streams = FakeStub(), YieldStreams()
+    fake.unimplemented = True
+    fake.missing = GRPCError(Status.UNKNOWN, "Internal Server Error")
+    with pytest.raises(GRPCError):
+        await streams.send(_stub(fake), REQUEST, 5)
+    assert fake.calls == 0 and streams.open_streams == 0
