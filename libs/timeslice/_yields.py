@@ -84,7 +84,11 @@ class _YieldStream:
             self.busy = False
         self.answered = True
         if reply.status != Status.OK.value:
-            raise GRPCError(Status(reply.status), reply.message)
+            try:
+                status = Status(reply.status)
+            except ValueError:  # not a gRPC status: a server bug, told as such
+                status = Status.UNKNOWN
+            raise GRPCError(status, reply.message)
 
     async def close(self) -> None:
         """End the stream (its requests first, then the call)."""

@@ -156,3 +156,12 @@ async def test_another_failure_before_any_answer_is_raised() -> None:
     with pytest.raises(GRPCError):
         await streams.send(_stub(fake), REQUEST, 5)
     assert fake.calls == 0 and streams.open_streams == 0
+
+
+async def test_a_reply_with_no_grpc_status_is_unknown() -> None:
+    fake, streams = FakeStub(), YieldStreams()
+    fake.reply = YieldStreamReply(status=99, message="what")
+    with pytest.raises(GRPCError) as raised:
+        await streams.send(_stub(fake), REQUEST, 5)
+    assert (raised.value.status, raised.value.message) == (Status.UNKNOWN, "what")
+    await streams.close()
