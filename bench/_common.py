@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import platform
 import re
+import subprocess
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -182,3 +185,62 @@ async def scrape_metrics(addresses: Sequence[str]) -> dict[str, float]:
             for key, value in parse_metrics(text).items():
                 total[key] = total.get(key, 0.0) + value
     return total
+
+
+def machine_info() -> dict[str, Any]:
+    """Cores, CPU model, memory, Python and the commit benchmarked (read-only git query)."""
+    info: dict[str, Any] = {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "accelerator": "none (sim backend: emulated data movement)",
+    }
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                info["memory_gb"] = round(int(line.split()[1]) / 2**20, 1)
+                break
+    except OSError:
+        pass
+    info["commit"] = code_version()
+    return info
+
+
+def code_version() -> str:
+    """What code the services run: ``<commit> services:<tree> libs:<tree>`` (+``dirty``).
+
+    The tree hashes of services/ and libs/ change only when that code does (a commit that
+    touches bench/ or docs/ leaves them alone); ``dirty`` marks uncommitted changes there.
+    Read-only git queries; ``unknown`` outside a checkout. Taken at the start and the end of
+    a suite: services start afresh for every benchmark, so code changed meanwhile would mix
+    versions, and the summary says so.
+    """
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], capture_output=True, text=True, timeout=10, cwd=root, check=False
+        ).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        trees = [f"{d}:{git('rev-parse', '--short', f'HEAD:{d}')}" for d in ("services", "libs")]
+        dirty = git("status", "--porcelain", "--", "services", "libs")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    if not commit:
+        return "unknown"
+    return " ".join([commit, *trees, *(["dirty"] if dirty else [])])
+
+
+def machine_line(info: Mapping[str, Any]) -> str:
+    """One line naming the machine of a :func:`machine_info` reading, for a report's head."""
+    return (
+        f"Machine: {info.get('cpus', '?')} cores ({info.get('cpu_model', '?')}), "
+        f"{info.get('memory_gb', '?')} GB, no accelerator; Python {info.get('python', '?')}; "
+        f"commit {info.get('commit', '?')}"
+    )

@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench._common import thread_cpu_seconds
+from bench._common import machine_info, machine_line, thread_cpu_seconds
 from bench.analysis import Stats
 from bench.controlplane import cycle_throughput, handoff_latency
 from bench.grpc_floor import round_trip_after_idle
@@ -337,9 +337,12 @@ async def main(argv: list[str] | None = None) -> int:
                 runs.append(await run_build(name, path, args.seconds, args.samples))
                 runs[-1].round_floor_ms = least
                 print(_row(runs[-1]), file=sys.stderr, flush=True)
+    machine = machine_info()
+    print(machine_line(machine))
     print(report(floor, runs))
     if args.json is not None:
         data = {
+            "machine": machine,
             "floor": {**asdict(floor), "handoff_floor_ms": floor.handoff_floor_ms},
             "runs": [asdict(r) for r in runs],
         }

@@ -32,7 +32,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench._common import running_cluster
+from bench._common import machine_info, machine_line, running_cluster
 from bench.analysis import Stats
 from bench.controlplane import hand_over_once
 from bench.floor import export_build
@@ -208,9 +208,11 @@ async def main(argv: list[str] | None = None) -> int:
         after_tree = export_build(args.after, Path(scratch) / "after") if args.after else None
         after = (args.after or "this tree", after_tree)
         result = await measure(before, after, args.samples)
+    machine = machine_info()
+    print(machine_line(machine))
     print(report(result))
     if args.json is not None:
-        args.json.write_text(json.dumps(asdict(result), indent=2))
+        args.json.write_text(json.dumps({**asdict(result), "machine": machine}, indent=2))
     return 0
 
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bench._common import SIM_LABEL
+from bench._common import SIM_LABEL, machine_line
 from bench.analysis import Stats
 from bench.controlplane import CyclesResult, FanoutResult, HandoffResult, MemoryResult
 from bench.controlplane import ProfileResult as OrchestratorProfile
@@ -229,9 +229,7 @@ def render_summary(
     lines = [
         f"# timeslice benchmarks: suite `{suite}`",
         "",
-        f"Machine: {machine.get('cpus', '?')} cores ({machine.get('cpu_model', '?')}), "
-        f"{machine.get('memory_gb', '?')} GB, no accelerator; Python {machine.get('python', '?')}"
-        f"; commit {machine.get('commit', '?')}; suite wall time {wall_seconds / 60:.1f} min.",
+        f"{machine_line(machine)}; suite wall time {wall_seconds / 60:.1f} min.",
         "",
         f"**All data movement is emulated ({SIM_LABEL}).** Workload runs use time scale "
         f"{time_scale:g} (1 bench second = {1 / time_scale:g} real seconds) for phases and "
