@@ -193,8 +193,12 @@ class TimeSliceService(TimeSliceBase):
     async def _rpc_yield_stream(self, stream: grpclib.server.Stream[YieldRequest, Any]) -> None:
         peer = peer_of(stream)
         address = stream.peer.addr()
-        async for request in stream:
-            await stream.send_message(await self._streamed_yield(request, address, peer))
+        self._metrics.yield_streams.inc()
+        try:
+            async for request in stream:
+                await stream.send_message(await self._streamed_yield(request, address, peer))
+        finally:
+            self._metrics.yield_streams.dec()
 
     async def _streamed_yield(
         self, request: YieldRequest, address: Any, peer: str

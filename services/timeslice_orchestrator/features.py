@@ -4,9 +4,10 @@ What the deployment's replicas may do that a replica of an older version would m
 (store.handover; docs/operations.md, "Upgrades"). A new deployment starts with every feature
 of the version that created it; one upgraded from an older version has none until an
 operator runs ``enable`` once every replica runs this version or later, and ``disable``
-before rolling back to an older one. It talks to etcd only, with the replicas' etcd options
-and their ``TIMESLICE_ORCHESTRATOR_*`` variables (``--etcd``, ``--prefix``, the etcd
-certificate), so it runs where a replica runs.
+before rolling back to an older one. Every action also counts the live holds an older
+version would misread: a rollback waits, after ``disable``, until none is left. It talks
+to etcd only, with the replicas' etcd options and their ``TIMESLICE_ORCHESTRATOR_*``
+variables (``--etcd``, ``--prefix``, the etcd certificate), so it runs where a replica runs.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from timeslice_orchestrator.store.keys import Keyspace
 from timeslice_orchestrator.store.records import CorruptRecord, FeaturesRecord
 
 ACTIONS = ("show", "enable", "disable")
+_NAMED = 10  # groups named in the count of misread holds
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,20 @@ def describe(record: FeaturesRecord | None) -> str:
     return "\n".join(lines)
 
 
+def describe_misread(groups: Sequence[str], record: FeaturesRecord | None) -> str:
+    """How many live holds a replica of an older version would misread, naming a few groups;
+    with the feature off, when a rollback may go ahead."""
+    named = ", ".join(sorted(groups)[:_NAMED]) + (", ..." if len(groups) > _NAMED else "")
+    line = f"holds an older version would misread: {len(groups)}" + (
+        f" ({named})" if groups else ""
+    )
+    if record is not None and record.one_transaction_hand_over:
+        return line
+    if groups:
+        return line + "\n(each ends with its job's next yield: roll back once none is left)"
+    return line + "\n(an older version may be started)"
+
+
 async def apply(action: str, target: Target) -> str:
     """Carry out ``action`` on ``target``; returns what to print."""
     etcd = EtcdClient(target.etcd, tls=target.etcd_tls)
@@ -90,7 +106,9 @@ async def apply(action: str, target: Target) -> str:
         elif action == "disable":
             await store.set_features(FeaturesRecord())
         stored = await store.features()
-        return describe(stored.record if stored is not None else None)
+        record = stored.record if stored is not None else None
+        misread = await store.misread_holds()
+        return describe(record) + "\n" + describe_misread(misread, record)
     finally:
         await etcd.close()
 

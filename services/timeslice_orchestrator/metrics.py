@@ -59,6 +59,12 @@ class Metrics:
         self.waiters = Gauge(
             "timeslice_waiters", "Acquire calls waiting on this replica", registry=r
         )
+        self.yield_streams = Gauge(
+            "timeslice_yield_streams",
+            "YieldStreams open on this replica (an SDK keeps one per connection, its yields "
+            "each a message; counted with Yield calls in rpc errors and refusals)",
+            registry=r,
+        )
         self.rpc_errors = Counter(
             "timeslice_rpc_errors",
             "Client API calls that ended in a typed error",

@@ -81,9 +81,13 @@ def _hand_overs_counted(cluster: LocalCluster) -> dict[str, float]:
     return {n: total(samples, "timeslice_hand_overs_total", transactions=n) for n in ("one", "two")}
 
 
-async def _hand_overs(cluster: LocalCluster, expected: list[tuple[str | None, bool]]) -> None:
+async def _hand_overs(
+    cluster: LocalCluster, expected: list[tuple[str | None, bool]]
+) -> dict[str, str]:
     """Jobs a and b hand the group back and forth; before each hand-over, the operator
-    command of ``expected`` (if any) runs; each hand-over must go as ``expected`` says."""
+    command of ``expected`` (if any) runs; each hand-over must go as ``expected`` says.
+    Returns what each command printed."""
+    printed: dict[str, str] = {}
     etcd = EtcdClient([cluster.etcd_endpoint], tls=cluster.etcd_tls)
     try:
         async with (
@@ -94,7 +98,7 @@ async def _hand_overs(cluster: LocalCluster, expected: list[tuple[str | None, bo
             holder, waiter = a, b
             for turn, (action, one_transaction) in enumerate(expected):
                 if action is not None:
-                    _features(cluster, action)
+                    printed[action] = _features(cluster, action)
                     await asyncio.to_thread(_seen_by_every_replica, cluster, action == "enable")
                 before = await asyncio.to_thread(_hand_overs_counted, cluster)
                 epoch, in_one = await _hand_over(
@@ -112,6 +116,7 @@ async def _hand_overs(cluster: LocalCluster, expected: list[tuple[str | None, bo
             await holder.yield_("g")
     finally:
         await etcd.close()
+    return printed
 
 
 async def test_a_new_deployment_hands_over_in_one_transaction(
@@ -122,7 +127,15 @@ async def test_a_new_deployment_hands_over_in_one_transaction(
     await asyncio.to_thread(_seen_by_every_replica, cluster, True)
     # With two replicas the waiter may wait on the other one: it learns of its grant, and
     # of its epoch, through its replica's mirror.
-    await _hand_overs(cluster, [(None, True), (None, True), ("disable", False), ("enable", True)])
+    printed = await _hand_overs(
+        cluster, [(None, True), (None, True), ("disable", False), ("enable", True)]
+    )
+    # Before a rollback: disabled while a handed-over hold is live, the command says so; the
+    # hand-over after it took two transactions, so at "enable" none was left.
+    assert "holds an older version would misread: 1 (g)" in printed["disable"]
+    assert "roll back once none is left" in printed["disable"]
+    assert "holds an older version would misread: 0" in printed["enable"]
+    assert "holds an older version would misread: 0" in _features(cluster, "show")
 
 
 async def test_an_upgraded_deployment_hands_over_in_one_transaction_once_enabled(

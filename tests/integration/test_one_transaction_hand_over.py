@@ -235,3 +235,30 @@ async def test_a_stale_yield_of_the_same_job_cannot_end_its_later_hold(store: Gr
     assert hold_epoch(await _held(store)) == a_again
     await store.release(Hold("g", "a", a_again, a_hold.session_id))
     assert await holder(store) is None
+
+
+async def test_misread_holds_names_the_handed_over_holds_until_they_end(
+    store: GroupStore,
+) -> None:
+    """What ``features show`` counts before a rollback: only holds a hand-over wrote over an
+    earlier one (a hold a driver granted, even rewritten by a re-attach, is read alike by
+    every version), and one whose record does not decode (it cannot be shown safe)."""
+    a_hold, b_session = await _a_holds_and_b_waits(store)
+    c = await open_session(store, "c")
+    await enqueue(store, c, "h", request_id="c-call")
+    assert await grant(store, await driver(store, "h"), "c", group="h") is not None
+    # A re-attach rewrites h's hold; its create revision stays its epoch.
+    assert (await enqueue(store, c, "h", request_id="c-call", attempt="retry")).reattached
+    hold_h = await holder(store, "h")
+    assert hold_h is not None and hold_h.mod_revision > hold_h.create_revision
+    assert await store.misread_holds() == []
+
+    epoch = await _hand_over(store, a_hold, "b")
+    assert epoch is not None
+    assert await store.misread_holds() == ["g"]
+    await store.etcd.put(store.keys.holder("x"), b"not a record")
+    assert sorted(await store.misread_holds()) == ["g", "x"]
+    await store.etcd.delete(store.keys.holder("x"))
+
+    await store.release(Hold("g", "b", epoch, b_session))  # b's next yield ends it
+    assert await store.misread_holds() == []

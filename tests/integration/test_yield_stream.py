@@ -18,6 +18,7 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
 from tests.conftest import ClusterFactory
+from tests.e2e.test_metrics_live import scrape, total
 from tests.integration.rawclient import opened, raw_stub
 from timeslice import AcquireStage, AsyncTimeSliceClient
 from timeslice.errors import ErrorKind, error_from_status
@@ -29,6 +30,7 @@ from timeslice_proto.timeslice.v1 import (
     YieldRequest,
     YieldStreamReply,
 )
+from timeslice_tools.dev.cluster import LocalCluster
 
 
 class _Lockstep:
@@ -140,6 +142,17 @@ async def test_the_sdk_yields_over_one_stream_per_client_and_reopens_it(
         assert a._yield_streams.open_streams == 1
         assert b._yield_streams.open_streams == 1
         assert (await a.status("g")).holder_job_id == ""
+        assert await _open_yield_streams(cluster) == 2  # the restarted replica's own count
+    # Each client closed its connection: the replica ends the streams and counts them out.
+    async with asyncio.timeout(10):
+        while await _open_yield_streams(cluster) != 0:
+            await asyncio.sleep(0.05)
+
+
+async def _open_yield_streams(cluster: LocalCluster) -> float:
+    """YieldStreams open on the cluster's replicas, from their /metrics."""
+    samples = [s for http in cluster.replica_http for s in await asyncio.to_thread(scrape, http)]
+    return total(samples, "timeslice_yield_streams")
 
 
 async def test_the_sdk_uses_yield_calls_with_an_older_replica(

@@ -50,3 +50,16 @@ def test_it_shows_each_feature_and_a_missing_record() -> None:
     assert on == "one_transaction_hand_over: on"
     missing = features.describe(None)
     assert "one_transaction_hand_over: off" in missing and "no features record" in missing
+
+
+def test_it_counts_the_holds_an_older_version_would_misread() -> None:
+    on = FeaturesRecord(one_transaction_hand_over=True)
+    assert features.describe_misread(["g"], on) == "holds an older version would misread: 1 (g)"
+    many = [f"g{i:02d}" for i in range(12)]
+    shown = features.describe_misread(many, on)
+    assert shown.startswith("holds an older version would misread: 12 (g00, g01,")
+    assert shown.endswith("g09, ...)") and "g10" not in shown
+    # Switched off: a rollback waits for the count to reach 0, and is told when it has.
+    waiting = features.describe_misread(["g"], FeaturesRecord())
+    assert "roll back once none is left" in waiting
+    assert "may be started" in features.describe_misread([], None)

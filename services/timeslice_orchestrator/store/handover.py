@@ -14,16 +14,20 @@ and compares that record in the transaction: switching it off takes effect at on
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 from timeslice_orchestrator.store.base import StoreBase
 from timeslice_orchestrator.store.etcd import Put, Txn, modified_at, none_under
+from timeslice_orchestrator.store.keys import Kind
 from timeslice_orchestrator.store.queue import Hold, check_hold, ledger_after
 from timeslice_orchestrator.store.records import (
+    CorruptRecord,
     FeaturesRecord,
     HolderRecord,
     Stored,
     UsageRecord,
+    hold_epoch,
 )
 from timeslice_orchestrator.store.switches import Grant, grant_txn
 
@@ -54,6 +58,30 @@ class HandOverStore(StoreBase):
         """The deployment's features record as etcd has it now (None: none written)."""
         kv = await self.etcd.get(self.keys.features())
         return Stored.of(kv, FeaturesRecord.decode(kv.value)) if kv is not None else None
+
+    async def misread_holds(self) -> list[str]:
+        """The groups whose live hold a replica of an older version would misread: one a
+        hand-over wrote over the hold before it, whose epoch is not its key's create revision
+        (:func:`~timeslice_orchestrator.store.records.hold_epoch`). Each ends with its job's
+        next yield; before a rollback, after the feature is switched off, wait until there
+        are none. A hold whose record does not decode counts too (it cannot be shown safe).
+        Reads every group's keys, a page at a time, at one revision."""
+        k = self.keys
+        groups: list[str] = []
+        async with contextlib.aclosing(self.etcd.pages(k.groups())) as pages:
+            async for _, kvs in pages:
+                for kv in kvs:
+                    ref = k.parse(kv.key)
+                    if ref is None or ref.kind is not Kind.HOLDER:
+                        continue
+                    try:
+                        hold = Stored.of(kv, HolderRecord.decode(kv.value))
+                    except CorruptRecord:
+                        groups.append(ref.group)
+                        continue
+                    if hold_epoch(hold) != hold.create_revision:
+                        groups.append(ref.group)
+        return groups
 
     async def hand_over(
         self,

@@ -173,6 +173,12 @@ class Keyspace:
     def known_node(self, node: str) -> bytes:
         return self._k("nodes", node)
 
+    # -- groups -----------------------------------------------------------------------------
+
+    def groups(self) -> bytes:
+        """The prefix of every group's keys."""
+        return self._k("groups", "")
+
     # -- one group --------------------------------------------------------------------------
 
     def group_root(self, group: str) -> bytes:
