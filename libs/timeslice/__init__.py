@@ -38,7 +38,7 @@ from timeslice.errors import (
     Unauthenticated,
     Unavailable,
 )
-from timeslice.worker import WorkerRegistration, register
+from timeslice.worker import HookResult, WorkerRegistration, register
 from timeslice_proto.timeslice.v1 import GroupEvent, GroupStatus, GroupSummary
 
 __all__ = [
@@ -55,6 +55,7 @@ __all__ = [
     "GroupFaulted",
     "GroupStatus",
     "GroupSummary",
+    "HookResult",
     "InternalError",
     "InvalidArgument",
     "NotFound",

@@ -32,6 +32,16 @@ How it works, and what follows from it:
   optional ``recreate`` callback). ``offload`` / ``restore`` can act on chosen tags only.
 * A storage shared by two tags moves with the tag offloaded first. Storages that are already
   empty (size 0) or on the ``meta`` device are skipped.
+* With ``keep_pinned`` the host copy outlives the restore, so a storage that was not written
+  since its last restore (a sampler's weights between weight syncs, a frozen base under LoRA)
+  is freed on the next offload *without* copying it out again; only the written ones are
+  copied. "Not written" is read from torch's version counters of every tracked tensor on the
+  storage (each in-place op, ``copy_``, ``load_state_dict`` and optimizer step bumps them),
+  never guessed. Writes torch does not count are invisible to them: through ``tensor.data``
+  (a new counter each time), through raw pointers (a custom kernel or library handed
+  ``data_ptr()``), or through a tensor the offloader does not track that shares the storage.
+  Code that writes so calls :meth:`TorchOffloader.mark_written` before the next offload, or
+  turns the skip off with ``skip_unchanged=False``.
 
 The same code runs on CPU tensors (the tests do): there the "device" copy is a plain,
 synchronous copy into a separate host buffer. ``torch`` is an optional dependency
@@ -44,6 +54,7 @@ import enum
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -86,6 +97,20 @@ class CycleStats:
     storages: int
     """Storages freed or re-allocated."""
     seconds: float
+    """The whole call."""
+    skipped_bytes: int = 0
+    """Offload only: device bytes freed without a copy because the kept host copy was still
+    current (``keep_pinned``; see the module docstring)."""
+    pin_seconds: float = 0.0
+    """Offload only, of ``seconds``: laying out and allocating the host buffers (for CUDA
+    state, pinning them: slow for many GiB, and what ``keep_pinned`` saves)."""
+    copy_seconds: float = 0.0
+    """Of ``seconds``: the copies, from the first issued to the last finished."""
+
+    @property
+    def freed_bytes(self) -> int:
+        """Offload: the tracked bytes the call took off the device, copied or not."""
+        return self.copied_bytes + self.skipped_bytes + self.discarded_bytes
 
 
 @dataclass(frozen=True)
@@ -115,6 +140,30 @@ class _Parked:
 
 
 @dataclass
+class _Kept:
+    """A restored tag's host copy, still current for every storage not written since.
+
+    ``versions`` maps ``id(tensor)`` of each tracked tensor, as of the restore, to the tensor
+    (weakly: a gradient dropped later must not be kept alive) and its version counter then.
+    """
+
+    slots: list[_Slot]
+    versions: dict[int, tuple[weakref.ref[torch.Tensor], int]]
+
+    def written(self, tensors: list[torch.Tensor]) -> set[int]:
+        """Keys of the storages some tensor wrote to since the restore, or may have: a
+        tensor the restore did not see counts as a write."""
+        keys: set[int] = set()
+        for tensor in tensors:
+            if tensor.device.type == "meta":
+                continue
+            seen = self.versions.get(id(tensor))
+            if seen is None or seen[0]() is not tensor or seen[1] != tensor._version:
+                keys.add(_storage_key(tensor))
+        return keys
+
+
+@dataclass
 class _Tag:
     mode: OffloadMode = OffloadMode.OFFLOAD
     recreate: RecreateFn | None = None
@@ -123,6 +172,7 @@ class _Tag:
     tensors: list[torch.Tensor] = field(default_factory=list)
     buffers: list[torch.Tensor] = field(default_factory=list)  # host buffers (uint8)
     parked: _Parked | None = None
+    kept: _Kept | None = None  # after a restore with keep_pinned and skip_unchanged
 
     def collect(self) -> Iterator[torch.Tensor]:
         """Every tensor of the tag as of now (optimizer state and gradients come and go)."""
@@ -149,6 +199,7 @@ class _Plan:
     slots: list[_Slot]
     buffers: list[torch.Tensor]
     discarded: list[torch.Tensor]
+    to_copy: list[_Slot]  # the slots whose bytes go out; the rest are discarded or current
 
 
 @dataclass(frozen=True)
@@ -166,8 +217,12 @@ class TorchOffloader:
         chunk_bytes: the largest single copy, and the size of each host buffer.
         num_streams: CUDA streams the chunk copies are spread over (per device).
         keep_pinned: keep the host buffers after a restore and reuse them on the next
-            offload. That saves re-pinning (slow, for many GiB) on every cycle, at the cost of
-            holding the host memory all the time. By default they are freed after a restore.
+            offload. That saves re-pinning (slow, for many GiB) on every cycle, and copying out
+            again what was not written since the restore, at the cost of holding the host
+            memory all the time. By default they are freed after a restore.
+        skip_unchanged: with ``keep_pinned``, free a storage not written since its last
+            restore without copying it out again (default); see the module docstring for
+            the writes this can not see.
 
     All methods are thread-safe: one lock serialises them, so the agent's hooks (which run in
     a worker thread) can not interleave with each other or with the trainer's own calls.
@@ -179,6 +234,7 @@ class TorchOffloader:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         num_streams: int = DEFAULT_NUM_STREAMS,
         keep_pinned: bool = False,
+        skip_unchanged: bool = True,
     ) -> None:
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
             raise InvalidArgument(f"chunk_bytes must be an int >= 1, got {chunk_bytes!r}")
@@ -187,7 +243,8 @@ class TorchOffloader:
         self.chunk_bytes = chunk_bytes
         self.num_streams = num_streams
         self.keep_pinned = keep_pinned
-        self._lock = threading.Lock()
+        self.skip_unchanged = skip_unchanged
+        self._lock = threading.RLock()  # the agent hook reads last_stats under it too
         self._tags: dict[str, _Tag] = {}
         self._streams: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
         self._last: CycleStats | None = None
@@ -291,9 +348,18 @@ class TorchOffloader:
                 if tag.parked is None:
                     released += sum(b.numel() for b in tag.buffers)
                     tag.buffers = []
+                    tag.kept = None  # its slots are views into those buffers
             if released:
                 _empty_host_cache()
             return released
+
+    def mark_written(self, tags: str | Iterable[str] | None = None) -> None:
+        """Declare that the state of ``tags`` (default: all) was written in a way torch's
+        version counters do not see (``tensor.data``, raw pointers): the next offload copies
+        all of it out again. Only matters with ``keep_pinned`` and ``skip_unchanged``."""
+        with self._lock:
+            for name in self._select(tags):
+                self._tags[name].kept = None
 
     # ------------------------------------------------------------------ offload / restore
 
@@ -316,6 +382,7 @@ class TorchOffloader:
             plans = [plan for plan in self._plan(pending) if plan.slots]
             if not plans:
                 return 0
+            pinned = time.perf_counter()
             self._run(
                 [
                     _Copy(
@@ -325,10 +392,11 @@ class TorchOffloader:
                         lane=piece.lane,
                     )
                     for plan in plans
-                    for slot in plan.slots
+                    for slot in plan.to_copy
                     for piece in slot.pieces
                 ]
             )  # a failure here leaves every storage as it was
+            copied = time.perf_counter()
             # Storages with a host copy go first: if freeing fails half-way, those can be
             # brought back unchanged.
             order = sorted((s for p in plans for s in p.slots), key=lambda s: not s.pieces)
@@ -345,10 +413,20 @@ class TorchOffloader:
             for plan in plans:
                 plan.tag.parked = _Parked(plan.slots, plan.discarded)
                 plan.tag.buffers = plan.buffers
+                plan.tag.kept = None
             if any(slot.storage.device.type == "cuda" for slot in order):
                 # Hand the freed blocks back to the driver, or other processes can not use them.
                 torch.cuda.empty_cache()
-            return self._finish("offloaded", [p.name for p in plans], order, started)
+            sent = sum(slot.nbytes for plan in plans for slot in plan.to_copy)
+            return self._finish(
+                "offloaded",
+                [p.name for p in plans],
+                order,
+                started,
+                copied_bytes=sent,
+                pin_seconds=pinned - started,
+                copy_seconds=copied - pinned,
+            )
 
     def restore(self, tags: str | Iterable[str] | None = None) -> int:
         """Bring the state of ``tags`` (default: all) back to the device, bit-exact.
@@ -374,17 +452,27 @@ class TorchOffloader:
                 slots.extend(tag.parked.slots)
                 if tag.recreate is not None:
                     recreates.append((tag.recreate, tag.parked.discarded))
-            self._bring_back(slots, recreates)
+            copy_seconds = self._bring_back(slots, recreates)
+            copied = sum(slot.nbytes for slot in slots if slot.pieces)
+            stats = self._stats(slots, started, copied_bytes=copied, copy_seconds=copy_seconds)
+            # Drop every reference to the host buffers before emptying torch's pinned cache:
+            # a buffer still referenced (through a slot's piece) is not freed by it, and once
+            # dropped later it would sit pinned in the cache for good.
+            del slots, recreates
             released = False
             for name in names:
                 tag = self._tags[name]
-                tag.parked = None
-                if not self.keep_pinned:
+                parked, tag.parked = tag.parked, None
+                assert parked is not None
+                if self.keep_pinned and self.skip_unchanged and tag.mode is OffloadMode.OFFLOAD:
+                    tag.kept = _Kept(parked.slots, _versions(tag.collect()))
+                elif not self.keep_pinned:
                     released = released or bool(tag.buffers)
                     tag.buffers = []
+                del parked
             if released:
                 _empty_host_cache()
-            return self._finish("restored", names, slots, started)
+            return self._record("restored", names, stats)
 
     def register(
         self,
@@ -409,17 +497,34 @@ class TorchOffloader:
             pid=pid,
             state_bytes=self.device_bytes if state_bytes is None else state_bytes,
             socket=socket,
-            on_checkpoint=self.offload,
-            on_restore=self.restore,
+            on_checkpoint=self._offload_hook,
+            on_restore=self._restore_hook,
             acquirer=acquirer,
             timeout=timeout,
         )
+
+    def _offload_hook(self) -> worker.HookResult:
+        """The agent's checkpoint hook: everything freed counts as moved off the device, and
+        what was freed without a copy is reported as skipped."""
+        with self._lock:
+            before = self._last
+            self.offload()
+            stats = self._last
+        if stats is None or stats is before:
+            return worker.HookResult(bytes_moved=0)
+        return worker.HookResult(
+            bytes_moved=stats.copied_bytes + stats.skipped_bytes,
+            bytes_skipped=stats.skipped_bytes,
+        )
+
+    def _restore_hook(self) -> worker.HookResult:
+        return worker.HookResult(bytes_moved=self.restore())
 
     def __repr__(self) -> str:
         return (
             f"TorchOffloader(tags={list(self.tags)!r}, offloaded={sorted(self.offloaded_tags)!r}, "
             f"chunk_bytes={self.chunk_bytes}, num_streams={self.num_streams}, "
-            f"keep_pinned={self.keep_pinned})"
+            f"keep_pinned={self.keep_pinned}, skip_unchanged={self.skip_unchanged})"
         )
 
     # ------------------------------------------------------------------ internals
@@ -463,11 +568,19 @@ class TorchOffloader:
                 mine = {id(t): t for t in tensors if _storage_key(t) in keys}
                 discarded = list(mine.values())
                 slots = [_Slot(s, s.nbytes(), []) for s in storages]
-                plans.append(_Plan(name, tag, slots, [], discarded))
+                plans.append(_Plan(name, tag, slots, [], discarded, []))
+                continue
+            kept = tag.kept
+            if kept is not None and _same_layout(kept.slots, storages):
+                # The host copy of the last restore is laid out for exactly these storages:
+                # copy out only the ones written since.
+                written = kept.written(tensors)
+                to_copy = [slot for slot in kept.slots if slot.storage._cdata in written]
+                plans.append(_Plan(name, tag, kept.slots, tag.buffers, [], to_copy))
                 continue
             slots, buffers = self._lay_out(storages, tag.buffers, lane)
             lane += len(buffers)
-            plans.append(_Plan(name, tag, slots, buffers, []))
+            plans.append(_Plan(name, tag, slots, buffers, [], slots))
         return plans
 
     def _lay_out(
@@ -521,13 +634,17 @@ class TorchOffloader:
 
     def _bring_back(
         self, slots: list[_Slot], recreates: list[tuple[RecreateFn, list[torch.Tensor]]]
-    ) -> None:
-        """Re-allocate the slots' storages and fill them; on failure free them again."""
+    ) -> float:
+        """Re-allocate the slots' storages and fill them; on failure free them again.
+
+        Returns the seconds the copies took (allocation and zeroing not included).
+        """
         allocated: list[_Slot] = []
         try:
             for slot in slots:
                 _resize(slot.storage, slot.nbytes)
                 allocated.append(slot)
+            started = time.perf_counter()
             self._run(
                 [
                     _Copy(
@@ -540,6 +657,7 @@ class TorchOffloader:
                     for piece in slot.pieces
                 ]
             )
+            copy_seconds = time.perf_counter() - started
             with torch.no_grad():
                 for slot in slots:
                     if not slot.pieces:
@@ -551,6 +669,7 @@ class TorchOffloader:
                 if device.type == "cuda":
                     # Zeroing and recreate ran on this thread's stream; the job may use another.
                     torch.cuda.synchronize(device)
+            return copy_seconds
         except BaseException:
             for slot in allocated:
                 try:
@@ -593,27 +712,80 @@ class TorchOffloader:
             self._streams[key] = stream
         return stream
 
-    def _finish(self, verb: str, names: list[str], slots: list[_Slot], started: float) -> int:
+    def _finish(
+        self,
+        verb: str,
+        names: list[str],
+        slots: list[_Slot],
+        started: float,
+        *,
+        copied_bytes: int,
+        pin_seconds: float = 0.0,
+        copy_seconds: float = 0.0,
+    ) -> int:
+        stats = self._stats(
+            slots,
+            started,
+            copied_bytes=copied_bytes,
+            pin_seconds=pin_seconds,
+            copy_seconds=copy_seconds,
+        )
+        return self._record(verb, names, stats)
+
+    @staticmethod
+    def _stats(
+        slots: list[_Slot],
+        started: float,
+        *,
+        copied_bytes: int,
+        pin_seconds: float = 0.0,
+        copy_seconds: float = 0.0,
+    ) -> CycleStats:
+        with_copy = sum(slot.nbytes for slot in slots if slot.pieces)
+        return CycleStats(
+            copied_bytes=copied_bytes,
+            discarded_bytes=sum(slot.nbytes for slot in slots if not slot.pieces),
+            storages=len(slots),
+            seconds=time.perf_counter() - started,
+            skipped_bytes=with_copy - copied_bytes,
+            pin_seconds=pin_seconds,
+            copy_seconds=copy_seconds,
+        )
+
+    def _record(self, verb: str, names: list[str], stats: CycleStats) -> int:
         """Record and log a completed cycle; returns the bytes copied."""
-        copied = sum(slot.nbytes for slot in slots if slot.pieces)
-        discarded = sum(slot.nbytes for slot in slots if not slot.pieces)
-        seconds = time.perf_counter() - started
-        self._last = CycleStats(copied, discarded, len(slots), seconds)
+        self._last = stats
         log.info(
-            "%s tags %s: %d bytes copied, %d discarded, %d storages in %.3fs",
+            "%s tags %s: %d bytes copied, %d skipped (host copy current), %d discarded, "
+            "%d storages in %.3fs (host buffers %.3fs, copies %.3fs)",
             verb,
             names,
-            copied,
-            discarded,
-            len(slots),
-            seconds,
+            stats.copied_bytes,
+            stats.skipped_bytes,
+            stats.discarded_bytes,
+            stats.storages,
+            stats.seconds,
+            stats.pin_seconds,
+            stats.copy_seconds,
         )
-        return copied
+        return stats.copied_bytes
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
     key: int = tensor.untyped_storage()._cdata
     return key
+
+
+def _versions(tensors: Iterable[torch.Tensor]) -> dict[int, tuple[weakref.ref[torch.Tensor], int]]:
+    return {id(t): (weakref.ref(t), t._version) for t in tensors if t.device.type != "meta"}
+
+
+def _same_layout(slots: list[_Slot], storages: list[torch.UntypedStorage]) -> bool:
+    """Whether ``slots`` hold exactly ``storages``, in order, at their current sizes."""
+    return len(slots) == len(storages) and all(
+        slot.storage._cdata == storage._cdata and slot.nbytes == storage.nbytes()
+        for slot, storage in zip(slots, storages, strict=True)
+    )
 
 
 def _storages(tensors: Iterable[torch.Tensor], seen: set[int]) -> Iterator[torch.UntypedStorage]:

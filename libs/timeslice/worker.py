@@ -22,6 +22,7 @@ import os
 import threading
 import weakref
 from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
 from types import TracebackType
 from typing import cast
 
@@ -44,8 +45,21 @@ log = logging.getLogger("timeslice.worker")
 
 DEFAULT_AGENT_SOCKET = "/run/timeslice/agent.sock"
 
-HookCallback = Callable[[], int | None]
-"""A checkpoint/restore hook: does its work and returns the bytes it moved (or ``None``)."""
+
+@dataclass(frozen=True)
+class HookResult:
+    """What a checkpoint/restore hook did, when a plain byte count does not say it all."""
+
+    bytes_moved: int
+    """Device bytes the hook took off the device (checkpoint) or put back (restore)."""
+    bytes_skipped: int = 0
+    """Of ``bytes_moved``: bytes released without a copy, because the host already held
+    them unchanged (``TorchOffloader(keep_pinned=True)``)."""
+
+
+HookCallback = Callable[[], int | HookResult | None]
+"""A checkpoint/restore hook: does its work and returns the bytes it moved (an int, a
+:class:`HookResult`, or ``None`` for nothing)."""
 
 _UINT32_MAX = 2**32 - 1
 _UINT64_MAX = 2**64 - 1
@@ -262,15 +276,26 @@ class WorkerRegistration:
             return CommandResult(
                 command_id=command.command_id, ok=False, error=f"{name} raised {exc!r}"
             )
-        if moved is None:
-            moved = 0
-        if isinstance(moved, bool) or not isinstance(moved, int) or not 0 <= moved <= _UINT64_MAX:
+        result = moved if isinstance(moved, HookResult) else HookResult(moved or 0)
+        if not (
+            _is_count(result.bytes_moved)
+            and _is_count(result.bytes_skipped)
+            and result.bytes_skipped <= result.bytes_moved
+        ):
             return CommandResult(
                 command_id=command.command_id,
                 ok=False,
-                error=f"{name} returned {moved!r}; expected a byte count (int >= 0) or None",
+                error=(
+                    f"{name} returned {moved!r}; expected a byte count (int >= 0), None, or a "
+                    "HookResult whose bytes_skipped is at most its bytes_moved"
+                ),
             )
-        return CommandResult(command_id=command.command_id, ok=True, bytes_moved=moved)
+        return CommandResult(
+            command_id=command.command_id,
+            ok=True,
+            bytes_moved=result.bytes_moved,
+            bytes_skipped=result.bytes_skipped,
+        )
 
     async def _complete(self, stub: WorkerLinkStub, result: CommandResult) -> None:
         try:
@@ -283,6 +308,10 @@ class WorkerRegistration:
             log.warning("could not report command %s to the agent: %s", result.command_id, mapped)
             return
         self.commands_handled += 1
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _UINT64_MAX
 
 
 def _stop(

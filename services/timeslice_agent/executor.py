@@ -63,7 +63,7 @@ from timeslice_agent.metrics import AgentMetrics
 from timeslice_agent.procs import ProcessIdentity, identity_of, pid_exists
 from timeslice_agent.statefile import AgentState, StateStore, StateWriteError
 from timeslice_agent.tasks import KeyedLocks, LockWaitExpired, Supervisor, run_to_completion
-from timeslice_agent.workers import HookFailed, WorkerRegistry
+from timeslice_agent.workers import HookFailed, Moved, WorkerRegistry
 from timeslice_proto.timeslice.v1 import (
     AckStatus,
     Directive,
@@ -111,6 +111,7 @@ class _Outcome:
     status: AckStatus
     error: str = ""
     bytes_moved: int = 0
+    bytes_skipped: int = 0
     # The job went through TRANSITIONING (written before acting) to a new state: until that
     # state is written too, a restart would take the job for still where it was.
     moved: bool = False
@@ -521,6 +522,7 @@ class DirectiveExecutor:
             status=outcome.status,
             error=outcome.error,
             bytes_moved=outcome.bytes_moved,
+            bytes_skipped=outcome.bytes_skipped,
             elapsed_seconds=clock.elapsed(),
             job_state=(
                 job.state.to_proto()
@@ -549,7 +551,7 @@ class DirectiveExecutor:
         self._ledger.remember(ack)
         kind = d.kind.name.lower() if isinstance(d.kind, DirectiveKind) else "unspecified"
         self._metrics.observe_directive(
-            kind, ack.status.name.lower(), ack.elapsed_seconds, ack.bytes_moved
+            kind, ack.status.name.lower(), ack.elapsed_seconds, ack.bytes_moved, ack.bytes_skipped
         )
 
     async def _publish(self, d: Directive, ack: DirectiveAck, *, written: bool = False) -> None:
@@ -565,7 +567,7 @@ class DirectiveExecutor:
         level = logging.INFO if ack.status is AckStatus.OK else logging.WARNING
         log.log(
             level,
-            "directive %s %s job %s epoch %d: %s%s bytes=%d in %.3f s%s",
+            "directive %s %s job %s epoch %d: %s%s bytes=%d (skipped %d) in %.3f s%s",
             d.directive_id,
             d.kind.name.lower(),
             d.job_id,
@@ -573,6 +575,7 @@ class DirectiveExecutor:
             ack.status.name,
             f" ({ack.error})" if ack.error else "",
             ack.bytes_moved,
+            ack.bytes_skipped,
             ack.elapsed_seconds,
             " [emulated]" if ack.emulated else "",
         )
@@ -598,6 +601,7 @@ class DirectiveExecutor:
                 {
                     "timeslice.status": ack.status.name.lower(),
                     "timeslice.bytes_moved": ack.bytes_moved,
+                    "timeslice.bytes_skipped": ack.bytes_skipped,
                     "timeslice.backend_seconds": ack.elapsed_seconds,
                 }
             )
@@ -734,7 +738,7 @@ class DirectiveExecutor:
         self,
         job: Job,
         clock: _Clock,
-        action: Callable[[], Awaitable[int]],
+        action: Callable[[], Awaitable[Moved]],
         *,
         hooks_acted: Callable[[], bool],
     ) -> _Outcome:
@@ -758,7 +762,7 @@ class DirectiveExecutor:
         scope = asyncio.timeout_at(clock.deadline)
         try:
             async with scope:
-                nbytes = await action()
+                moved = await action()
         except BackendRefused as exc:
             if hooks_acted():
                 reason = f"backend refused after the app hooks ran: {exc.reason}"
@@ -780,7 +784,12 @@ class DirectiveExecutor:
         finally:
             # No write here: the ack path persists the outcome before the ack is sent.
             self._count_jobs()
-        return _Outcome(AckStatus.OK, bytes_moved=nbytes, moved=True)
+        return _Outcome(
+            AckStatus.OK,
+            bytes_moved=moved.bytes_moved,
+            bytes_skipped=moved.bytes_skipped,
+            moved=True,
+        )
 
     def _host_refusal(self, ctx: JobContext, measured: int) -> str | None:
         """Why the checkpoint would not fit in host memory; ``measured``: NVML's bytes (or 0).
@@ -880,9 +889,9 @@ class DirectiveExecutor:
         hooks_sent = any(w.app_callbacks for w in workers)
         hooks_done = False
 
-        async def action() -> int:
+        async def action() -> Moved:
             nonlocal hooks_done, measured
-            hook_bytes = await self._registry.run_hooks(
+            hooks = await self._registry.run_hooks(
                 d.job_id, d.group_id, HookKind.BEFORE_CHECKPOINT, self._hook_timeout
             )
             hooks_done = True
@@ -897,9 +906,9 @@ class DirectiveExecutor:
                     await self._undo_checkpoint(job, dataclasses.replace(ctx, saved_pids=moved))
                     raise
             # NVML's measurement is the truth where there is one; announced bytes otherwise.
-            total = measured if measured > 0 else transfer.bytes_moved + hook_bytes
+            total = measured if measured > 0 else transfer.bytes_moved + hooks.bytes_moved
             job.settle_saved(total, moved, ctx.identities)
-            return total
+            return Moved(total, min(hooks.bytes_skipped, total))
 
         return await self._guarded(
             job, clock, action, hooks_acted=lambda: hooks_sent and hooks_done
@@ -927,17 +936,17 @@ class DirectiveExecutor:
         if job.on_device and job.state in (JobState.IDLE, JobState.RUNNING):
             return _OK_NOTHING
 
-        async def after_restore_hooks() -> int:
+        async def after_restore_hooks() -> Moved:
             return await self._registry.run_hooks(
                 d.job_id, d.group_id, HookKind.AFTER_RESTORE, self._hook_timeout
             )
 
         if job.on_device:
             # A fault left the state on the device: only the app's side may need redoing.
-            async def rerun_hooks() -> int:
-                nbytes = await after_restore_hooks()
+            async def rerun_hooks() -> Moved:
+                hooks = await after_restore_hooks()
                 job.settle_on_device(JobState.RUNNING)
-                return nbytes
+                return hooks
 
             return await self._guarded(job, clock, rerun_hooks, hooks_acted=lambda: False)
 
@@ -952,7 +961,7 @@ class DirectiveExecutor:
             return _Outcome(AckStatus.REFUSED, exc.reason)
         check = self.memory_check
 
-        async def action() -> int:
+        async def action() -> Moved:
             residual = 0
             if check is not None:
                 # Refused before anything moves: the executor keeps the job SAVED.
@@ -960,10 +969,10 @@ class DirectiveExecutor:
                 residual = await check.measure(ctx.pids)
             transfer = await self._backend.restore(ctx)
             job.land_on_device()  # even if a hook fails below, the state is back
-            hook_bytes = await after_restore_hooks()
+            hooks = await after_restore_hooks()
             job.settle_on_device(JobState.RUNNING)
             measured = await check.measure(ctx.pids) - residual if check is not None else 0
-            return measured if measured > 0 else transfer.bytes_moved + hook_bytes
+            return Moved(measured if measured > 0 else transfer.bytes_moved + hooks.bytes_moved)
 
         return await self._guarded(job, clock, action, hooks_acted=lambda: False)
 

@@ -29,6 +29,9 @@ class JournalEntry:
     bytes_moved: int
     started_at: float
     finished_at: float
+    # Of bytes_moved: released without a copy (the host copy was current). Last, with a
+    # default, so journals written before it existed still read.
+    bytes_skipped: int = 0
 
     @classmethod
     def of(cls, node: str, directive: Directive, ack: DirectiveAck) -> JournalEntry:
@@ -44,6 +47,7 @@ class JournalEntry:
             bytes_moved=ack.bytes_moved,
             started_at=ack.started_at,
             finished_at=ack.finished_at,
+            bytes_skipped=ack.bytes_skipped,
         )
 
 

@@ -50,20 +50,29 @@ class AgentMetrics:
         )
         self.bytes_moved = Counter(
             "timeslice_agent_bytes_moved",
-            "Bytes moved by directives (modelled when emulated=true).",
+            "Bytes moved off or onto the device by directives (modelled when emulated=true); "
+            "bytes_skipped of them were not copied.",
+            ["kind", "backend", "emulated"],
+            registry=r,
+        )
+        self.bytes_skipped = Counter(
+            "timeslice_agent_bytes_skipped",
+            "Of bytes_moved: bytes released without a copy because the host copy was still "
+            "current (app hooks with TorchOffloader keep_pinned).",
             ["kind", "backend", "emulated"],
             registry=r,
         )
         self.transfer_seconds = Counter(
             "timeslice_agent_transfer_seconds",
-            "Seconds of the directives that moved bytes: rate(bytes_moved) / "
+            "Seconds of the directives that moved bytes: rate(bytes_moved - bytes_skipped) / "
             "rate(transfer_seconds) is this node's bandwidth.",
             ["kind", "backend", "emulated"],
             registry=r,
         )
         self.transfer_rate = Gauge(
             "timeslice_agent_last_transfer_bytes_per_second",
-            "Bandwidth of the last directive that moved bytes (modelled when emulated=true).",
+            "Bandwidth of the last directive that copied bytes, skipped bytes not counted "
+            "(modelled when emulated=true).",
             ["kind", "backend", "emulated"],
             registry=r,
         )
@@ -125,16 +134,21 @@ class AgentMetrics:
             self._node, self._backend, self._emulated, __version__, mechanism, discovery
         ).set(1)
 
-    def observe_directive(self, kind: str, status: str, seconds: float, nbytes: int) -> None:
-        """Record one answered directive."""
+    def observe_directive(
+        self, kind: str, status: str, seconds: float, nbytes: int, skipped: int = 0
+    ) -> None:
+        """Record one answered directive: ``nbytes`` moved, ``skipped`` of them not copied."""
         self.directives.labels(kind, status).inc()
-        self.directive_seconds.labels(kind, self._backend, self._emulated).observe(seconds)
+        labels = (kind, self._backend, self._emulated)
+        self.directive_seconds.labels(*labels).observe(seconds)
         if nbytes:
-            self.bytes_moved.labels(kind, self._backend, self._emulated).inc(nbytes)
-            if seconds > 0:
-                labels = (kind, self._backend, self._emulated)
+            self.bytes_moved.labels(*labels).inc(nbytes)
+            if skipped:
+                self.bytes_skipped.labels(*labels).inc(skipped)
+            copied = nbytes - skipped
+            if seconds > 0 and copied > 0:
                 self.transfer_seconds.labels(*labels).inc(seconds)
-                self.transfer_rate.labels(*labels).set(nbytes / seconds)
+                self.transfer_rate.labels(*labels).set(copied / seconds)
 
     def set_jobs(self, states: Iterable[JobState]) -> None:
         """Refresh the per-state job gauge from the current job table."""

@@ -70,6 +70,18 @@ class HookFailed(Exception):
 
 
 @dataclass(frozen=True)
+class Moved:
+    """Device bytes a move took off (or put back on) the device; ``bytes_skipped`` of them
+    were released without a copy, the host already holding them unchanged."""
+
+    bytes_moved: int = 0
+    bytes_skipped: int = 0
+
+    def __add__(self, other: Moved) -> Moved:
+        return Moved(self.bytes_moved + other.bytes_moved, self.bytes_skipped + other.bytes_skipped)
+
+
+@dataclass(frozen=True)
 class HookOutcome:
     """A worker's answer to one hook command."""
 
@@ -77,6 +89,7 @@ class HookOutcome:
     ok: bool
     error: str
     bytes_moved: int
+    bytes_skipped: int = 0
 
 
 @dataclass
@@ -259,15 +272,16 @@ class WorkerRegistry:
                     latest[reg.info.pid] = reg
         return list(latest.values())
 
-    async def run_hooks(self, job_id: str, group_id: str, kind: HookKind, timeout: float) -> int:
+    async def run_hooks(self, job_id: str, group_id: str, kind: HookKind, timeout: float) -> Moved:
         """Send ``kind`` to every app-callback worker of the job and wait for all answers.
 
-        Returns the bytes the workers reported moving. Raises :class:`HookFailed` if any worker
-        answers not-ok, goes away, or does not answer within ``timeout`` seconds.
+        Returns the bytes the workers reported moving (and skipping). Raises
+        :class:`HookFailed` if any worker answers not-ok, goes away, or does not answer within
+        ``timeout`` seconds.
         """
         targets = self._hook_targets(job_id)
         if not targets:
-            return 0
+            return Moved()
         loop = asyncio.get_running_loop()
         issued: list[tuple[str, Registration, asyncio.Future[HookOutcome]]] = []
         for reg in targets:
@@ -301,7 +315,11 @@ class WorkerRegistry:
         if failed:
             detail = "; ".join(f"pid {o.pid}: {o.error or 'no reason given'}" for o in failed)
             raise HookFailed(f"hook {name} failed: {detail}")
-        return sum(o.bytes_moved for o in outcomes)
+        # A worker's skipped bytes are part of its moved ones (the worker checks so).
+        return Moved(
+            sum(o.bytes_moved for o in outcomes),
+            sum(min(o.bytes_skipped, o.bytes_moved) for o in outcomes),
+        )
 
     def complete(self, result: CommandResult) -> None:
         """Resolve a pending hook; raises :class:`NotFound` for an unknown command id."""
@@ -315,6 +333,7 @@ class WorkerRegistry:
                 ok=result.ok,
                 error=result.error,
                 bytes_moved=result.bytes_moved,
+                bytes_skipped=result.bytes_skipped,
             )
         )
 

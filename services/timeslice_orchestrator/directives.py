@@ -150,11 +150,16 @@ class DirectiveSender:
     def _observe(self, node: str, kind: str, round_trip: float, ack: DirectiveAck) -> None:
         metrics = self._metrics
         metrics.directive_seconds.labels(node=node, kind=kind).observe(round_trip)
-        if ack.bytes_moved > 0 and ack.elapsed_seconds > 0:
+        if ack.bytes_moved > 0:
             metrics.node_bytes_moved.labels(node=node, kind=kind).inc(ack.bytes_moved)
-            metrics.node_transfer_seconds.labels(node=node, kind=kind).inc(ack.elapsed_seconds)
-            rate = ack.bytes_moved / ack.elapsed_seconds
-            metrics.node_transfer_rate.labels(node=node, kind=kind).set(rate)
+            skipped = min(ack.bytes_skipped, ack.bytes_moved)
+            if skipped:
+                metrics.node_bytes_skipped.labels(node=node, kind=kind).inc(skipped)
+            copied = ack.bytes_moved - skipped
+            if copied > 0 and ack.elapsed_seconds > 0:
+                metrics.node_transfer_seconds.labels(node=node, kind=kind).inc(ack.elapsed_seconds)
+                rate = copied / ack.elapsed_seconds
+                metrics.node_transfer_rate.labels(node=node, kind=kind).set(rate)
 
     async def _execute(self, node: str, directive: Directive, kind: DirectiveKind) -> NodeResult:
         started = time.monotonic()

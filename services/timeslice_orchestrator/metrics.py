@@ -135,16 +135,24 @@ class Metrics:
             ["node", "kind"],
             registry=r,
         )
+        self.node_bytes_skipped = Counter(
+            "timeslice_node_skipped_bytes",
+            "Of moved_bytes: bytes the node's agent released without a copy because the host "
+            "copy was still current, by kind",
+            ["node", "kind"],
+            registry=r,
+        )
         self.node_transfer_seconds = Counter(
             "timeslice_node_transfer_seconds",
-            "Backend seconds of the directives that moved bytes, by node and kind: "
-            "rate(moved_bytes) / rate(transfer_seconds) is the node's bandwidth",
+            "Backend seconds of the directives that copied bytes, by node and kind: "
+            "rate(moved_bytes - skipped_bytes) / rate(transfer_seconds) is the node's bandwidth",
             ["node", "kind"],
             registry=r,
         )
         self.node_transfer_rate = Gauge(
             "timeslice_node_last_transfer_bytes_per_second",
-            "Bandwidth of the node's last directive that moved bytes, by kind",
+            "Bandwidth of the node's last directive that copied bytes (skipped ones not "
+            "counted), by kind",
             ["node", "kind"],
             registry=r,
         )

@@ -3,7 +3,8 @@
 A recording fake plays the driver here: these tests prove the ordering (lock every pid, then
 checkpoint every pid; restore every pid, then unlock every pid), the rollback of what already
 moved when one pid fails, deadlines and the error message. They prove the logic only: the
-real driver path is exercised by ``scripts/gpu-check`` on a GPU machine.
+real ``DriverApi`` runs against a stand-in ``cuda.bindings.driver`` in test_cuda_driver_api.py,
+and against the driver itself in ``scripts/gpu-check`` on a GPU machine.
 
 The ``cli`` path is run for real against an executable standing in for ``cuda-checkpoint``
 (same flags, state kept in files), and ``timeslice agent --backend cuda`` is started for real
@@ -28,6 +29,7 @@ from timeslice_agent.backends.cuda import (
     CudaBackend,
     CudaCallError,
     CudaUnavailable,
+    NoCudaState,
     ProcessState,
     Step,
     open_driver,
@@ -87,7 +89,7 @@ class FakeDriver:
 
     async def state(self, pid: int) -> ProcessState:
         if pid in self.no_cuda:
-            raise CudaCallError("get-state", pid, "CUDA_ERROR_NOT_INITIALIZED")
+            raise NoCudaState("get-state", pid, "CUDA_ERROR_NOT_INITIALIZED")
         return self.states.get(pid, ProcessState.RUNNING)
 
 
@@ -257,6 +259,9 @@ state=$(cat "$dir/$pid" 2>/dev/null || echo running)
 if [ -e "$dir/fail-$pid" ] && [ "$action" = --toggle ]; then
   echo "Could not toggle: CUDA_ERROR_NOT_SUPPORTED" >&2; exit 1
 fi
+if [ -e "$dir/state-error-$pid" ]; then
+  echo "Could not get state: \"$(cat "$dir/state-error-$pid")\"" >&2; exit 1
+fi
 case "$action" in
   --get-state) echo "$state" ;;
   --toggle)
@@ -307,6 +312,19 @@ async def test_cli_failure_rolls_back_the_others_and_reports_the_tool_message(
     assert "pid 13" in info.value.reason and "CUDA_ERROR_NOT_SUPPORTED" in info.value.reason
     assert "[cli]" in info.value.reason
     assert (fake_cli / "11").read_text().strip() == "running"
+
+
+async def test_cli_leaves_a_process_without_cuda_alone_and_fails_on_other_errors(
+    fake_cli: Path,
+) -> None:
+    # The binary prints cuGetErrorString's text: "initialization error" is NOT_INITIALIZED.
+    (fake_cli / "state-error-12").write_text("initialization error")
+    backend = CudaBackend(open_driver(CudaSettings(path=CudaPath.CLI)), targets=unchecked)
+    transfer = await backend.checkpoint(job(pids=(11, 12)))
+    assert transfer.moved_pids == (11,)
+    (fake_cli / "state-error-13").write_text("operation not supported")
+    with pytest.raises(BackendError, match=r"step get-state for pid 13: .*operation not supported"):
+        await backend.checkpoint(job(pids=(13,)))
 
 
 def test_auto_falls_back_to_the_cli_only_when_it_is_on_path(fake_cli: Path) -> None:

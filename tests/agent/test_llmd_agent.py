@@ -344,7 +344,7 @@ async def test_workload_results_complete_the_hooks_in_process() -> None:
 
     from timeslice.wire import strict_server
     from timeslice_agent.llmd import SnapshotAgentService
-    from timeslice_agent.workers import HookFailed, WorkerRegistry
+    from timeslice_agent.workers import HookFailed, Moved, WorkerRegistry
     from timeslice_proto.snapshot_agent.v1alpha1 import (
         AgentCommand,
         CommandResult,
@@ -394,7 +394,7 @@ async def test_workload_results_complete_the_hooks_in_process() -> None:
             hook = asyncio.create_task(registry.run_hooks("j1", "g1", HookKind.AFTER_RESTORE, 10))
             command = await answer(True)
             assert command.restore is not None
-            assert await hook == 0
+            assert await hook == Moved()
             hook = asyncio.create_task(
                 registry.run_hooks("j1", "g1", HookKind.BEFORE_CHECKPOINT, 10)
             )

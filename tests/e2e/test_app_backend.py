@@ -154,3 +154,99 @@ def test_two_torch_jobs_switch_twenty_times_with_state_intact(
     # Each job was restored as often as it was parked, give or take the one still parked.
     for r in results:
         assert len(r["parked"]) >= 9
+
+
+SAMPLER = textwrap.dedent(
+    """
+    import json, sys, time
+    import torch
+    from timeslice import TimeSliceOrchestratorClient
+    from timeslice.offload import TorchOffloader
+
+    job, target, socket, rounds, train = sys.argv[1:6]
+    torch.manual_seed(7)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    offloader = TorchOffloader(keep_pinned=True)
+    offloader.add_module(model)
+    reg = offloader.register("g-skip", job_id=job, socket=socket)
+    last = [p.detach().clone() for p in model.parameters()]
+    intact = []
+    with TimeSliceOrchestratorClient(target=target, job_id=job) as client:
+        for i in range(int(rounds)):
+            client.acquire("g-skip", timeout=60)
+            # Each hold finds exactly what the last one left: bit-exact after every switch.
+            intact.append(all(torch.equal(p, q) for p, q in zip(model.parameters(), last)))
+            with torch.no_grad():
+                model(torch.ones(4, 64))  # a sampler only reads its weights
+            if train == "1":
+                loss = model(torch.ones(4, 64)).sum()
+                opt.zero_grad(set_to_none=True); loss.backward(); opt.step()
+                opt.zero_grad(set_to_none=True)
+            wait_until = time.monotonic() + 20
+            while i < int(rounds) - 1 and time.monotonic() < wait_until:
+                if client.status("g-skip").queue:
+                    break
+                time.sleep(0.005)
+            last = [p.detach().clone() for p in model.parameters()]
+            client.yield_("g-skip")
+        wait_until = time.monotonic() + 20
+        while time.monotonic() < wait_until:
+            st = client.status("g-skip")
+            if not st.queue and not (st.switch is not None and bool(st.switch.switch_id)):
+                break
+            time.sleep(0.01)
+    reg.close()
+    print(json.dumps(dict(job=job, intact=intact)))
+    """
+)
+
+
+def test_an_unchanged_sampler_moves_no_bytes_out_and_the_journal_says_so(
+    cluster_factory: ClusterFactory, tmp_path: Path
+) -> None:
+    """A sampler whose weights do not change between holds (keep_pinned) is released without
+    a copy from its second checkpoint on; a trainer beside it copies its written state. The
+    agent's journal reports both: bytes moved, and of them bytes skipped."""
+    cluster = cluster_factory(agents=1, backend="app")
+    socket = str(cluster.agent_sockets["node-0"])
+    script = tmp_path / "sampler.py"
+    script.write_text(SAMPLER)
+    rounds = 5
+    procs = {
+        job: subprocess.Popen(
+            [sys.executable, str(script), job, cluster.target, socket, str(rounds), train],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        for job, train in (("sampler", "0"), ("trainer", "1"))
+    }
+    for job, proc in procs.items():
+        out, err = proc.communicate(timeout=150)
+        assert proc.returncode == 0, err[-3000:]
+        intact = json.loads(out.strip().splitlines()[-1])["intact"]
+        assert len(intact) == rounds and all(intact), (job, intact)
+
+    entries = read_journal(cluster.agent_journals["node-0"])
+    assert not [e for e in entries if e.status != "ok"], entries
+    state = (64 * 256 + 256 + 256 * 64 + 64) * 4
+    moves = {
+        job: sorted(
+            (e for e in entries if e.kind == "checkpoint" and e.job == job and e.bytes_moved),
+            key=lambda e: e.started_at,
+        )
+        for job in procs
+    }
+    sampler = moves["sampler"]
+    assert len(sampler) >= 3, sampler
+    # The first checkpoint has no host copy to reuse; every later one skips everything.
+    assert sampler[0].bytes_moved == state and sampler[0].bytes_skipped == 0
+    assert all(e.bytes_moved == state == e.bytes_skipped for e in sampler[1:]), sampler
+    trainer = moves["trainer"]
+    assert len(trainer) >= 3, trainer
+    # An SGD step writes every parameter in place: nothing of the trainer may be skipped.
+    assert all(e.bytes_moved == state and e.bytes_skipped == 0 for e in trainer), trainer
+    restores = [e for e in entries if e.kind == "restore" and e.bytes_moved]
+    assert restores and all(e.bytes_skipped == 0 for e in restores)

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import timeslice.offload as offload_mod
 import timeslice.worker
 from timeslice.errors import InvalidArgument
 from timeslice.offload import OffloadMode, TorchOffloader
+from timeslice.worker import HookResult
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -478,6 +480,198 @@ def test_keep_pinned_keeps_and_reuses_host_buffers() -> None:
     assert offloader.host_bytes == 0
 
 
+# ---------------------------------------------------------------------- host buffers
+
+
+@pytest.mark.parametrize("keep_pinned", [False, True])
+def test_restore_drops_every_host_buffer_reference_before_emptying_the_cache(
+    monkeypatch: pytest.MonkeyPatch, keep_pinned: bool
+) -> None:
+    """torch's pinned cache frees only buffers nobody references: at the moment restore
+    empties it, no reference to the parked buffers (or views into them) may be left."""
+    model = TinyLM()
+    offloader = TorchOffloader(chunk_bytes=256, keep_pinned=keep_pinned)
+    offloader.add_module(model)
+    offloader.offload()
+    tag = offloader._tags["default"]  # the only look inside: the parked host memory
+    assert tag.parked is not None
+    refs = [weakref.ref(b) for b in tag.buffers]
+    refs += [weakref.ref(p.host) for slot in tag.parked.slots for p in slot.pieces]
+    assert len(refs) > len(tag.buffers) > 1
+    del tag
+    alive_at_empty: list[int] = []
+    monkeypatch.setattr(
+        offload_mod,
+        "_empty_host_cache",
+        lambda: alive_at_empty.append(sum(r() is not None for r in refs)),
+    )
+    offloader.restore()
+    if keep_pinned:
+        assert alive_at_empty == [] and all(r() is not None for r in refs)  # kept for reuse
+        assert offloader.release_host_buffers() > 0
+        assert alive_at_empty == [0]
+    else:
+        assert alive_at_empty == [0], "host buffers still referenced when the cache was emptied"
+        assert offloader.host_bytes == 0
+    assert all(r() is None for r in refs)
+
+
+# ---------------------------------------------------------------------- skip unchanged
+
+
+def _cycle(offloader: TorchOffloader) -> tuple[int, int]:
+    """One offload (whose copied and skipped bytes are returned) and restore."""
+    copied = offloader.offload()
+    stats = offloader.last_stats
+    assert stats is not None and stats.copied_bytes == copied
+    offloader.restore()
+    return copied, stats.skipped_bytes
+
+
+def test_unchanged_state_is_released_without_a_copy_and_comes_back_bit_exact() -> None:
+    model = TinyLM()
+    total = storage_bytes(*module_tensors(model))
+    offloader = TorchOffloader(keep_pinned=True, chunk_bytes=512)
+    offloader.add_module(model)
+    assert _cycle(offloader) == (total, 0)  # the first offload has no host copy yet
+    before = snapshot(module_tensors(model))
+    for _ in range(3):
+        copied = offloader.offload()
+        assert all(released(t) for t in module_tensors(model))
+        stats = offloader.last_stats
+        assert stats is not None and (copied, stats.skipped_bytes) == (0, total)
+        assert stats.freed_bytes == total
+        offloader.restore()
+        assert_same(module_tensors(model), before)
+
+
+def test_a_parameter_written_in_place_is_the_only_storage_copied() -> None:
+    model = TinyLM()
+    offloader = TorchOffloader(keep_pinned=True, chunk_bytes=512)
+    offloader.add_module(model)
+    _cycle(offloader)
+    total = storage_bytes(*module_tensors(model))
+    with torch.no_grad():
+        model.hidden.bias.add_(1.0)
+    expected = snapshot(module_tensors(model))
+    bias = model.hidden.bias.untyped_storage().nbytes()
+    assert _cycle(offloader) == (bias, total - bias)
+    assert_same(module_tensors(model), expected)
+    # Through a view, and through copy_ / load_state_dict: each bumps the counters.
+    with torch.no_grad():
+        model.norm.weight.view(-1)[0] = 7.0
+    expected = snapshot(module_tensors(model))
+    norm = model.norm.weight.untyped_storage().nbytes()
+    assert _cycle(offloader) == (norm, total - norm)
+    assert_same(module_tensors(model), expected)
+    fresh = TinyLM()
+    model.load_state_dict(fresh.state_dict())
+    assert _cycle(offloader) == (total, 0)
+    assert_same(module_tensors(model), snapshot(module_tensors(fresh)))
+
+
+def test_optimizer_steps_are_copied_and_training_stays_bit_identical() -> None:
+    torch.manual_seed(3)
+    model, twin = TinyLM(), TinyLM()
+    twin.load_state_dict(model.state_dict())
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    twin_opt = torch.optim.Adam(twin.parameters(), lr=0.01)
+    offloader = TorchOffloader(keep_pinned=True, chunk_bytes=1024)
+    offloader.add_module(model)
+    offloader.add_optimizer(opt)
+    for step in range(4):
+        train_step(model, opt, step)
+        train_step(twin, twin_opt, step)
+        copied, skipped = _cycle(offloader)
+        assert copied > 0
+        # Every parameter, gradient and Adam state changed: nothing may be skipped.
+        assert skipped == 0
+        # And the same state once more, untouched: nothing copied.
+        assert _cycle(offloader)[0] == 0
+    assert_same(module_tensors(model), snapshot(module_tensors(twin)))
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][key], twin_opt.state[q][key])
+
+
+def test_writes_the_counters_can_not_see_need_mark_written() -> None:
+    t = torch.zeros(64)
+    offloader = TorchOffloader(keep_pinned=True)
+    offloader.add_tensors(t)
+    _cycle(offloader)
+    t.data.fill_(5.0)  # .data has a counter of its own: torch counts nothing on ``t``
+    offloader.mark_written()
+    assert _cycle(offloader) == (256, 0)
+    assert torch.equal(t, torch.full((64,), 5.0))
+
+
+def test_skip_unchanged_off_copies_everything_every_time() -> None:
+    model = TinyLM()
+    total = storage_bytes(*module_tensors(model))
+    offloader = TorchOffloader(keep_pinned=True, skip_unchanged=False)
+    offloader.add_module(model)
+    for _ in range(3):
+        assert _cycle(offloader) == (total, 0)
+
+
+def test_without_keep_pinned_nothing_is_skipped() -> None:
+    model = TinyLM()
+    total = storage_bytes(*module_tensors(model))
+    offloader = TorchOffloader()
+    offloader.add_module(model)
+    for _ in range(2):
+        assert _cycle(offloader) == (total, 0)
+
+
+def test_new_state_since_the_restore_lays_the_host_copy_out_again() -> None:
+    model = TinyLM()
+    offloader = TorchOffloader(keep_pinned=True, chunk_bytes=256)
+    offloader.add_module(model)
+    _cycle(offloader)
+    # Gradients appear: new storages, a new layout; everything is copied, bit-exact.
+    torch.autograd.backward(model(torch.tensor([[1, 2, 3]])).sum())
+    expected = snapshot(module_tensors(model))
+    grads = snapshot([p.grad for p in model.parameters() if p.grad is not None])
+    total = storage_bytes(
+        *module_tensors(model), *[p.grad for p in model.parameters() if p.grad is not None]
+    )
+    assert _cycle(offloader) == (total, 0)
+    assert_same(module_tensors(model), expected)
+    assert_same([p.grad for p in model.parameters() if p.grad is not None], grads)
+    # Gradients dropped: the layout changes again (fewer storages).
+    model.zero_grad(set_to_none=True)
+    assert _cycle(offloader)[1] == 0
+    assert_same(module_tensors(model), expected)
+
+
+def test_hook_reports_freed_and_skipped_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = TinyLM()
+    total = storage_bytes(*module_tensors(model))
+    offloader = TorchOffloader(keep_pinned=True)
+    offloader.add_module(model)
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(timeslice.worker, "register", lambda g, **kw: calls.append(kw))
+    offloader.register("g")
+    checkpoint, restore = calls[0]["on_checkpoint"], calls[0]["on_restore"]
+    assert checkpoint() == HookResult(bytes_moved=total, bytes_skipped=0)
+    assert restore() == HookResult(bytes_moved=total)
+    assert checkpoint() == HookResult(bytes_moved=total, bytes_skipped=total)
+    assert checkpoint() == HookResult(bytes_moved=0)  # already offloaded: nothing moved
+    restore()
+
+
+def test_cycle_stats_split_the_time() -> None:
+    offloader = TorchOffloader()
+    offloader.add_tensors(torch.randn(1 << 16))
+    offloader.offload()
+    out = offloader.last_stats
+    assert out is not None and 0 < out.copy_seconds <= out.seconds
+    assert 0 <= out.pin_seconds <= out.seconds
+    offloader.restore()
+    back = offloader.last_stats
+    assert back is not None and 0 < back.copy_seconds <= back.seconds
+
+
 def test_concurrent_hooks_move_the_state_once() -> None:
     t = torch.randn(64)
     offloader = TorchOffloader()
@@ -513,8 +707,8 @@ def test_register_wires_the_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
     (call,) = calls
     assert call["group_id"] == "g" and call["job_id"] == "j"
     assert call["state_bytes"] == storage_bytes(*module_tensors(model)) == 80
-    assert call["on_checkpoint"]() == 80 and released(model.weight)
-    assert call["on_restore"]() == 80
+    assert call["on_checkpoint"]() == HookResult(bytes_moved=80) and released(model.weight)
+    assert call["on_restore"]() == HookResult(bytes_moved=80)
     assert_resident(model.weight)
 
     offloader.register("g", state_bytes=5)

@@ -16,7 +16,7 @@ from grpclib.const import Status
 from grpclib.server import Server
 
 from tests.sdk.fakes import FakeAgent, LoopThread
-from timeslice import InvalidArgument, Unavailable, register
+from timeslice import HookResult, InvalidArgument, Unavailable, register
 from timeslice_proto.timeslice.v1 import HookKind, WorkerCommand
 
 REPO = Path(__file__).resolve().parents[2]
@@ -123,6 +123,37 @@ def test_register_runs_hooks_and_reports_results(agent_server: AgentServer) -> N
         wait_until(lambda: registration.commands_handled == 2, timeout=10)
     agent_server.wait_for(lambda a: a.streams_ended == 1)
     assert registration.closed and not registration.connected
+
+
+@pytest.mark.parametrize(
+    ("answer", "expected"),
+    [
+        (HookResult(bytes_moved=100, bytes_skipped=40), (True, 100, 40)),
+        (HookResult(bytes_moved=7), (True, 7, 0)),
+        (None, (True, 0, 0)),
+        (HookResult(bytes_moved=10, bytes_skipped=20), (False, 0, 0)),
+        (HookResult(bytes_moved=-1), (False, 0, 0)),
+        ("12", (False, 0, 0)),
+    ],
+)
+def test_hook_results_carry_skipped_bytes_and_bad_ones_fail(
+    agent_server: AgentServer, answer: object, expected: tuple[bool, int, int]
+) -> None:
+    agent = agent_server.start(
+        FakeAgent(commands=[WorkerCommand(command_id="c1", kind=HookKind.BEFORE_CHECKPOINT)])
+    )
+    with register(
+        "g",
+        job_id="j",
+        socket=str(agent_server.path),
+        on_checkpoint=lambda: answer,  # type: ignore[arg-type,return-value]
+        timeout=5,
+    ):
+        agent_server.wait_for(lambda a: len(a.results) == 1)
+    (result,) = agent.results
+    assert (result.ok, result.bytes_moved, result.bytes_skipped) == expected
+    if not result.ok:
+        assert "expected a byte count" in result.error
 
 
 def test_register_without_hooks(agent_server: AgentServer, monkeypatch: pytest.MonkeyPatch) -> None:

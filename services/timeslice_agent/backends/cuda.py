@@ -6,8 +6,10 @@ the same virtual addresses. Two paths reach the driver:
 
 - ``driver-api``: ``cuCheckpointProcess{Lock,Checkpoint,Restore,Unlock,GetState}`` called
   through NVIDIA's ``cuda-bindings`` from the agent process (no process spawned per toggle).
-  Needs a driver with CUDA 12.8 support (r570 or newer). The agent calls ``cuInit`` once at
-  start, which the driver requires of a process that restores others.
+  Needs a driver with CUDA 12.8 support (r570 or newer) and a cuda-bindings release with the
+  whole checkpoint API (checked at start: the agent refuses to start naming the release that
+  lacks it). The agent calls ``cuInit`` once at start, which the driver requires of a process
+  that restores others.
 - ``cli``: the ``cuda-checkpoint`` binary (``--toggle --pid``, ``--get-state``), used when the
   API is missing and the binary is on ``PATH``; it pays a process start per toggle.
 
@@ -30,9 +32,11 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import importlib.metadata
 import logging
 import os
 import shutil
+import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -84,6 +88,10 @@ class CudaCallError(Exception):
         self.error = error
 
 
+class NoCudaState(CudaCallError):
+    """The driver says the process never initialised CUDA: it has nothing to move."""
+
+
 @dataclass(frozen=True)
 class Step:
     """One step of a move, applied to every pid at once, and how to take it back."""
@@ -105,10 +113,39 @@ class CheckpointDriver(Protocol):
         """The steps that take checkpointed processes back to running."""
 
     async def state(self, pid: int) -> ProcessState:
-        """The process's state; raises :class:`CudaCallError` if the driver cannot tell."""
+        """The process's state.
+
+        Raises :class:`NoCudaState` for a process without CUDA, :class:`CudaCallError` when
+        the driver cannot tell.
+        """
 
 
 # ----- the driver API through cuda-bindings ---------------------------------------------------
+
+
+# Everything DriverApi touches in cuda.bindings.driver. Some releases ship without part of the
+# checkpoint API (cuda-bindings 13.3.0 has no CUcheckpointRestoreArgs): such a release is refused
+# at start, in one line, rather than failing the first restore with an AttributeError. The Args
+# types are checked although DriverApi passes None, because a release missing one was not built
+# with the whole API.
+REQUIRED_DRIVER_SYMBOLS = (
+    "cuInit",
+    "cuDriverGetVersion",
+    "cuCheckpointProcessLock",
+    "cuCheckpointProcessCheckpoint",
+    "cuCheckpointProcessRestore",
+    "cuCheckpointProcessUnlock",
+    "cuCheckpointProcessGetState",
+    "cuCheckpointProcessGetRestoreThreadId",
+    "CUcheckpointLockArgs",
+    "CUcheckpointCheckpointArgs",
+    "CUcheckpointRestoreArgs",
+    "CUcheckpointUnlockArgs",
+    "CUprocessState",
+    "CUresult",
+    "CUresult.CUDA_SUCCESS",
+    "CUresult.CUDA_ERROR_NOT_INITIALIZED",
+)
 
 
 class DriverApi:
@@ -123,6 +160,13 @@ class DriverApi:
             raise CudaUnavailable(
                 "cuda-bindings is not installed (pip install 'timeslice[cuda]')"
             ) from None
+        self.bindings_version = _bindings_version()
+        missing = [name for name in REQUIRED_DRIVER_SYMBOLS if not _has_symbol(driver, name)]
+        if missing:
+            raise CudaUnavailable(
+                f"cuda-bindings {self.bindings_version} lacks the driver checkpoint API "
+                f"({', '.join(missing)}); install a cuda-bindings release that has it"
+            )
         try:
             (err,) = driver.cuInit(0)
         except RuntimeError as exc:  # cuda.pathfinder's DynamicLibNotFoundError
@@ -139,11 +183,21 @@ class DriverApi:
         self.driver_version = version
 
     async def _call(self, step: str, pid: int, func: Callable[[], tuple[Any, ...]]) -> Any:
+        # cuda-bindings returns (CUresult,) or (CUresult, value), value None on an error.
         result = await asyncio.to_thread(func)
         err = result[0]
-        if err != self._driver.CUresult.CUDA_SUCCESS:
-            raise CudaCallError(step, pid, _error_name(err))
-        return result[1] if len(result) > 1 else None
+        if err == self._driver.CUresult.CUDA_SUCCESS:
+            return result[1] if len(result) > 1 else None
+        # CUDA_ERROR_NOT_INITIALIZED is the driver's answer for a pid whose process never
+        # initialised CUDA: it is the only code that means "nothing to move here". The others
+        # the checkpoint API documents are real failures and must not be read as that:
+        # NOT_SUPPORTED / NOT_FOUND (a driver or setup without checkpoint support; cuda.core's
+        # checkpoint module reads them so), INVALID_VALUE (a pid the driver cannot address; our
+        # pids were just checked to be the live registered processes), ILLEGAL_STATE.
+        # CRIU's driver-API plugin (plugins/cuda/cuda_plugin_driver.c) also takes
+        # NOT_INITIALIZED as "no CUDA", for its restore-thread lookup.
+        no_cuda = err == self._driver.CUresult.CUDA_ERROR_NOT_INITIALIZED
+        raise (NoCudaState if no_cuda else CudaCallError)(step, pid, _error_name(err))
 
     async def lock(self, pid: int, timeout_ms: int) -> None:
         args = self._driver.CUcheckpointLockArgs()
@@ -189,6 +243,26 @@ class DriverApi:
 
 
 _STATE_BY_NAME = {s.name: s for s in ProcessState}
+
+
+def _has_symbol(module: Any, dotted: str) -> bool:
+    obj = module
+    for part in dotted.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return False
+    return True
+
+
+def _bindings_version() -> str:
+    """The version of the cuda.bindings package that was imported (the one that runs)."""
+    version = getattr(sys.modules.get("cuda.bindings"), "__version__", None)
+    if version:
+        return str(version)
+    try:
+        return importlib.metadata.version("cuda-bindings")
+    except importlib.metadata.PackageNotFoundError:
+        return "(version unknown)"
 
 
 def _error_name(err: Any) -> str:
@@ -237,7 +311,14 @@ class CheckpointCli:
         return out.decode(errors="replace").strip()
 
     async def state(self, pid: int) -> ProcessState:
-        text = await self._run("get-state", pid, "--get-state", "--pid", str(pid))
+        try:
+            text = await self._run("get-state", pid, "--get-state", "--pid", str(pid))
+        except CudaCallError as exc:
+            # The binary prints cuGetErrorString's text, "initialization error" for
+            # CUDA_ERROR_NOT_INITIALIZED: the same "no CUDA here" answer as on the API path.
+            if "initialization error" in exc.error or "CUDA_ERROR_NOT_INITIALIZED" in exc.error:
+                raise NoCudaState(exc.step, pid, exc.error) from None
+            raise
         try:
             return ProcessState(text.split()[-1].lower())
         except (ValueError, IndexError):
@@ -345,12 +426,19 @@ class CudaBackend(Backend):
         )
         chosen = []
         for pid, state in zip(pids, states, strict=True):
-            if isinstance(state, CudaCallError):
+            if isinstance(state, NoCudaState):
                 log.info(
                     "cuda: pid %d of job %s has no CUDA state (%s); left alone",
                     pid,
                     job.job_id,
                     state.error,
+                )
+            elif isinstance(state, CudaCallError):
+                # Not "no CUDA": a refused or broken API. Saying so now beats NVML reporting
+                # ten seconds later that the checkpoint freed nothing.
+                raise BackendError(
+                    f"cuda checkpoint of job {job.job_id} failed at step get-state for pid "
+                    f"{pid}: {state.error}; no pid had moved [{self.mechanism}]"
                 )
             elif isinstance(state, BaseException):
                 raise state

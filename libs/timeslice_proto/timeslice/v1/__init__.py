@@ -554,6 +554,11 @@ class CommandResult(betterproto2.Message):
 
     bytes_moved: "int" = betterproto2.field(4, betterproto2.TYPE_UINT64)
 
+    bytes_skipped: "int" = betterproto2.field(5, betterproto2.TYPE_UINT64)
+    """
+    Of bytes_moved: released without a copy, the host already holding them unchanged.
+    """
+
 
 default_message_pool.register_message("timeslice.v1", "CommandResult", CommandResult)
 
@@ -639,6 +644,12 @@ class DirectiveAck(betterproto2.Message):
     """
 
     finished_at: "float" = betterproto2.field(11, betterproto2.TYPE_DOUBLE)
+
+    bytes_skipped: "int" = betterproto2.field(12, betterproto2.TYPE_UINT64)
+    """
+    Of bytes_moved: released without a copy because the host copy was still current (the
+    app hooks' TorchOffloader with keep_pinned); bytes copied = bytes_moved - bytes_skipped.
+    """
 
 
 default_message_pool.register_message("timeslice.v1", "DirectiveAck", DirectiveAck)
