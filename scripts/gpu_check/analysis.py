@@ -40,28 +40,93 @@ class HoldEvent:
 
 
 def journal_moves(journal: Sequence[dict[str, Any]], jobs: set[str]) -> dict[str, Any]:
-    """Per direction: directives, bytes, seconds and GB/s of the OK moves of ``jobs``."""
+    """Per direction: directives, bytes, seconds and GB/s of the OK moves of ``jobs``.
+
+    ``bytes_moved`` is what left (or came back to) the device; of it, ``bytes_skipped`` left
+    without a copy (the host copy was current). GB/s count the copied bytes only.
+    """
     out: dict[str, Any] = {}
     for kind in MOVES:
         entries = [e for e in journal if e["kind"] == kind and e["job"] in jobs]
         moved = [e for e in entries if e["status"] == "ok" and e["bytes_moved"] > 0]
-        seconds = [e["finished_at"] - e["started_at"] for e in moved]
+        copied = [e for e in moved if _copied(e) > 0]
+        seconds = [e["finished_at"] - e["started_at"] for e in copied]
         out[kind] = {
             "directives": len(entries),
             "ok": sum(1 for e in entries if e["status"] == "ok"),
             "moved": len(moved),
             "bytes_total": sum(e["bytes_moved"] for e in moved),
+            "bytes_skipped_total": sum(e.get("bytes_skipped", 0) for e in moved),
             "bytes": summary(e["bytes_moved"] for e in moved),
             "seconds": summary(seconds),
             "gbps": summary(
-                e["bytes_moved"] / s / GB for e, s in zip(moved, seconds, strict=True) if s > 0
+                _copied(e) / s / GB for e, s in zip(copied, seconds, strict=True) if s > 0
             ),
         }
     out["not_ok"] = [
-        {k: e[k] for k in ("kind", "job", "status", "error", "epoch")}
+        {k: e.get(k, "") for k in ("kind", "job", "status", "error", "epoch")}
         for e in journal
         if e["status"] != "ok" and e["job"] in jobs
     ]
+    return out
+
+
+def _copied(entry: dict[str, Any]) -> int:
+    return int(entry["bytes_moved"]) - int(entry.get("bytes_skipped", 0))
+
+
+def per_switch(journal: Sequence[dict[str, Any]], jobs: set[str]) -> list[dict[str, Any]]:
+    """Each OK checkpoint of ``jobs`` in order, with the restore that followed it: the bytes
+    one switch moved out (copied and skipped) and in."""
+    moves = sorted(
+        (e for e in journal if e["job"] in jobs and e["status"] == "ok" and e["kind"] in MOVES),
+        key=lambda e: e["started_at"],
+    )
+    switches: list[dict[str, Any]] = []
+    for entry in moves:
+        if entry["kind"] == "checkpoint":
+            switches.append({
+                "out_job": entry["job"],
+                "out_bytes": entry["bytes_moved"],
+                "out_skipped_bytes": entry.get("bytes_skipped", 0),
+                "out_seconds": entry["finished_at"] - entry["started_at"],
+                "in_job": "", "in_bytes": 0, "in_seconds": 0.0,
+            })  # fmt: skip
+        elif switches and not switches[-1]["in_job"]:
+            switches[-1].update(
+                in_job=entry["job"],
+                in_bytes=entry["bytes_moved"],
+                in_seconds=entry["finished_at"] - entry["started_at"],
+            )
+    return switches
+
+
+def adapter_cycles(events: Sequence[HoldEvent]) -> dict[str, Any]:
+    """The app adapter's own offload and restore figures, in the job processes (copies and
+    pinning, no control plane), per role."""
+    out: dict[str, Any] = {}
+    for kind in ("offload", "restore"):
+        for role in ("trainer", "sampler"):
+            stats = [e[f"adapter_{kind}"] for e in events
+                     if e.get(f"adapter_{kind}") and e.get("role") == role]  # fmt: skip
+            out[f"{kind}_{role}"] = {
+                "cycles": len(stats),
+                "copied_bytes": [s["copied_bytes"] for s in stats],
+                "skipped_bytes": [s.get("skipped_bytes", 0) for s in stats],
+                "seconds": summary(s["seconds"] for s in stats),
+                "pin_seconds": summary(s.get("pin_seconds", 0.0) for s in stats),
+                "copy_seconds": summary(s.get("copy_seconds", 0.0) for s in stats),
+                "gbps": summary(
+                    s["copied_bytes"] / s["seconds"] / GB
+                    for s in stats
+                    if s["seconds"] > 0 and s["copied_bytes"] > 0
+                ),
+                "copy_only_gbps": summary(
+                    s["copied_bytes"] / s["copy_seconds"] / GB
+                    for s in stats
+                    if s.get("copy_seconds", 0) > 0 and s["copied_bytes"] > 0
+                ),
+            }
     return out
 
 
@@ -101,13 +166,23 @@ def switches_seen(
 
 
 def checksums(events: Sequence[HoldEvent]) -> dict[str, Any]:
-    """Every grant was checked; the ones after a switch are the restores that matter."""
+    """Every grant was checked word by word; the ones after a switch are the restores that
+    matter (``corrupted``: where the self-test flipped a byte)."""
     after = [e for e in events if e["switched"]]
     return {
         "checked": len(events),
         "checked_after_switch": len(after),
         "matched": sum(1 for e in events if e["checksum_ok"]),
-        "mismatched": [{"job": e.job, "hold": e["hold"]} for e in events if not e["checksum_ok"]],
+        "mismatched": [
+            {"job": e.job, "hold": e["hold"], "what": e.get("mismatch", "")}
+            for e in events
+            if not e["checksum_ok"]
+        ],
+        "corrupted": [
+            {"job": e.job, "hold": e["hold"], "what": e["corrupted"]}
+            for e in events
+            if e.get("corrupted")
+        ],
         "seconds": summary(e["checksum_seconds"] for e in events),
     }
 
@@ -144,12 +219,3 @@ def nvml_check(events: Sequence[HoldEvent], *, skipped: str, limit_bytes: int) -
         if e.get("nvml_peer_bytes", 0) > limit_bytes
     ]
     return {**base, "status": "failed" if over else "passed", "over_limit": over}
-
-
-def adapter_restores(events: Sequence[HoldEvent]) -> dict[str, Any]:
-    """The app adapter's own restore timing, in the job process (copies only, no control)."""
-    stats = [e["adapter_restore"] for e in events if e.get("adapter_restore")]
-    return {
-        "seconds": summary(s["seconds"] for s in stats),
-        "gbps": summary(s["bytes"] / s["seconds"] / GB for s in stats if s["seconds"] > 0),
-    }

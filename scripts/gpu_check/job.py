@@ -1,18 +1,24 @@
 """One job of the GPU check: ``python -m scripts.gpu_check.job CONFIG``.
 
-It builds its state (:mod:`scripts.gpu_check.state`), takes the reference checksum,
-registers with the node agent (``app``: :class:`timeslice.offload.TorchOffloader`; ``cuda``:
-``timeslice.worker.register`` of its own pid, whose whole device state the agent then
-checkpoints), waits for the other job, then holds the group ``holds`` times. Each hold:
+Job 0 is a *trainer*: it builds its state (:mod:`scripts.gpu_check.state`) before it registers,
+and takes one in-place "optimizer step" per hold. Job 1 is a *sampler*: its weights never
+change, and it builds them only inside its first hold, after job 0 was switched out, so the two
+states are never on the device together. Both register with the node agent (``app``: a
+:class:`timeslice.offload.TorchOffloader`, the sampler's with ``keep_pinned`` so an unchanged
+state is released without a copy; ``cuda``: ``timeslice.worker.register`` of the pid, whose
+whole device state the agent checkpoints). Each hold:
 
 1. ``acquire``; a grant whose previous holder is the peer followed a switch;
-2. recompute the checksum on the device and compare it with the reference;
+2. compare every word of the state with the content regenerated for its generation
+   (``--corrupt-after-restore``: the trainer flips one byte first, after its first restore);
 3. read NVML: this process must hold its state, the peer (switched out) must hold ~nothing;
-4. wait until the peer queues for the group (so the yield really switches), then ``yield_``.
+4. trainer: step; wait until the peer queues for the group (so the yield switches), ``yield_``.
 
-Job 0 takes the first grant and job 1 waits for that, so ``switches + 1`` alternating grants
-make exactly ``switches`` switches. Every hold is one line in ``events-<i>.jsonl``;
-``result-<i>.json`` says how the job ended. Exit status 0 when it ran all its holds, else 1.
+Every hold is one line in ``events-<i>.jsonl``. When done, the job waits until it was switched
+out (or the peer is done), writes ``result-<i>.json`` and ends at once with ``os._exit``: no
+interpreter teardown, whose CUDA calls would block in a checkpointed process. Under ``cuda`` it
+does not end itself: a live restored process must be locked and checkpointed before it dies
+(NVIDIA/cuda-checkpoint#53), so it waits for the check to park and kill it.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +44,7 @@ from scripts.gpu_check.protocol import (
 )
 from scripts.gpu_check.state import TrainState, build_state
 from timeslice import NotFound, TimeSliceOrchestratorClient, WorkerRegistration, register
-from timeslice.offload import TorchOffloader
+from timeslice.offload import CycleStats, TorchOffloader
 
 REGISTER_SECONDS = 30.0
 
@@ -47,43 +53,77 @@ class JobStopped(Exception):
     """The job ends early for a reason it records (deadline, the peer stopped, a mismatch)."""
 
 
+class RecordingOffloader(TorchOffloader):
+    """The product's offloader, keeping each offload's stats (the restore overwrites
+    ``last_stats`` before the job could read them)."""
+
+    def __init__(self, *, keep_pinned: bool) -> None:
+        super().__init__(keep_pinned=keep_pinned)
+        self.offloads: list[dict[str, Any]] = []
+
+    def offload(self, tags: Any = None) -> int:
+        copied = super().offload(tags)
+        stats = self.last_stats
+        if stats is not None:
+            self.offloads.append(stats_json(stats))
+        return copied
+
+
+def stats_json(stats: CycleStats) -> dict[str, Any]:
+    """A cycle's figures; fields an older offloader lacks read as 0."""
+    out = asdict(stats)
+    for name in ("skipped_bytes", "pin_seconds", "copy_seconds"):
+        out.setdefault(name, 0)
+    return out
+
+
 @dataclass
 class Job:
-    """A set-up job: its config, state, reference checksum and links."""
+    """A job: its config, state (None until the sampler's first hold) and links."""
 
     cfg: JobConfig
     files: RunFiles
-    state: TrainState
-    reference: str
-    registration: WorkerRegistration
-    offloader: TorchOffloader | None
+    state: TrainState | None
+    registration: WorkerRegistration | None
+    offloader: RecordingOffloader | None
     nvml: Nvml | None
     peer_pid: int = -1
+    reported_offloads: int = 0
 
-    def close(self) -> None:
-        self.registration.close()
-        if self.nvml is not None:
-            self.nvml.close()
+    @property
+    def trainer(self) -> bool:
+        return self.cfg.index == 0
 
 
-def _register(
-    cfg: JobConfig, state: TrainState
-) -> tuple[WorkerRegistration, TorchOffloader | None]:
+def _build(cfg: JobConfig) -> tuple[TrainState, dict[str, float]]:
+    started = time.perf_counter()
+    state = build_state(torch.device(cfg.device), cfg.size_bytes, seed=cfg.index + 1)
+    return state, {"build_seconds": time.perf_counter() - started}
+
+
+def _track(offloader: TorchOffloader, state: TrainState) -> None:
+    offloader.add_module(state.module)
+    offloader.add_optimizer(state.optimizer)
+
+
+def _register(job: Job) -> None:
+    cfg = job.cfg
     if cfg.backend == "app":
-        offloader = TorchOffloader(keep_pinned=cfg.keep_pinned)
-        offloader.add_module(state.module)
-        offloader.add_optimizer(state.optimizer)
-        registration = offloader.register(
+        # The sampler always keeps its host copy: that is what lets an unchanged state go
+        # without a copy. The trainer keeps it with --keep-pinned.
+        job.offloader = RecordingOffloader(keep_pinned=cfg.keep_pinned or not job.trainer)
+        if job.state is not None:
+            _track(job.offloader, job.state)
+        job.registration = job.offloader.register(
             cfg.group, job_id=cfg.job_id, socket=cfg.agent_socket, acquirer=True,
-            timeout=REGISTER_SECONDS,
+            state_bytes=cfg.size_bytes, timeout=REGISTER_SECONDS,
         )  # fmt: skip
-        return registration, offloader
-    # The cuda backend moves the whole process: announce the pid and the bytes it holds.
-    registration = register(
-        cfg.group, job_id=cfg.job_id, pid=os.getpid(), state_bytes=state.nbytes,
+        return
+    # The cuda backend moves the whole process: announce the pid and the bytes it will hold.
+    job.registration = register(
+        cfg.group, job_id=cfg.job_id, pid=os.getpid(), state_bytes=cfg.size_bytes,
         socket=cfg.agent_socket, acquirer=True, timeout=REGISTER_SECONDS,
     )  # fmt: skip
-    return registration, None
 
 
 def _nvml_reading(nvml: Nvml | None, peer_pid: int) -> dict[str, Any]:
@@ -104,31 +144,20 @@ def _nvml_reading(nvml: Nvml | None, peer_pid: int) -> dict[str, Any]:
 
 
 def setup(cfg: JobConfig) -> Job:
-    """Build the state, take its checksum, register, open NVML; writes ``ready-<i>.json``."""
-    files = RunFiles(Path(cfg.run_dir))
-    started = time.perf_counter()
-    state = build_state(torch.device(cfg.device), cfg.size_bytes, seed=cfg.index + 1)
-    built = time.perf_counter()
-    reference = state.digest()
-    digested = time.perf_counter()
-    registration, offloader = _register(cfg, state)
-    nvml: Nvml | None = None
-    nvml_note = ""
+    """Trainer: build the state. Both: register, open NVML; writes ``ready-<i>.json``."""
+    job = Job(cfg, RunFiles(Path(cfg.run_dir)), None, None, None, None)
+    ready: dict[str, Any] = {"pid": os.getpid(), "role": "trainer" if job.trainer else "sampler"}
+    if job.trainer:
+        job.state, timing = _build(cfg)
+        ready.update(timing, state_bytes=job.state.nbytes)
+    _register(job)
     if cfg.use_nvml:
         try:
-            nvml = Nvml()
+            job.nvml = Nvml()
         except NvmlMissing as exc:
-            nvml_note = str(exc)
-    write_json(files.ready(cfg.index), {
-        "pid": os.getpid(),
-        "state_bytes": state.nbytes,
-        "build_seconds": built - started,
-        "checksum_seconds": digested - built,
-        "reference_checksum": reference,
-        "nvml_note": nvml_note,
-        "setup_nvml": _nvml_reading(nvml, -1),
-    })  # fmt: skip
-    return Job(cfg, files, state, reference, registration, offloader, nvml)
+            ready["nvml_note"] = str(exc)
+    write_json(job.files.ready(cfg.index), ready)
+    return job
 
 
 def _holder(client: TimeSliceOrchestratorClient, group: str) -> str:
@@ -162,8 +191,31 @@ def _wait_for_peer_queued(job: Job, client: TimeSliceOrchestratorClient) -> str:
         time.sleep(POLL_SECONDS)
 
 
+def _first_build(job: Job, event: dict[str, Any]) -> None:
+    """The sampler's state, built inside its first hold (job 0 is switched out by now)."""
+    job.state, timing = _build(job.cfg)
+    event.update(timing, built=True, state_bytes=job.state.nbytes)
+    if job.offloader is not None:
+        _track(job.offloader, job.state)
+    write_json(job.files.built(job.cfg.index), {"state_bytes": job.state.nbytes, **timing})
+
+
+def _adapter_figures(job: Job, event: dict[str, Any]) -> None:
+    """The adapter's own figures of the switch that just brought this job back: the offload
+    that took it out, and the restore (the last cycle, unless the restore moved nothing)."""
+    if job.offloader is None:
+        return
+    new = job.offloader.offloads[job.reported_offloads :]
+    job.reported_offloads = len(job.offloader.offloads)
+    if new:
+        event["adapter_offload"] = new[-1]
+    stats = job.offloader.last_stats
+    if stats is not None and (not new or stats_json(stats) != new[-1]):
+        event["adapter_restore"] = stats_json(stats)
+
+
 def hold_once(job: Job, client: TimeSliceOrchestratorClient, hold: int) -> dict[str, Any]:
-    """One acquire / check / yield cycle; returns its event."""
+    """One acquire / check / step / yield cycle; returns its event."""
     cfg = job.cfg
     remaining = cfg.deadline - time.time()
     if remaining <= 0:
@@ -171,25 +223,37 @@ def hold_once(job: Job, client: TimeSliceOrchestratorClient, hold: int) -> dict[
     requested = time.time()
     grant = client.acquire(cfg.group, timeout=remaining)
     granted = time.time()
-    checked = time.perf_counter()
-    matched = job.state.digest() == job.reference
+    switched = grant.previous_job_id == cfg.peer_job_id
     event: dict[str, Any] = {
         "hold": hold,
+        "role": "trainer" if job.trainer else "sampler",
         "requested_at": requested,
         "granted_at": granted,
         "epoch": grant.epoch,
         "restored": grant.restored,
         "previous_job_id": grant.previous_job_id,
-        "switched": grant.previous_job_id == cfg.peer_job_id,
+        "switched": switched,
         "orchestrator_switch_seconds": grant.switch_seconds,
         "waited_seconds": grant.waited_seconds,
-        "checksum_ok": matched,
-        "checksum_seconds": time.perf_counter() - checked,
     }
-    stats = job.offloader.last_stats if job.offloader is not None else None
-    if grant.restored and stats is not None:
-        event["adapter_restore"] = {"bytes": stats.copied_bytes, "seconds": stats.seconds}
+    if job.state is None:
+        _first_build(job, event)
+    elif switched:
+        event["after_restore"] = True
+        _adapter_figures(job, event)
+        if cfg.corrupt_after_restore and job.trainer and not job.state.corrupted:
+            event["corrupted"] = job.state.corrupt_one_byte()
+    assert job.state is not None
+    checked = time.perf_counter()
+    mismatch = job.state.verify()
+    event["checksum_ok"] = mismatch is None
+    event["checksum_seconds"] = time.perf_counter() - checked
+    event["generation"] = job.state.generation
+    if mismatch is not None:
+        event["mismatch"] = mismatch.describe()
     event.update(_nvml_reading(job.nvml, job.peer_pid))
+    if mismatch is None and job.trainer:
+        job.state.step()
     event["yield_reason"] = _wait_for_peer_queued(job, client)
     event["yield_at"] = time.time()
     client.yield_(cfg.group)
@@ -202,18 +266,34 @@ def _peer_gave_up(job: Job) -> bool:
     return marker.exists() and not read_json(marker).get("complete", False)
 
 
-def hold_all(job: Job, client: TimeSliceOrchestratorClient) -> None:
-    """Every hold of the job; stops (raising :class:`JobStopped`) when it cannot go on."""
+def hold_all(job: Job, client: TimeSliceOrchestratorClient) -> float:
+    """Every hold of the job; stops (raising :class:`JobStopped`) when it cannot go on.
+    Returns when its last yield happened."""
     cfg = job.cfg
     if cfg.index == 1:
         _wait_for_first_holder(job, client)
+    last_yield = time.time()
     for hold in range(cfg.holds):
         if _peer_gave_up(job):
             raise JobStopped(f"the peer stopped; {hold} of {cfg.holds} holds done")
         event = hold_once(job, client, hold)
         job.files.append_event(cfg.index, event)
+        last_yield = event["yielded_at"]
         if not event["checksum_ok"]:
-            raise JobStopped(f"checksum mismatch after the grant of hold {hold}")
+            raise JobStopped(f"restore MISMATCH at hold {hold}: {event['mismatch']}")
+    return last_yield
+
+
+def wait_switched_out(job: Job, since: float) -> None:
+    """After the last yield: stay until the peer was granted (the switch that takes this
+    job's state finished; under ``app`` it runs in this process) or will not come."""
+    cfg = job.cfg
+    while time.time() < cfg.deadline:
+        if job.files.finished(cfg.peer_index).exists():
+            return
+        if any(e["granted_at"] >= since for e in job.files.read_events(cfg.peer_index)):
+            return
+        time.sleep(POLL_SECONDS)
 
 
 def mark_finished(files: RunFiles, cfg: JobConfig, *, complete: bool) -> None:
@@ -231,18 +311,27 @@ def run(cfg: JobConfig) -> None:
     client = TimeSliceOrchestratorClient(cfg.target, job_id=cfg.job_id)
     complete = False
     try:
-        hold_all(job, client)
+        last_yield = hold_all(job, client)
         complete = True
     finally:
         mark_finished(job.files, cfg, complete=complete)
         client.close()
-    # The peer may still be switching this process out: stay alive until it is done too.
-    wait_for_file(job.files.finished(cfg.peer_index), cfg.deadline)
-    job.close()
+    wait_switched_out(job, last_yield)
+
+
+def end(cfg: JobConfig, code: int) -> None:
+    """End now. Under ``cuda`` wait to be parked and killed by the check instead (module
+    docstring); if the check is gone, stay: exiting could tear down a live restored context."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if cfg.backend == "cuda" and cfg.device == "cuda":
+        while True:
+            time.sleep(1.0)
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the job described by the config file in ``argv[0]``."""
+    """Run the job described by the config file in ``argv[0]``; never returns normally."""
     args = sys.argv[1:] if argv is None else argv
     cfg = JobConfig.load(Path(args[0]))
     files = RunFiles(Path(cfg.run_dir))
@@ -257,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     mark_finished(files, cfg, complete=False)
     write_json(files.result(cfg.index), result)
     print(f"job {cfg.job_id}: {result}", flush=True)
-    return 0 if result["ok"] else 1
+    end(cfg, 0 if result["ok"] else 1)
+    return 1  # not reached
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 Files (all in the backend's run directory, written atomically where a reader polls them):
 
 - ``job-<i>.json``: the :class:`JobConfig` of job ``i`` (written by the check);
-- ``ready-<i>.json``: job ``i`` built its state, took its checksum and registered;
+- ``ready-<i>.json``: job ``i`` registered (the trainer built its state first);
+- ``built-<i>.json``: the sampler built its state, inside its first hold;
 - ``go.json``: both are ready; holds the pids, so each job knows its peer's;
 - ``events-<i>.jsonl``: one line per hold of the group (grant, checks, yield);
 - ``finished-<i>.json``: job ``i`` will not acquire again;
@@ -40,8 +41,9 @@ class JobConfig:
     agent_socket: str
     run_dir: str
     deadline: float  # wall clock: the job gives up (and says so) at this time
-    keep_pinned: bool
+    keep_pinned: bool  # the trainer's; the sampler always keeps its host copy
     use_nvml: bool
+    corrupt_after_restore: bool = False  # the self-test: flip a byte after the first restore
 
     @property
     def peer_index(self) -> int:
@@ -86,6 +88,9 @@ class RunFiles:
 
     def ready(self, index: int) -> Path:
         return self.root / f"ready-{index}.json"
+
+    def built(self, index: int) -> Path:
+        return self.root / f"built-{index}.json"
 
     def events(self, index: int) -> Path:
         return self.root / f"events-{index}.jsonl"

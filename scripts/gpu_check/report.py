@@ -1,4 +1,5 @@
-"""``result.json`` (everything) and ``result.md`` (the same, for people) of a GPU check run."""
+"""``result.json`` (everything), ``result.md`` (the same, for people) and the summary table
+that ends the check's stdout."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from scripts.gpu_check import verdict
+from scripts.gpu_check.plan import Plan
 from scripts.gpu_check.runner import Settings
 
 GIB = 1 << 30
+MIB = 1 << 20
 
 
 def _iso(t: float) -> str:
@@ -22,6 +26,8 @@ def build(
     args: argparse.Namespace,
     settings: Settings,
     machine: dict[str, Any],
+    plan: Plan,
+    pre: dict[str, Any],
     backends: dict[str, Any],
     started: float,
 ) -> dict[str, Any]:
@@ -45,12 +51,15 @@ def build(
         "seconds": finished - started,
         "settings": {
             **{k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()},
-            "size_gib": args.size_gb,
+            "size_gib": settings.size_bytes / GIB,
             "holds_per_job": [settings.holds(0), settings.holds(1)],
             "backends": args.backend_names,
             "budget_seconds": args.budget_seconds,
         },
         "machine": machine,
+        "plan": plan.to_json(),
+        "smoke": pre.get("smoke"),
+        "floor": pre.get("floor"),
         "backends": backends,
         "failures": failures,
     }
@@ -70,9 +79,78 @@ def write_broken(out: Path, trace: str) -> None:
     (out / "result.md").write_text(text)
 
 
-def summary_line(result: dict[str, Any]) -> str:
-    parts = [f"{name} {r['status']}" for name, r in result["backends"].items()]
-    return f"[gpu-check] done in {result['seconds']:.0f} s: {', '.join(parts)}"
+def _x(value: float | None, ratio: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.1f}" + (f" ({ratio:.2f}x)" if ratio is not None else "")
+
+
+def _moved(r: dict[str, Any]) -> str:
+    """Per switch, GiB copied out / skipped out / in: ``c/s/i`` p50 over the switches."""
+    switches = r.get("per_switch") or []
+    if not switches:
+        return "-"
+    copied = sorted(s["out_bytes"] - s["out_skipped_bytes"] for s in switches)
+    skipped = sorted(s["out_skipped_bytes"] for s in switches)
+    back = sorted(s["in_bytes"] for s in switches)
+    mid = len(switches) // 2
+    return f"{copied[mid] / GIB:.2f}/{skipped[mid] / GIB:.2f}/{back[mid] / GIB:.2f}"
+
+
+def summary_rows(result: dict[str, Any]) -> list[list[str]]:
+    """One row per backend (and the smoke step): what the table shows."""
+    device = "cpu" if result["mode"].startswith("cpu") else "cuda"
+    rows = [["backend", "status", "switches", "restores ok", "NVML",
+             "out GB/s (x floor)", "in GB/s (x floor)", "GiB/switch out/skip/in"]]  # fmt: skip
+    smoke = result.get("smoke")
+    if smoke is not None:
+        states = " > ".join(f"{step}:{state}" for step, state in smoke.get("states", []))
+        status = "passed" if smoke.get("ok") else f"failed: {smoke.get('error', '')}"
+        rows.append(["smoke", status, states or "-", str(smoke.get("child_check", "-")),
+                     "-", "-", "-", "-"])  # fmt: skip
+    for name, r in result["backends"].items():
+        if "switches" not in r:
+            why = r.get("reason") or "; ".join(r.get("findings", []))
+            rows.append([name, f"{r['status']}: {why}"[:110], "-", "-", "-", "-", "-", "-"])
+            continue
+        sw, ck, t = r["switches"], r["checksums"], r.get("targets", {})
+        nvml = verdict.nvml_label(r["nvml"]["status"], device)[:40]
+        rows.append([
+            name, r["status"], f"{sw['observed']}/{sw['target']}",
+            f"{ck['matched']}/{ck['checked']}", nvml,
+            _x(t.get("out_gbps"), t.get("out_x_floor")), _x(t.get("in_gbps"), t.get("in_x_floor")),
+            _moved(r),
+        ])  # fmt: skip
+    return rows
+
+
+def summary_table(result: dict[str, Any], code: int) -> str:
+    """The lines that end stdout: the table, each backend's first findings, the exit status."""
+    rows = summary_rows(result)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    floor = result.get("floor") or {}
+    plan = result.get("plan") or {}
+    head = (
+        f"[gpu-check] SUMMARY: {result['mode'].split(':')[0]}, {plan.get('job_gib', '?')} GiB "
+        f"per job, floor out {floor.get('out_gbps', 0):.1f} in {floor.get('in_gbps', 0):.1f} "
+        f"GB/s, {result['seconds']:.0f} s"
+    )
+    lines = [head]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+              for row in rows]  # fmt: skip
+    for name, r in result["backends"].items():
+        for finding in r.get("findings", [])[:3]:
+            lines.append(f"  {name}: {finding}"[:300])
+        app = r.get("targets", {})
+        if "sampler_moves_nothing_out" in app:
+            lines.append(
+                f"  {name}: unchanged sampler out bytes per switch "
+                f"{app['sampler_unchanged_out_bytes']} (target 0: "
+                f"{'met' if app['sampler_moves_nothing_out'] else 'NOT met'}); floor "
+                f"x{app['target_x_floor']}: {'met' if app['floor_met'] else 'NOT met'}"
+            )
+    lines.append(f"[gpu-check] exit status {code} ({'a backend failed' if code else 'no failure'})")
+    return "\n".join(lines)
 
 
 def _range(s: dict[str, Any] | None, digits: int = 2) -> str:
@@ -105,17 +183,21 @@ def _machine_rows(m: dict[str, Any]) -> list[tuple[str, str]]:
     ]  # fmt: skip
 
 
-def _backend_row(name: str, r: dict[str, Any]) -> str:
-    if r["status"] in ("skipped", "error") or "switches" not in r:
-        why = r.get("reason") or "; ".join(r.get("findings", []))
-        return f"| {name} | {r['status']}: {why} | | | | | | |"
-    sw, ck, journal = r["switches"], r["checksums"], r["journal"]
-    return (
-        f"| {name} | {r['status']} | {sw['observed']}/{sw['target']} "
-        f"| {ck['matched']}/{ck['checked']} | {r['nvml']['status']} "
-        f"| {_range(journal['checkpoint']['gbps'])} | {_range(journal['restore']['gbps'])} "
-        f"| {_range(r['switch_seen_by_waiter']['seconds'])} |"
-    )
+def _table(rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    return lines + ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |"
+                    for row in rows[1:]]  # fmt: skip
+
+
+def _plan_lines(result: dict[str, Any]) -> list[str]:
+    plan = result.get("plan") or {}
+    lines = ["## Plan", ""]
+    lines += [f"- {why}" for why in plan.get("why", [])]
+    lines += [f"- time share {name}: {sec:.0f} s"
+              for name, sec in plan.get("shares_seconds", {}).items()]  # fmt: skip
+    floor = result.get("floor") or {}
+    lines += ["", "## Copy floor", "", f"`{json.dumps(floor)}`", ""]
+    return lines
 
 
 def _details(name: str, r: dict[str, Any]) -> list[str]:
@@ -138,12 +220,22 @@ def _details(name: str, r: dict[str, Any]) -> list[str]:
         "- switch as the orchestrator timed it: seconds "
         f"{_range(seen['orchestrator_switch_seconds'])}"
     )
-    if "adapter_restore" in r:
-        a = r["adapter_restore"]
+    for key, a in r.get("adapter", {}).items():
         lines.append(
-            f"- adapter restore in the job process: seconds {_range(a['seconds'])}; "
-            f"GB/s {_range(a['gbps'])}"
+            f"- adapter {key.replace('_', ' ')}: {a['cycles']} cycles, MiB copied "
+            f"{[b // MIB for b in a['copied_bytes']]}, skipped "
+            f"{[b // MIB for b in a['skipped_bytes']]}; seconds {_range(a['seconds'])} (pin "
+            f"{_range(a['pin_seconds'])}, copy {_range(a['copy_seconds'])}); GB/s "
+            f"{_range(a['gbps'])}, copy only {_range(a['copy_only_gbps'])}"
         )
+    for i, sw in enumerate(r.get("per_switch", []), 1):
+        lines.append(
+            f"- switch {i}: out {sw['out_job']} {sw['out_bytes'] / MIB:.0f} MiB "
+            f"({sw['out_skipped_bytes'] / MIB:.0f} skipped) in {sw['out_seconds']:.2f} s; in "
+            f"{sw['in_job'] or '-'} {sw['in_bytes'] / MIB:.0f} MiB in {sw['in_seconds']:.2f} s"
+        )
+    if r.get("targets"):
+        lines.append(f"- targets: {r['targets']}")
     nv = r["nvml"]
     if "peer_bytes" in nv:
         lines.append(
@@ -168,7 +260,7 @@ def markdown(result: dict[str, Any]) -> str:
         "# timeslice GPU check",
         "",
         f"Mode: **{result['mode']}**. {result['started_at']} to {result['finished_at']} "
-        f"({result['seconds']:.0f} s). {s['size_gib']:g} GiB per job, {s['switches']} "
+        f"({result['seconds']:.0f} s). {s['size_gib']:.2f} GiB per job, {s['switches']} "
         f"switches wanted per backend, keep_pinned={s['keep_pinned']}.",
         "",
         "## Machine",
@@ -182,11 +274,9 @@ def markdown(result: dict[str, Any]) -> str:
         "GB/s = 10^9 bytes/s; p50 (min-max, n). Checkpoint/restore: bytes and time per "
         "directive from the agent's journal. Switch: holder's yield to waiter's grant.",
         "",
-        "| backend | status | switches | checksums ok | NVML | checkpoint GB/s | restore GB/s "
-        "| switch s |",
-        "|---|---|---|---|---|---|---|---|",
-        *(_backend_row(name, r) for name, r in result["backends"].items()),
+        *_table(summary_rows(result)),
         "",
+        *_plan_lines(result),
         "## Failures",
         "",
         *([f"- {f}" for f in result["failures"]] or ["- none"]),

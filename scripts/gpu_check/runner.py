@@ -3,13 +3,19 @@
 :func:`run_backend` starts etcd, one orchestrator and one agent (``LocalCluster``) with the
 backend's options, starts the two jobs (:mod:`scripts.gpu_check.job`), lets them switch the
 group back and forth, and turns their events and the agent's journal into figures
-(:mod:`scripts.gpu_check.analysis`). It never raises for what the machine refuses (an agent
-that cannot start, a checkpoint the driver rejects, a job that dies): those become the
-backend's ``findings``. Every wait has a deadline.
+(:mod:`scripts.gpu_check.analysis`) and a verdict (:mod:`scripts.gpu_check.verdict`). It never
+raises for what the machine refuses (an agent that cannot start, a checkpoint the driver
+rejects, a job that dies): those become the backend's ``findings``. Every wait has a deadline.
+
+Jobs are judged by their result files, not their exit status. At the end every job process
+still alive is stopped; under ``cuda`` on a GPU each is first locked and checkpointed
+(:mod:`scripts.gpu_check.smoke` ``--park``), because killing a live restored process has hung
+whole hosts (NVIDIA/cuda-checkpoint#53).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -20,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from scripts.gpu_check import REPO, analysis
+from scripts.gpu_check import REPO, analysis, verdict
+from scripts.gpu_check.plan import PLAN_RATE
 from scripts.gpu_check.protocol import (
     JobConfig,
     RunFiles,
@@ -40,6 +47,8 @@ TEARDOWN_SECONDS = 20.0
 # Jobs that outlive their deadline by this much are killed.
 KILL_GRACE_SECONDS = 10.0
 KILL_WAIT_SECONDS = 5.0
+# Parking a job (lock + checkpoint) moves its state at least this fast, plus the call overhead.
+PARK_EXTRA_SECONDS = 30.0
 LOG_TAIL_BYTES = 1 << 20
 _POLL_SECONDS = 0.1
 
@@ -56,6 +65,9 @@ class Settings:
     app_residual_mib: int
     use_nvml: bool
     nvml_skip_reason: str = ""
+    logs: Path = Path()  # where each backend's logs are staged for the archive
+    host_memory_gb: float = 0.0  # the host the plan sized for (app's admission; 0: real)
+    corrupt_after_restore: bool = False
 
     def holds(self, index: int) -> int:
         """Holds of job ``index``: job 0 goes first, so ``switches + 1`` grants alternate and
@@ -120,6 +132,11 @@ def _make_cluster(
     agent_args = ["--hook-timeout", f"{timeout:g}", *spec.agent_args]
     if spec.agent_backend == "app":
         agent_args += ["--app-residual-mib", str(settings.app_residual_mib)]
+        if settings.host_memory_gb:
+            # MemAvailable does not show that a kept pinned copy (the sampler's) is reused, so
+            # the real admission would refuse a checkpoint that needs no new host memory; the
+            # plan already sized two parked jobs into this host.
+            agent_args += ["--host-memory-gb", f"{settings.host_memory_gb:.1f}"]
     return LocalCluster(
         backend=spec.agent_backend,
         base_dir=base,
@@ -154,7 +171,7 @@ def _start_jobs(
             backend=spec.agent_backend, device=settings.device, size_bytes=settings.size_bytes,
             holds=settings.holds(index), target=cluster.target, agent_socket=str(socket),
             run_dir=str(files.root), deadline=deadline, keep_pinned=settings.keep_pinned,
-            use_nvml=settings.use_nvml,
+            use_nvml=settings.use_nvml, corrupt_after_restore=settings.corrupt_after_restore,
         )  # fmt: skip
         cfg.save(files.config(index))
         with files.log(index).open("wb") as log:
@@ -170,13 +187,14 @@ def _start_jobs(
     return procs
 
 
-def _job_failure(files: RunFiles, index: int, proc: subprocess.Popen[bytes]) -> str:
+def _job_failure(files: RunFiles, index: int, proc: subprocess.Popen[bytes]) -> str | None:
+    """Why job ``index`` failed, judged by its result file; None when it succeeded."""
     if files.result(index).exists():
-        reason = read_json(files.result(index)).get("error", "")
-    else:
-        lines = files.log(index).read_text(errors="replace").strip().splitlines()
-        reason = lines[-1] if lines else "no output"
-    return f"job {index} exited {proc.returncode}: {reason}"
+        result = read_json(files.result(index))
+        return None if result.get("ok") else f"job {index}: {result.get('error', '')}"
+    lines = files.log(index).read_text(errors="replace").strip().splitlines()
+    reason = lines[-1] if lines else "no output"
+    return f"job {index} wrote no result (exit status {proc.poll()}): {reason}"
 
 
 def _wait_ready(
@@ -201,7 +219,7 @@ def _supervise(
     deadline: float,
     stall_seconds: float,
 ) -> list[str]:
-    """Wait for the jobs to finish; print each hold; stop on a stall or a dead service."""
+    """Wait for both jobs' results; print each hold; stop on a stall or a dead service."""
     findings: list[str] = []
     seen = [0, 0]
 
@@ -215,8 +233,11 @@ def _supervise(
             seen[index] = len(events)
         return new
 
+    def running(index: int) -> bool:
+        return not files.result(index).exists() and procs[index].poll() is None
+
     last_progress = time.time()
-    while any(p.poll() is None for p in procs):
+    while running(0) or running(1):
         if report_new():
             last_progress = time.time()
         dead = cluster.exited()
@@ -241,21 +262,74 @@ def _describe(index: int, event: dict[str, Any]) -> str:
         text += f"switched in ({event['orchestrator_switch_seconds']:.2f} s by the orchestrator)"
     else:
         text += "granted"
-    text += f", checksum {'ok' if event['checksum_ok'] else 'MISMATCH'}"
+    if event.get("built"):
+        text += f", built its state ({event['build_seconds']:.1f} s)"
+    if event.get("corrupted"):
+        text += f", self-test flipped {event['corrupted']}"
+    text += f", every word {'ok' if event['checksum_ok'] else 'MISMATCH: ' + event['mismatch']}"
+    out = event.get("adapter_offload")
+    if out:
+        text += f", out {out['copied_bytes'] / MIB:.0f} MiB copied"
+        text += f" {out.get('skipped_bytes', 0) / MIB:.0f} MiB skipped"
     if "nvml_peer_bytes" in event:
         text += f", NVML own {event['nvml_own_bytes'] / MIB:.0f} MiB"
         text += f" peer {event['nvml_peer_bytes'] / MIB:.0f} MiB"
     return text
 
 
-def _stop_jobs(procs: list[subprocess.Popen[bytes]], grace: float) -> list[str]:
-    """Wait up to ``grace`` for the jobs, then SIGKILL; what would not die, in words."""
+def _park(pids: list[int], job_bytes: int) -> list[str]:
+    """Lock and checkpoint ``pids``, then kill them, in a child process with a deadline;
+    findings, one per pid left alive (each names it as ``pid N``)."""
+    timeout = len(pids) * (job_bytes / PLAN_RATE + PARK_EXTRA_SECONDS)
+    argv = [sys.executable, "-m", "scripts.gpu_check.smoke", "--park", *map(str, pids)]
+    try:
+        done = subprocess.run(
+            argv, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return [f"pid {pid} left alive, not killed: parking took over {timeout:.0f} s"
+                for pid in pids]  # fmt: skip
+    lines = done.stdout.strip().splitlines()
+    try:
+        answer = read_json_text(lines[-1])
+    except (IndexError, ValueError):
+        answer = {"error": f"no result: {(done.stdout + done.stderr)[-300:]}"}
+    if "parked" not in answer:
+        # Parking failed as a whole: none of them may be killed.
+        return [f"pid {pid} left alive, not killed: {answer.get('error')}" for pid in pids]
+    parked: dict[str, Any] = answer["parked"]
+    return [
+        f"pid {pid} left alive, not killed (cuda-checkpoint#53): {r.get('error')}"
+        for pid, r in parked.items()
+        if not r.get("killed") and r.get("error") != "gone"
+    ]
+
+
+def read_json_text(text: str) -> dict[str, Any]:
+    value = json.loads(text)
+    return value if isinstance(value, dict) else {}
+
+
+def _end_jobs(
+    settings: Settings, spec: BackendSpec, procs: list[subprocess.Popen[bytes]], grace: float
+) -> list[str]:
+    """Stop every job process still alive; what could not be stopped, in words.
+
+    Jobs end themselves once their result is written, except under ``cuda`` on a GPU, where
+    each live process is parked first and then killed (module docstring).
+    """
+    alive = [p for p in procs if p.poll() is None]
+    stuck: list[str] = []
+    if alive and spec.agent_backend == "cuda" and settings.device == "cuda":
+        stuck += _park([p.pid for p in alive], settings.size_bytes)
+    unparked = {word for line in stuck for word in line.split()[1:2]}
     end = time.time() + grace
-    stuck = []
     for index, proc in enumerate(procs):
         try:
             proc.wait(timeout=max(0.1, end - time.time()))
         except subprocess.TimeoutExpired:
+            if str(proc.pid) in unparked:
+                continue  # not parked: never SIGKILL a live restored process
             proc.kill()
             try:
                 proc.wait(timeout=KILL_WAIT_SECONDS)
@@ -287,6 +361,7 @@ def _figures(
     events.sort(key=lambda e: e["granted_at"])
     jobs = {f"{spec.name}-job-{i}" for i in range(2)}
     ready = [read_json(files.ready(i)) if files.ready(i).exists() else {} for i in range(2)]
+    built = [read_json(files.built(i)) if files.built(i).exists() else {} for i in range(2)]
     notes = {r.get("nvml_note", "") for r in ready} - {""}
     skip = settings.nvml_skip_reason or "; ".join(sorted(notes))
     limit = settings.app_residual_mib * MIB if spec.agent_backend == "app" else 0
@@ -299,37 +374,26 @@ def _figures(
         "checksums": analysis.checksums(events),
         "nvml": analysis.nvml_check(events, skipped=skip, limit_bytes=limit),
         "journal": analysis.journal_moves(journal, jobs),
+        "per_switch": analysis.per_switch(journal, jobs),
         "switch_seen_by_waiter": analysis.switches_seen(events, journal, jobs),
-        "jobs": [
-            {k: r.get(k) for k in ("pid", "state_bytes", "build_seconds", "checksum_seconds")}
-            for r in ready
-        ],
+        "jobs": [{**r, **b} for r, b in zip(ready, built, strict=True)],
     }
     if spec.agent_backend == "app":
-        figures["adapter_restore"] = analysis.adapter_restores(events)
+        figures["adapter"] = analysis.adapter_cycles(events)
     return figures
 
 
 def _judge(outcome: Outcome, settings: Settings) -> None:
-    """Turn the figures into findings; passed when nothing was found."""
-    f = outcome.figures
-    if f["switches"]["observed"] < settings.switches:
-        outcome.findings.append(
-            f"only {f['switches']['observed']} of {settings.switches} switches happened"
-        )
-    if f["checksums"]["mismatched"]:
-        outcome.findings.append(f"checksum MISMATCH after grants {f['checksums']['mismatched']}")
-    if f["nvml"]["status"] == "failed":
-        outcome.findings.append(f"NVML: the peer held memory: {f['nvml']['over_limit']}")
-    for entry in f["journal"]["not_ok"]:
-        outcome.findings.append(
-            f"{entry['kind']} {entry['status'].upper()} (job {entry['job']}): {entry['error']}"
-        )
-    outcome.status = "failed" if outcome.findings else "passed"
+    """Turn the figures into findings and a status (:mod:`scripts.gpu_check.verdict`)."""
+    outcome.findings += verdict.findings(outcome.figures, switches=settings.switches)
+    outcome.status = verdict.status(
+        outcome.findings, outcome.figures["nvml"]["status"], device=settings.device
+    )
 
 
 def _keep_logs(cluster: LocalCluster, files: RunFiles, dest: Path) -> None:
-    """Copy logs, journal and job records into ``OUT/<backend>`` (the tails of big logs)."""
+    """Copy logs, journal and job records into ``dest`` (the tails of big logs), which the
+    check archives into one file."""
     dest.mkdir(parents=True, exist_ok=True)
     sources = list(cluster.log_dir.glob("*.log")) if cluster.log_dir.exists() else []
     sources += [p for p in cluster.agent_journals.values() if p.exists()]
@@ -351,7 +415,10 @@ def _run_jobs(
     stall_seconds: float,
 ) -> list[subprocess.Popen[bytes]]:
     """Start both jobs, release them together, wait for them; fills ``outcome``."""
-    job_deadline = deadline - TEARDOWN_SECONDS
+    teardown = TEARDOWN_SECONDS
+    if spec.agent_backend == "cuda" and settings.device == "cuda":
+        teardown += settings.size_bytes / PLAN_RATE  # parking the last holder
+    job_deadline = deadline - teardown
     procs = _start_jobs(settings, spec, cluster, files, job_deadline)
     failure = _wait_ready(procs, files, job_deadline)
     if failure is not None:
@@ -360,9 +427,9 @@ def _run_jobs(
     pids = {str(i): read_json(files.ready(i))["pid"] for i in range(2)}
     write_json(files.go, {"pids": pids})
     outcome.findings += _supervise(spec.name, procs, files, cluster, job_deadline, stall_seconds)
-    outcome.findings += _stop_jobs(procs, KILL_GRACE_SECONDS)
+    outcome.findings += _end_jobs(settings, spec, procs, KILL_GRACE_SECONDS)
     outcome.findings += [
-        _job_failure(files, i, p) for i, p in enumerate(procs) if p.returncode not in (0, None)
+        failure for i, p in enumerate(procs) if (failure := _job_failure(files, i, p)) is not None
     ]
     journal = read_json_lines(cluster.agent_journals[NODE])
     outcome.figures = _figures(settings, spec, files, journal)
@@ -394,9 +461,12 @@ def run_backend(settings: Settings, spec: BackendSpec, deadline: float) -> Outco
         except EtcdError as exc:
             outcome.findings.append(f"etcd did not start: {exc}")
         finally:
-            _stop_jobs(procs, 0)  # only jobs the paths above did not wait for are left
+            # Only jobs the paths above did not stop are left (an exception on the way).
+            outcome.findings += _end_jobs(settings, spec, procs, 0)
+            if outcome.findings:
+                outcome.status = verdict.FAILED
             cluster.stop()
-            _keep_logs(cluster, files, settings.out / spec.name)
+            _keep_logs(cluster, files, settings.logs / spec.name)
             outcome.seconds = time.time() - started
             _say(spec.name, f"{outcome.status} in {outcome.seconds:.0f} s")
             for finding in outcome.findings:
