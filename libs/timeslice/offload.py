@@ -518,7 +518,10 @@ class TorchOffloader:
         )
 
     def _restore_hook(self) -> worker.HookResult:
-        return worker.HookResult(bytes_moved=self.restore())
+        with self._lock:
+            restored = self.restore()
+            # The buffers kept (keep_pinned) take the next offload: no new host memory.
+            return worker.HookResult(bytes_moved=restored, host_bytes_kept=self.host_bytes)
 
     def __repr__(self) -> str:
         return (

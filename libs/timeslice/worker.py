@@ -55,6 +55,9 @@ class HookResult:
     bytes_skipped: int = 0
     """Of ``bytes_moved``: bytes released without a copy, because the host already held
     them unchanged (``TorchOffloader(keep_pinned=True)``)."""
+    host_bytes_kept: int = 0
+    """After a restore: host memory this worker keeps for its state (a reusable host copy).
+    The agent's host-memory admission does not ask for it again at the next checkpoint."""
 
 
 HookCallback = Callable[[], int | HookResult | None]
@@ -280,6 +283,7 @@ class WorkerRegistration:
         if not (
             _is_count(result.bytes_moved)
             and _is_count(result.bytes_skipped)
+            and _is_count(result.host_bytes_kept)
             and result.bytes_skipped <= result.bytes_moved
         ):
             return CommandResult(
@@ -295,6 +299,7 @@ class WorkerRegistration:
             ok=True,
             bytes_moved=result.bytes_moved,
             bytes_skipped=result.bytes_skipped,
+            host_bytes_kept=result.host_bytes_kept,
         )
 
     async def _complete(self, stub: WorkerLinkStub, result: CommandResult) -> None:

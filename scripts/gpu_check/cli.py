@@ -182,7 +182,6 @@ def _settings(args: argparse.Namespace, machine: dict[str, Any], plan: Plan,
         use_nvml=not skip,
         nvml_skip_reason=skip,
         logs=logs,
-        host_memory_gb=plan.host_bytes / 1e9,
         corrupt_after_restore=args.corrupt_after_restore,
     )
 

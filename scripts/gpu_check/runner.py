@@ -66,7 +66,6 @@ class Settings:
     use_nvml: bool
     nvml_skip_reason: str = ""
     logs: Path = Path()  # where each backend's logs are staged for the archive
-    host_memory_gb: float = 0.0  # the host the plan sized for (app's admission; 0: real)
     corrupt_after_restore: bool = False
 
     def holds(self, index: int) -> int:
@@ -132,11 +131,6 @@ def _make_cluster(
     agent_args = ["--hook-timeout", f"{timeout:g}", *spec.agent_args]
     if spec.agent_backend == "app":
         agent_args += ["--app-residual-mib", str(settings.app_residual_mib)]
-        if settings.host_memory_gb:
-            # MemAvailable does not show that a kept pinned copy (the sampler's) is reused, so
-            # the real admission would refuse a checkpoint that needs no new host memory; the
-            # plan already sized two parked jobs into this host.
-            agent_args += ["--host-memory-gb", f"{settings.host_memory_gb:.1f}"]
     return LocalCluster(
         backend=spec.agent_backend,
         base_dir=base,

@@ -176,6 +176,9 @@ class DirectiveExecutor:
         # Reads of a job's processes' environment still under way (see _foreign).
         self._probes: dict[str, asyncio.Future[list[int]]] = {}
         self._jobs: dict[str, Job] = {}
+        # Host memory each restored job's workers said they keep for its next checkpoint
+        # (kept pinned copies): already taken, so admission does not ask for it again.
+        self._host_kept: dict[str, int] = {}
         self._epochs: dict[str, int] = {}
         self._fence_revision = 0  # no directive below it acts, whatever its group
         # Why directives must not run now (the link's stall detector), or None.
@@ -382,6 +385,9 @@ class DirectiveExecutor:
         workers = self._registry.workers_of(job_id)
         if workers and job_id not in self._jobs:
             self._jobs[job_id] = Job(job_id=job_id, group_id=workers[0].group_id)
+        # A worker that came or went changes what the job's workers keep on the host; the
+        # next restore says it again.
+        self._host_kept.pop(job_id, None)
         self._forget_if_gone(job_id)
         self._changed()
 
@@ -400,6 +406,7 @@ class DirectiveExecutor:
 
     def _leave(self, job_id: str, group: str) -> None:
         """Remember that ``job_id`` left ``group`` on this node (a bounded memory)."""
+        self._host_kept.pop(job_id, None)
         left = self._left.pop(job_id, set())
         left.add(group)
         self._left[job_id] = left  # the most recent last
@@ -800,7 +807,17 @@ class DirectiveExecutor:
         if self._host_memory is None:
             return None
         parked = sum(j.saved_bytes for j in self._jobs.values() if j.state is JobState.SAVED)
+        # A job on the device whose workers keep a host copy holds that memory too (a
+        # modelled host must count it; the kernel's MemAvailable already does).
+        parked += sum(
+            kept
+            for job_id, kept in self._host_kept.items()
+            if job_id != ctx.job_id
+            and (job := self._jobs.get(job_id)) is not None
+            and job.state is not JobState.SAVED
+        )
         needed = max(self._backend.checkpoint_bytes(ctx), measured)
+        needed -= self._host_kept.get(ctx.job_id, 0)
         return self._host_memory.refusal(needed, parked)
 
     async def _foreign(self, ctx: JobContext, clock: _Clock) -> _Outcome | None:
@@ -970,6 +987,7 @@ class DirectiveExecutor:
             transfer = await self._backend.restore(ctx)
             job.land_on_device()  # even if a hook fails below, the state is back
             hooks = await after_restore_hooks()
+            self._host_kept[job.job_id] = hooks.host_bytes_kept
             job.settle_on_device(JobState.RUNNING)
             measured = await check.measure(ctx.pids) - residual if check is not None else 0
             return Moved(measured if measured > 0 else transfer.bytes_moved + hooks.bytes_moved)

@@ -76,9 +76,9 @@ class Moved:
 
     bytes_moved: int = 0
     bytes_skipped: int = 0
-
-    def __add__(self, other: Moved) -> Moved:
-        return Moved(self.bytes_moved + other.bytes_moved, self.bytes_skipped + other.bytes_skipped)
+    host_bytes_kept: int = 0
+    """After a restore: host memory the workers keep for the state, reused by its next
+    checkpoint (their kept pinned copies)."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,7 @@ class HookOutcome:
     error: str
     bytes_moved: int
     bytes_skipped: int = 0
+    host_bytes_kept: int = 0
 
 
 @dataclass
@@ -319,6 +320,7 @@ class WorkerRegistry:
         return Moved(
             sum(o.bytes_moved for o in outcomes),
             sum(min(o.bytes_skipped, o.bytes_moved) for o in outcomes),
+            sum(o.host_bytes_kept for o in outcomes),
         )
 
     def complete(self, result: CommandResult) -> None:
@@ -334,6 +336,7 @@ class WorkerRegistry:
                 error=result.error,
                 bytes_moved=result.bytes_moved,
                 bytes_skipped=result.bytes_skipped,
+                host_bytes_kept=result.host_bytes_kept,
             )
         )
 

@@ -652,3 +652,64 @@ async def test_a_process_whose_environment_cannot_be_read_is_refused_within_the_
         assert calls == 1
     finally:
         unblock.set()
+
+
+async def _answer_with(
+    reg: Registration, rig: Rig, kind: HookKind, job: str, **result: int
+) -> None:
+    command = await asyncio.wait_for(reg.commands.get(), 5)
+    assert command is not None and command.kind == kind and command.job_id == job
+    rig.registry.complete(CommandResult(command_id=command.command_id, ok=True, **result))
+
+
+async def test_skipped_bytes_reach_the_ack_journal_and_metrics(rig: Rig) -> None:
+    reg = rig.worker("j1", gb=0.1, app_callbacks=True)
+    answer = asyncio.create_task(
+        _answer_with(
+            reg, rig, HookKind.BEFORE_CHECKPOINT, "j1", bytes_moved=5000, bytes_skipped=4000
+        )
+    )
+    ack = await rig.run("d1", CKPT, "j1", 1)
+    await answer
+    assert (ack.status, ack.bytes_moved, ack.bytes_skipped) == (
+        AckStatus.OK,
+        GB // 10 + 5000,
+        4000,
+    )
+    labels = {"kind": "checkpoint", "backend": "sim", "emulated": "true"}
+    assert rig.count("timeslice_agent_bytes_skipped_total", **labels) == 4000
+    assert rig.count("timeslice_agent_bytes_moved_total", **labels) == GB // 10 + 5000
+
+
+async def test_host_admission_does_not_ask_again_for_a_kept_host_copy(rig: Rig) -> None:
+    """A job whose workers keep their host copy after a restore (TorchOffloader keep_pinned)
+    needs no new host memory at its next checkpoint; that copy still counts as taken when
+    another job asks."""
+    from timeslice_agent.hostmem import HostMemory
+
+    rig.executor._host_memory = HostMemory(reserve_bytes=0, modelled_bytes=int(1.5 * GB))
+    keeper = rig.worker("j1", gb=1.0, app_callbacks=True)
+    other = rig.worker("j2", group="g2", gb=1.0)
+    hook = asyncio.create_task(
+        _answer_with(keeper, rig, HookKind.BEFORE_CHECKPOINT, "j1", bytes_moved=GB)
+    )
+    assert (await rig.run("d1", CKPT, "j1", 1)).status == AckStatus.OK
+    await hook
+    hook = asyncio.create_task(
+        _answer_with(keeper, rig, HookKind.AFTER_RESTORE, "j1", bytes_moved=GB, host_bytes_kept=GB)
+    )
+    assert (await rig.run("d2", REST, "j1", 1)).status == AckStatus.OK
+    await hook
+    # j1 is back on the device, its 1 GB host copy kept: j2's 1 GB does not fit beside it.
+    refused = await rig.run("d3", CKPT, "j2", 1, group="g2")
+    assert refused.status == AckStatus.REFUSED and "host memory admission" in refused.error
+    assert other.commands.empty()
+    rig.executor._host_memory = HostMemory(reserve_bytes=0, modelled_bytes=int(2.5 * GB))
+    assert (await rig.run("d4", CKPT, "j2", 2, group="g2")).status == AckStatus.OK
+    # j2 parked (1 GB), 0.8 GB left: j1's 1 GB fits only because it fills the copy it keeps.
+    rig.executor._host_memory = HostMemory(reserve_bytes=0, modelled_bytes=int(1.8 * GB))
+    hook = asyncio.create_task(
+        _answer_with(keeper, rig, HookKind.BEFORE_CHECKPOINT, "j1", bytes_moved=GB)
+    )
+    assert (await rig.run("d5", CKPT, "j1", 2)).status == AckStatus.OK
+    await hook

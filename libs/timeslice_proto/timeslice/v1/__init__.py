@@ -559,6 +559,12 @@ class CommandResult(betterproto2.Message):
     Of bytes_moved: released without a copy, the host already holding them unchanged.
     """
 
+    host_bytes_kept: "int" = betterproto2.field(6, betterproto2.TYPE_UINT64)
+    """
+    After a restore: host memory the worker keeps for its state (a reusable host copy), which
+    its next checkpoint fills without taking new host memory.
+    """
+
 
 default_message_pool.register_message("timeslice.v1", "CommandResult", CommandResult)
 
