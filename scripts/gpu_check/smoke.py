@@ -92,6 +92,22 @@ async def park_and_kill(pids: list[int]) -> dict[str, Any]:
     return done
 
 
+async def _no_cuda_answer(api: DriverApi) -> str:
+    """What the driver answers GetState for a process that never used CUDA: the cuda backend
+    skips such a pid only on CUDA_ERROR_NOT_INITIALIZED (documented, not yet seen on a GPU),
+    so the first run records the real answer. Never fails the smoke step."""
+    plain = await asyncio.create_subprocess_exec("sleep", "30")
+    try:
+        return f"state {(await api.state(plain.pid)).value}"
+    except NoCudaState as exc:
+        return f"no CUDA (skipped): {exc}"
+    except CudaCallError as exc:
+        return f"UNEXPECTED, would fail a directive: {exc}"
+    finally:
+        plain.kill()
+        await asyncio.wait_for(plain.wait(), 10)
+
+
 def _child() -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-c", CHILD_CODE],
@@ -145,6 +161,8 @@ async def smoke() -> dict[str, Any]:
         result["child_check"] = answer
         result["ok"] = answer == "ok" and result["states"][-1][1] == "running"
         _say(f"child's tensor after restore: {answer}")
+        result["no_cuda_answer"] = await _no_cuda_answer(api)
+        _say(f"GetState of a process without CUDA: {result['no_cuda_answer']}")
     finally:
         if child.poll() is None:
             result["end"] = await park_and_kill([child.pid])
