@@ -418,15 +418,14 @@ class TorchOffloader:
                 # Hand the freed blocks back to the driver, or other processes can not use them.
                 torch.cuda.empty_cache()
             sent = sum(slot.nbytes for plan in plans for slot in plan.to_copy)
-            return self._finish(
-                "offloaded",
-                [p.name for p in plans],
+            stats = self._stats(
                 order,
                 started,
                 copied_bytes=sent,
                 pin_seconds=pinned - started,
                 copy_seconds=copied - pinned,
             )
+            return self._record("offloaded", [p.name for p in plans], stats)
 
     def restore(self, tags: str | Iterable[str] | None = None) -> int:
         """Bring the state of ``tags`` (default: all) back to the device, bit-exact.
@@ -715,26 +714,6 @@ class TorchOffloader:
             self._streams[key] = stream
         return stream
 
-    def _finish(
-        self,
-        verb: str,
-        names: list[str],
-        slots: list[_Slot],
-        started: float,
-        *,
-        copied_bytes: int,
-        pin_seconds: float = 0.0,
-        copy_seconds: float = 0.0,
-    ) -> int:
-        stats = self._stats(
-            slots,
-            started,
-            copied_bytes=copied_bytes,
-            pin_seconds=pin_seconds,
-            copy_seconds=copy_seconds,
-        )
-        return self._record(verb, names, stats)
-
     @staticmethod
     def _stats(
         slots: list[_Slot],
@@ -744,6 +723,8 @@ class TorchOffloader:
         pin_seconds: float = 0.0,
         copy_seconds: float = 0.0,
     ) -> CycleStats:
+        """What a cycle over ``slots`` did: those with a host copy and not among the
+        ``copied_bytes`` were skipped; those without one were discarded."""
         with_copy = sum(slot.nbytes for slot in slots if slot.pieces)
         return CycleStats(
             copied_bytes=copied_bytes,
