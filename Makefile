@@ -8,7 +8,7 @@ PY     := $(BIN)/python
 STAMP  := $(VENV)/.installed
 PKGS   := -p timeslice -p timeslice_tools -p timeslice_orchestrator -p timeslice_agent
 
-.PHONY: venv test test-fast fuzz lint typecheck protos demo cluster bench bench-quick soak clean
+.PHONY: venv test test-fast fuzz lint typecheck protos demo demo-rl cluster bench bench-quick soak clean
 
 venv: $(STAMP)
 
@@ -44,6 +44,11 @@ protos: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m timeslice_tools.dev.demo
+
+# Two real GRPO jobs (TRL, CPU) time-sliced on one group through the app backend; exits
+# non-zero unless both trained bit-identically to their runs alone.
+demo-rl: $(STAMP)
+	$(PY) -m timeslice_tools.dev.rl
 
 cluster: $(STAMP)
 	$(BIN)/timeslice dev cluster

@@ -8,6 +8,7 @@
     timeslice acquire GROUP --job J [--target T] [--timeout S] [--hold SECONDS]
     timeslice yield GROUP --job J --epoch E [--target T]
     timeslice members GROUP (--set NODES | --clear) [--target T]
+    timeslice run --group G --job J [--target T] [--timeout S] -- CMD [ARGS...]
 
 ``python -m timeslice.cli`` runs these. The installed ``timeslice`` command
 (:mod:`timeslice_tools.cli`) adds the development and service commands (``dev cluster``,
@@ -15,7 +16,8 @@
 
 One module per command group: :mod:`~timeslice.cli.status` (groups, status),
 :mod:`~timeslice.cli.plan`, :mod:`~timeslice.cli.acquire`, :mod:`~timeslice.cli.admin`
-(yield, members); :mod:`~timeslice.cli.base` holds what they share (parser, error format,
+(yield, members), :mod:`~timeslice.cli.wrap` (run: hold a group for the life of a command,
+with its own exit statuses); :mod:`~timeslice.cli.base` holds what they share (parser, error format,
 calls to the orchestrator). Errors go to stderr as ``error: <kind>: <message>``; the exit
 status is 2 for bad input and 1 for every other failure.
 """
@@ -25,7 +27,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from timeslice.cli import acquire, admin, plan, status
+from timeslice.cli import acquire, admin, plan, status, wrap
 from timeslice.cli.base import Parser, Register, parse_targets, run
 from timeslice.cli.base import build_parser as _build_parser
 from timeslice.cli.status import format_group_line, format_status, status_view
@@ -40,7 +42,13 @@ __all__ = [
     "status_view",
 ]
 
-COMMANDS: tuple[Register, ...] = (status.register, plan.register, acquire.register, admin.register)
+COMMANDS: tuple[Register, ...] = (
+    status.register,
+    plan.register,
+    acquire.register,
+    wrap.register,
+    admin.register,
+)
 """The operator command groups, in the order ``--help`` lists them."""
 
 

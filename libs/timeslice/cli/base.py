@@ -5,11 +5,13 @@ to a :class:`Commands` and names the handler of each. :func:`run` builds the par
 of such functions, runs the chosen handler and turns errors into the CLI's error format.
 
 Errors go to stderr as ``error: <kind>: <message>``; the exit status is 2 for bad input and 1
-for every other failure.
+for every other failure (``run`` passes its command's status through and has codes of its own
+for its failures: :mod:`timeslice.cli.wrap`).
 
 Commands talk to the orchestrator through the SDK's transport (:func:`call`): every replica is
 asked once, in order, and the first one that answers wins. They never open a session (an
-operator looking at a group must not appear in it), except ``acquire``, which is a job.
+operator looking at a group must not appear in it), except ``acquire`` and ``run``, which are
+jobs.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ __all__ = [
     "out",
     "parse_targets",
     "positive_float",
+    "report",
     "run",
 ]
 
@@ -236,9 +239,14 @@ def parse_targets(text: str | None) -> list[Target]:
 # -- errors and output -----------------------------------------------------------------------
 
 
+def report(error: TimeSliceError) -> None:
+    """Print ``error`` in the CLI's format (for a command that chooses its own exit status)."""
+    print(f"error: {error.kind.value}: {error.message}", file=sys.stderr, flush=True)
+
+
 def fail(error: TimeSliceError) -> NoReturn:
     """Print ``error`` in the CLI's format and exit (2 for bad input, else 1)."""
-    print(f"error: {error.kind.value}: {error.message}", file=sys.stderr, flush=True)
+    report(error)
     raise SystemExit(EXIT_BAD_INPUT if error.kind is ErrorKind.INVALID_ARGUMENT else EXIT_FAILURE)
 
 

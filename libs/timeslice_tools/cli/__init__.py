@@ -5,7 +5,7 @@
     timeslice dev cluster [--replicas N] [--agents M] [--backend sim|freeze|app|cuda] ...
     timeslice orchestrator ARGS...        # exec python -m timeslice_orchestrator ARGS
     timeslice agent ARGS...               # exec python -m timeslice_agent ARGS
-    timeslice groups | status | plan | acquire | yield | members ...   # see timeslice.cli
+    timeslice groups | status | plan | acquire | run | yield | members ...   # timeslice.cli
     timeslice top [--once] [--target T]   # every group, live (timeslice_tools.cli.top)
 
 The operator commands live in the SDK (:mod:`timeslice.cli`), which a job installs; this
