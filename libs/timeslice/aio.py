@@ -63,6 +63,7 @@ from timeslice.runner import ClientRunner
 from timeslice.targets import Target, targets_from_env
 from timeslice.tasks import Supervisor, run_to_completion
 from timeslice.tls import client_tls
+from timeslice.worker import check_can_enter
 from timeslice_proto.timeslice.v1 import (
     AcquireEvent,
     GetGroupStatusRequest,
@@ -307,6 +308,8 @@ class AsyncTimeSliceClient:
             Timeout: not granted within ``timeout``; the queue entry was removed.
             AlreadyExists: this client already holds the group or is acquiring it.
             GroupFaulted: the switch to this job failed for good.
+            FailedPrecondition: this process registered the job's state with its node agent
+                in another group (:func:`timeslice.worker.check_can_enter`); nothing is sent.
             Unavailable: no orchestrator replica could be reached.
 
         Cancel-safe: if the awaiting task is cancelled or the timeout passes, the Acquire
@@ -355,6 +358,9 @@ class AsyncTimeSliceClient:
         groups = sorted({validate_group_id(g) for g in group_ids})
         if not groups:
             raise InvalidArgument("acquire_all needs at least one group")
+        for group in groups:
+            # All of them before the first is taken: none is held and given back in vain.
+            check_can_enter(self._job_id, group)
         wait = check_seconds(timeout, "timeout", allow_none=True)
         loop = asyncio.get_running_loop()
         deadline = None if wait is None else loop.time() + wait
@@ -587,6 +593,8 @@ class AsyncTimeSliceClient:
         on_progress: ProgressCallback | None,
     ) -> Grant:
         self._check_open()
+        # Before anything is sent: the process could not serve the phase.
+        check_can_enter(self._job_id, group)
         held = self._grants.get(group)
         if held is not None:
             raise AlreadyExists(

@@ -255,6 +255,13 @@ class TorchOffloader:
         """Track a module's parameters (and their ``.grad``) and buffers under ``tag``."""
         if not isinstance(module, nn.Module):
             raise InvalidArgument(f"expected a torch.nn.Module, got {type(module).__name__}")
+        named: list[tuple[str, torch.Tensor]] = []
+        for name, param in module.named_parameters():
+            named.append((f"parameter {name!r}", param))
+            if param.grad is not None:
+                named.append((f"gradient of {name!r}", param.grad))
+        named += [(f"buffer {name!r}", buffer) for name, buffer in module.named_buffers()]
+        _refuse_fixed(named, f"module {type(module).__name__}")
         with self._lock:
             self._open(tag).modules.append(module)
 
@@ -265,6 +272,19 @@ class TorchOffloader:
             raise InvalidArgument(
                 f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
+        # Its state appears at its first step, later: _plan checks that part again.
+        index = {
+            id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])
+        }
+        _refuse_fixed(
+            [
+                (f"state {key!r} of parameter {index.get(id(param), '?')}", value)
+                for param, state in optimizer.state.items()
+                for key, value in state.items()
+                if isinstance(value, torch.Tensor)
+            ],
+            f"optimizer {type(optimizer).__name__}",
+        )
         with self._lock:
             self._open(tag).optimizers.append(optimizer)
 
@@ -273,6 +293,10 @@ class TorchOffloader:
         for tensor in tensors:
             if not isinstance(tensor, torch.Tensor):
                 raise InvalidArgument(f"expected torch.Tensor, got {type(tensor).__name__}")
+        _refuse_fixed(
+            [(f"tensor {i} ({tuple(t.shape)}, {t.dtype})", t) for i, t in enumerate(tensors)],
+            "add_tensors",
+        )
         with self._lock:
             self._open(tag).tensors.extend(tensors)
 
@@ -753,6 +777,29 @@ class TorchOffloader:
             stats.copy_seconds,
         )
         return stats.copied_bytes
+
+
+def _refuse_fixed(named: list[tuple[str, torch.Tensor]], what: str) -> None:
+    """Refuse tensors whose storage can not be freed: better now than at the first switch.
+
+    Such storages borrow their memory (a memory-mapped file, as ``from_pretrained`` loads
+    safetensors on the CPU; numpy; ``torch.frombuffer``), so ``resize_`` can not free them.
+    """
+    fixed = []
+    for name, tensor in named:
+        if tensor.device.type == "meta" or tensor.layout is not torch.strided:
+            continue  # nothing to move, or refused with its reason at the offload
+        storage = tensor.untyped_storage()
+        if storage.nbytes() and not storage.resizable():
+            fixed.append(name)
+    if fixed:
+        shown = ", ".join(fixed[:8]) + (f" and {len(fixed) - 8} more" if len(fixed) > 8 else "")
+        raise InvalidArgument(
+            f"{what}: {shown}: the storage can not be resized, so it could not be offloaded "
+            "(memory borrowed from a memory-mapped file, such as safetensors loaded on the "
+            "CPU, or from numpy or torch.frombuffer); give it memory of its own first: a "
+            "clone, or the module moved to a real device"
+        )
 
 
 def _storage_key(tensor: torch.Tensor) -> int:

@@ -31,7 +31,13 @@ from grpclib.client import Channel
 from timeslice._transport import map_error
 from timeslice._validate import check_seconds
 from timeslice.backoff import Backoff
-from timeslice.errors import InternalError, InvalidArgument, TimeSliceError, Unavailable
+from timeslice.errors import (
+    FailedPrecondition,
+    InternalError,
+    InvalidArgument,
+    TimeSliceError,
+    Unavailable,
+)
 from timeslice.ids import validate_group_id, validate_job_id
 from timeslice_proto.timeslice.v1 import (
     CommandResult,
@@ -70,6 +76,10 @@ _UINT64_MAX = 2**64 - 1
 _RECONNECT_MAX = 2.0
 _COMPLETE_TIMEOUT = 10.0
 _STABLE_SECONDS = 1.0
+
+# This process's registrations that were accepted and not closed (see check_can_enter).
+_live: set[WorkerRegistration] = set()
+_live_lock = threading.Lock()
 
 
 class WorkerRegistration:
@@ -114,6 +124,12 @@ class WorkerRegistration:
         return self._connected
 
     @property
+    def live(self) -> bool:
+        """True from acceptance until :meth:`close`, or until the agent refused it for good
+        (a registration that lost its agent and re-registers stays live)."""
+        return not self.closed and self._first.done() and self._thread.is_alive()
+
+    @property
     def closed(self) -> bool:
         """True once :meth:`close` ran."""
         return not self._finalizer.alive
@@ -121,6 +137,8 @@ class WorkerRegistration:
     def close(self) -> None:
         """End the registration (the agent sees the stream end). Idempotent."""
         self._closing = True
+        with _live_lock:
+            _live.discard(self)
         self._finalizer()
 
     def __enter__(self) -> WorkerRegistration:
@@ -156,6 +174,9 @@ class WorkerRegistration:
         if error is not None:
             self.close()
             raise error
+        with _live_lock:
+            if not self.closed:
+                _live.add(self)
 
     def _cancel(self) -> None:
         # Runs on the loop thread (scheduled by _stop).
@@ -333,6 +354,37 @@ def _stop(
         loop.call_soon_threadsafe(cancel)
     if threading.current_thread() is not thread:
         thread.join(_COMPLETE_TIMEOUT)
+
+
+def check_can_enter(job_id: str, group_id: str) -> None:
+    """Refuse a phase of ``group_id`` by ``job_id`` that this process cannot serve.
+
+    A job's registration in group A (made in this process, on any node's agent) means A's
+    switches move the job's state on that node: the agent checkpoints it whenever A goes to
+    another job, whatever this process is doing then. A phase of another group B by the same
+    job would run with its state taken away underneath it (the agent also refuses the job in
+    a second group on a node). So a job registered here may only enter the groups it is
+    registered in; other jobs are not concerned (one process may serve several jobs' groups,
+    the benchmarks' emulated workers do).
+
+    Raises:
+        FailedPrecondition: the job is registered here in other groups only.
+    """
+    with _live_lock:
+        mine = [r for r in _live if r.info.job_id == job_id and r.live]
+    groups = sorted({r.info.group_id for r in mine})
+    if not groups or group_id in groups:
+        return
+    registered = ", ".join(groups)
+    raise FailedPrecondition(
+        f"job {job_id} cannot enter a phase of group {group_id} from this process: the process "
+        f"registered the job's state with the node agent in group {registered}, whose switches "
+        f"offload that state whenever the group goes to another job, also in the middle of a "
+        f"phase of {group_id}. A process serves one group per node: acquire only {registered} "
+        f"here (one group for all of the job's phases on these devices), or run the phases of "
+        f"{group_id} in a process registered in {group_id}, as another job id if it is on "
+        "this node"
+    )
 
 
 def register(

@@ -530,6 +530,7 @@ class DirectiveExecutor:
             error=outcome.error,
             bytes_moved=outcome.bytes_moved,
             bytes_skipped=outcome.bytes_skipped,
+            moved=outcome.moved,
             elapsed_seconds=clock.elapsed(),
             job_state=(
                 job.state.to_proto()

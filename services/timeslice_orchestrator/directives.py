@@ -47,6 +47,10 @@ class NodeResult:
     unavailable: bool = False  # the agent could not be reached: the outcome is unknown
     gone: bool = False  # the node left its groups (agent record expired): not waited for
     fenced: bool = False  # gone because it was fenced out (silent, or a missed deadline)
+    # The agent moved the job's state; an OK with nothing to do (the restore of a job never
+    # checkpointed) did not. Agents before this field say it only by the bytes they moved.
+    moved: bool = False
+    refused: bool = False  # the agent refused before acting (admission, safety), not failed
 
     @property
     def failed(self) -> bool:
@@ -210,4 +214,8 @@ class DirectiveSender:
             # The node was fenced out since this switch began (by another replica, say):
             # nothing of this switch may act there; go on without it.
             return NodeResult(node, False, error, 0, ack.elapsed_seconds, gone=True, fenced=True)
-        return NodeResult(node, ok, error, ack.bytes_moved, ack.elapsed_seconds)
+        moved = ok and (ack.moved or ack.bytes_moved > 0)
+        refused = ack.status == AckStatus.REFUSED
+        return NodeResult(
+            node, ok, error, ack.bytes_moved, ack.elapsed_seconds, moved=moved, refused=refused
+        )

@@ -26,9 +26,11 @@ to bottom:
                                            then RESTORE the head on every node concurrently,
                                            then commit resident + holder in one transaction.
 
-A failure before the commit rolls back (nodes that checkpointed restore their job) and retries
-with bounded backoff; after that, or after a failed restore, the head alone is faulted and the
-group goes on serving the others.
+A failed checkpoint rolls back (nodes that checkpointed restore their job) and retries with
+backoff: when it failed in the evicted job's own hook or backend, that job is faulted (when it
+waits), never the head, which is granted once that state is off the devices. A refused one
+(host memory, a safety check) is retried a bounded number of times, then the head alone is
+faulted, as after a failed restore; the group goes on serving the others.
 
 A node that stops answering (silent past the agent liveness timeout, or past a directive's
 deadline) is fenced out (``docs/fencing.md``): the switch record lists it, it is sent nothing
@@ -96,7 +98,7 @@ class DriverConfig:
 
     replica_id: str
     directive_timeout: float = 30.0
-    max_attempts: int = 3  # switches tried towards one waiter before it is faulted
+    max_attempts: int = 3  # refused switches tried towards one waiter before it is faulted
     retry_backoff: float = 0.2  # first backoff, of a blocked group and of a failed switch
     max_backoff: float = 2.0  # cap of a blocked group's backoff
     idle_recheck: float = 2.0  # an idle group with waiters is looked at again this often
@@ -545,6 +547,12 @@ class SwitchDriver:
                 _retrying(record, "checkpoint", results)
                 return Next.LATER
             failed = [r for r in results if r.failed]
+            culprits = [
+                _Culprit(step.evict, step.node, r.error)
+                for step, r in zip(evictions, results, strict=True)
+                # A refusal (host memory, safety) is the node's capacity, not the job's fault.
+                if r.failed and not r.refused
+            ]
             next_phase = SwitchPhase.ROLLBACK if failed else SwitchPhase.RESTORE
             if failed:
                 error = SwitchFailed(SwitchPhase.CHECKPOINT, failed)
@@ -560,9 +568,12 @@ class SwitchDriver:
                 return Next.AGAIN  # lost the driver role or raced: look again
             self._wrote(record.group, moved.mod_revision)
             switch, record = moved, moved.record
+            if record.phase is SwitchPhase.ROLLBACK:
+                return await self._roll_back(switch, culprits)
         if record.phase is SwitchPhase.RESTORE:
             return await self._restore_and_commit(switch, started)
-        return await self._roll_back(switch)
+        # Carried on after a driver died: whose checkpoint failed is not known any more.
+        return await self._roll_back(switch, [])
 
     async def _restore_and_commit(self, switch: Stored[SwitchRecord], started: float) -> Next:
         record = switch.record
@@ -646,7 +657,11 @@ class SwitchDriver:
             return Next.AGAIN
         elapsed = max(time.monotonic() - started, time.time() - record.started_at)
         holder = holder_for(
-            head, restored=True, previous=",".join(record.from_jobs), switch_seconds=elapsed
+            head,
+            # A job's first switch has nothing to restore (its state never left): not restored.
+            restored=any(r.moved for r in results),
+            previous=",".join(record.from_jobs),
+            switch_seconds=elapsed,
         )
         stats.switches += 1
         stats.grants += 1
@@ -681,8 +696,10 @@ class SwitchDriver:
         )
         return Next.IDLE
 
-    async def _roll_back(self, switch: Stored[SwitchRecord]) -> Next:
-        """Put every evicted job back where it was, then close the record."""
+    async def _roll_back(self, switch: Stored[SwitchRecord], culprits: list[_Culprit]) -> Next:
+        """Put every evicted job back where it was, then close the record.
+
+        ``culprits``: the evicted jobs whose checkpoint failed (empty when not known)."""
         record = switch.record
         group = record.group
         evictions = [s for s in record.steps if s.evict]
@@ -724,7 +741,7 @@ class SwitchDriver:
         )
         if not self._wrote(group, ended):
             return Next.AGAIN
-        return await self._after_abort(group, record)
+        return await self._after_abort(group, record, culprits)
 
     def _wrote(self, group: str, revision: int | None) -> int | None:
         """Remember a write of this pass (None: it did not go through); returns it."""
@@ -732,8 +749,22 @@ class SwitchDriver:
             self._written[group] = max(revision, self._written.get(group, 0))
         return revision
 
-    async def _after_abort(self, group: str, record: SwitchRecord) -> Next:
-        """Retry the waiter with a bounded backoff, then give up on it alone."""
+    async def _after_abort(
+        self, group: str, record: SwitchRecord, culprits: list[_Culprit]
+    ) -> Next:
+        """After a failed checkpoint: fault the job whose state could not leave, never the
+        waiter, which keeps its place and is retried with backoff.
+
+        Only an evicted job's state was being moved: its hook, its processes or its node
+        failed, not the waiter. Faulting the waiter (as before) let the job whose state can
+        not move keep the group: once the waiter was gone, its next acquire was granted in
+        place. So the job itself is faulted when it waits (its acquire fails with
+        GroupFaulted and the reason); one that does not wait yet is faulted at the first
+        retry that finds it queued. The waiter is granted as soon as that state is off the
+        devices: a retry whose checkpoint works, or the job's workers gone (no longer
+        resident, so nothing to move); until then the group's ``last_error`` says why it
+        waits. Granting it beside the stuck state instead could run a device out of memory.
+        """
         if record.prefetch:
             return Next.IDLE  # an optimisation that did not work out: the switch will do it
         if record.operation:
@@ -741,9 +772,55 @@ class SwitchDriver:
         key = (group, record.to_job, record.to_revision)
         retry = self.retries.get(key)
         attempt = max(retry.attempts if retry is not None else 0, record.attempt)
+        if not culprits:
+            return await self._give_up_later(group, record, attempt)
+        # Not a sleep: the next pass finds the retry not yet due and the work queue brings
+        # the group back when it is (our own writes kick it earlier in vain). Unbounded in
+        # number, so the exponent is: a float overflows past 2**1023.
+        doubled = self._config.retry_backoff * 2 ** min(attempt - 1, 30)
+        backoff = min(doubled, self._config.max_backoff)
+        self.retries.put(key, Retry(attempt, time.monotonic() + backoff))
+        written = self._written.get(group, 0)
+        if written > self._mirror.revision:
+            # Read the group as the rollback left it: its statistics are written again below.
+            await self._mirror.wait_for_revision(written, MIRROR_LAG_TIMEOUT)
+        view = self._mirror.group(group)
+        stuck = "; ".join(f"{c.job} on {c.node}: {c.error}" for c in culprits)
+        note = (
+            f"{record.to_job} waits: the state of {', '.join(sorted({c.job for c in culprits}))} "
+            f"could not be checkpointed ({stuck}); retried, and granted once that state is off "
+            "the devices"
+        )
+        stats = view.stats
+        stats.last_error = note
+        told = False  # the note went with a fault's statistics
+        for job in sorted({c.job for c in culprits}):
+            entry = view.queued(job)
+            if entry is None or job == record.to_job:
+                continue
+            mine = "; ".join(f"on {c.node}: {c.error}" for c in culprits if c.job == job)
+            reason = (
+                f"the state of {job} could not be checkpointed for the next job in line "
+                f"({record.to_job}) {mine}; {job} is faulted, not {record.to_job}, until its "
+                "state can leave the devices (fix what failed, or end its processes)"
+            )
+            stats.faults += 1
+            faulted = await self._store.fault_waiter(group, self._auth, Fault(entry, reason), stats)
+            if self._wrote(group, faulted) is None:
+                stats.faults -= 1  # its entry changed meanwhile: the next retry sees it
+                continue
+            told = True
+            log.error("group %s: %s isolated: %s", group, job, reason)
+            self._metrics.switches.labels(outcome="evict_failed").inc()
+        if not told:
+            await self._store.note_error(group, note)
+        return Next.WAIT
+
+    async def _give_up_later(self, group: str, record: SwitchRecord, attempt: int) -> Next:
+        """A checkpoint refused (host memory, a safety check) or whose failure is not known
+        any more: retry the waiter with a bounded backoff, then give up on it alone."""
+        key = (group, record.to_job, record.to_revision)
         if attempt < self._config.max_attempts:
-            # Not a sleep: the next pass finds the retry not yet due and the work queue
-            # brings the group back when it is (our own writes kick it earlier in vain).
             backoff = self._config.retry_backoff * 2 ** (attempt - 1)
             self.retries.put(key, Retry(attempt, time.monotonic() + backoff))
             return Next.WAIT
@@ -795,6 +872,15 @@ class SwitchDriver:
             previous = self._last_error.get(record.group)
             self._last_error[record.group] = f"{previous}; {note}" if previous else note
         return [r.node for r in new]
+
+
+@dataclass(frozen=True, slots=True)
+class _Culprit:
+    """An evicted job whose checkpoint failed on a node, and why."""
+
+    job: str
+    node: str
+    error: str
 
 
 def _retrying(record: SwitchRecord, phase: str, results: Sequence[NodeResult]) -> None:

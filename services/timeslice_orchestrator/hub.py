@@ -421,7 +421,9 @@ class AgentHub(AgentHubBase):
                 if fut is not None and not fut.done():
                     fut.set_result(msg.ack)
             elif msg.workers is not None:
+                before = {(w.group, w.job) for w in conn.record.workers}
                 conn.record.workers = _worker_records(msg.workers.workers)
+                left = before - {(w.group, w.job) for w in conn.record.workers}
                 # Raises FailedPrecondition (the stream ends) once a newer stream of the
                 # agent has published: this one's late write must not undo that one's.
                 revision = await self._store.publish_agent(
@@ -435,6 +437,22 @@ class AgentHub(AgentHubBase):
                     # The agent holds the registrations of this change until it hears this.
                     recorded = WorkersRecorded(seq=msg.workers.seq, revision=revision)
                     await conn.outgoing.put(OrchestratorMessage(workers_recorded=recorded))
+                await self._forget_left(conn.node, sorted(left))
+
+    async def _forget_left(self, node: str, left: list[tuple[str, str]]) -> None:
+        """A job whose last worker of a group left the node has no process there holding its
+        state (the agent drops it too): it is no longer resident, or a group whose jobs all
+        exited would show the last one on its devices, and plan to checkpoint it."""
+        for group, job in left:
+            try:
+                forgotten = await self._store.forget_residency(group, node, job)
+            except StoreUnavailable as exc:
+                log.warning("agent %s: could not forget %s of %s: %s", node, job, group, exc)
+                continue
+            if forgotten:
+                log.info(
+                    "agent %s: %s of %s has no worker left: no longer resident", node, job, group
+                )
 
     async def execute(self, node: str, directive: Directive, timeout: float) -> DirectiveAck:
         """Send one directive and wait for its ack (at most ``timeout`` seconds)."""

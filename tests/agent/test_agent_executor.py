@@ -655,11 +655,26 @@ async def test_a_process_whose_environment_cannot_be_read_is_refused_within_the_
 
 
 async def _answer_with(
-    reg: Registration, rig: Rig, kind: HookKind, job: str, **result: int
+    reg: Registration,
+    rig: Rig,
+    kind: HookKind,
+    job: str,
+    *,
+    bytes_moved: int = 0,
+    bytes_skipped: int = 0,
+    host_bytes_kept: int = 0,
 ) -> None:
     command = await asyncio.wait_for(reg.commands.get(), 5)
     assert command is not None and command.kind == kind and command.job_id == job
-    rig.registry.complete(CommandResult(command_id=command.command_id, ok=True, **result))
+    rig.registry.complete(
+        CommandResult(
+            command_id=command.command_id,
+            ok=True,
+            bytes_moved=bytes_moved,
+            bytes_skipped=bytes_skipped,
+            host_bytes_kept=host_bytes_kept,
+        )
+    )
 
 
 async def test_skipped_bytes_reach_the_ack_journal_and_metrics(rig: Rig) -> None:

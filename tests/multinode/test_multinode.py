@@ -4,6 +4,7 @@ node roll back or isolate exactly as documented, and host memory is never overco
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 import time
@@ -112,21 +113,23 @@ async def test_checkpoint_failure_on_one_node_rolls_back(cluster_factory: Cluste
             AsyncTimeSliceClient(cluster.target, job_id="b") as b,
         ):
             waiter = await queue_behind(a, b, timeout=30)
-            started = time.monotonic()
             await a.yield_("g")
-            with pytest.raises(GroupFaulted) as info:
-                await waiter
-            elapsed = time.monotonic() - started
-            assert "node-2" in str(info.value) and "injected checkpoint failure" in str(info.value)
-            assert elapsed < 20, f"gave up after {elapsed:.1f} s (3 attempts with backoff)"
-            status = await a.status("g")
+            status = await wait_for_status(a, "g", lambda s: "b waits" in s.last_error, 20)
             assert "node-2" in status.last_error
             assert {n.resident_job_id for n in status.nodes} == {"a"}, "rolled back everywhere"
-            assert [f.job_id for f in status.faulted] == ["b"]
-            # The group keeps serving: a is resident everywhere, so it gets it straight back.
-            again = await a.acquire("g", timeout=10)
-            assert not again.restored
-            await a.yield_("g")
+            # a's own checkpoint failed: a is faulted when it comes back, never b.
+            with pytest.raises(GroupFaulted) as info:
+                await a.acquire("g", timeout=20)
+            assert "node-2" in str(info.value) and "injected checkpoint failure" in str(info.value)
+            assert not waiter.done()
+            assert [f.job_id for f in (await a.status("g")).faulted] == ["a"]
+            # b keeps waiting while a's state is stuck on node-2 (tests/e2e/test_stuck_state.py
+            # has it granted once the stuck job's processes are gone).
+            await asyncio.sleep(1)
+            assert not waiter.done()
+            waiter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiter
     finally:
         for w in workers:
             w.close()

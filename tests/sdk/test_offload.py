@@ -387,14 +387,54 @@ def test_free_failure_midway_brings_back_what_was_freed(monkeypatch: pytest.Monk
 
 
 def test_non_resizable_storage_is_refused_before_anything_moves() -> None:
+    # Optimizer state appears after add_optimizer (at the first step): the offload checks it.
     ours = torch.randn(8)
-    borrowed = torch.from_numpy(np.arange(4.0))
+    param = nn.Parameter(torch.randn(4, dtype=torch.float64))
+    optimizer = torch.optim.SGD([param], lr=0.1, momentum=0.9)
     offloader = TorchOffloader()
-    offloader.add_tensors(ours, borrowed)
+    offloader.add_tensors(ours)
+    offloader.add_optimizer(optimizer)
+    optimizer.state[param]["momentum_buffer"] = torch.from_numpy(np.arange(4.0))
     with pytest.raises(InvalidArgument, match="resized"):
         offloader.offload()
     assert_resident(ours)
     assert not offloader.offloaded
+
+
+def _memory_mapped(path: Path, **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Tensors as ``from_pretrained`` loads safetensors on the CPU: mapped from the file."""
+    torch.save(tensors, path)
+    loaded: dict[str, torch.Tensor] = torch.load(path, mmap=True)
+    return loaded
+
+
+def test_borrowed_storages_are_refused_when_added_naming_them(tmp_path: Path) -> None:
+    linear = nn.Linear(4, 4)
+    model = nn.Sequential(linear, nn.LayerNorm(4))
+    mapped = _memory_mapped(tmp_path / "w.pt", weight=torch.randn(4, 4))
+    model.load_state_dict({**model.state_dict(), "0.weight": mapped["weight"]}, assign=True)
+    offloader = TorchOffloader()
+    with pytest.raises(InvalidArgument) as refused:
+        offloader.add_module(model)
+    message = str(refused.value)
+    assert "parameter '0.weight'" in message and "resized" in message
+    assert "0.bias" not in message and "1.weight" not in message
+    assert offloader.tags == ()  # nothing tracked
+
+    with pytest.raises(InvalidArgument, match=r"tensor 1 \(\(3,\), torch.float32\)"):
+        offloader.add_tensors(torch.randn(2), torch.frombuffer(bytearray(12), dtype=torch.float32))
+    assert offloader.tags == ()
+
+    param = nn.Parameter(torch.randn(3))
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.randn(2)), param], momentum=0.9)
+    optimizer.state[param]["momentum_buffer"] = torch.from_numpy(np.zeros(3, dtype=np.float32))
+    with pytest.raises(InvalidArgument, match="'momentum_buffer' of parameter 1"):
+        offloader.add_optimizer(optimizer)
+
+    # With memory of its own (a clone), the same model is accepted and moves.
+    linear.weight = nn.Parameter(linear.weight.detach().clone())
+    offloader.add_module(model)
+    assert offloader.offload() > 0 and offloader.restore() > 0
 
 
 @pytest.mark.parametrize("fail", ["allocate", "copy"])

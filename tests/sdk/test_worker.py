@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -16,7 +17,16 @@ from grpclib.const import Status
 from grpclib.server import Server
 
 from tests.sdk.fakes import FakeAgent, LoopThread
-from timeslice import HookResult, InvalidArgument, Unavailable, register
+from timeslice import (
+    AsyncTimeSliceClient,
+    FailedPrecondition,
+    HookResult,
+    InvalidArgument,
+    TimeSliceOrchestratorClient,
+    Unavailable,
+    register,
+)
+from timeslice.worker import check_can_enter
 from timeslice_proto.timeslice.v1 import HookKind, WorkerCommand
 
 REPO = Path(__file__).resolve().parents[2]
@@ -271,3 +281,43 @@ async def test_async_hooks_are_refused() -> None:
 
     with pytest.raises(InvalidArgument, match="non-async"):
         register("g", job_id="j", socket="/nonexistent/agent.sock", on_restore=hook)  # type: ignore[arg-type]
+
+
+def test_a_job_registered_in_one_group_may_not_enter_another(agent_server: AgentServer) -> None:
+    # The job's state is offloaded by group A's switches: a phase of group B from this
+    # process would run with it gone (a real GRPO job died so, "storage of size 0").
+    agent_server.start(FakeAgent())
+    client = TimeSliceOrchestratorClient("127.0.0.1:1", job_id="j", call_timeout=1)
+    try:
+        with register("g-a", job_id="j", socket=str(agent_server.path), timeout=5) as reg:
+            with pytest.raises(FailedPrecondition) as refused:
+                client.acquire("g-b", timeout=5)
+            message = str(refused.value)
+            assert "job j" in message and "group g-b" in message and "group g-a" in message
+            assert "one group per node" in message
+            with pytest.raises(FailedPrecondition, match="g-a"):
+                with client.on_accelerators("g-b"):
+                    pass
+            # Its own group, and other jobs' groups, are not refused here.
+            check_can_enter("j", "g-a")
+            check_can_enter("other-job", "g-b")
+            assert reg.live
+        assert not reg.live
+        check_can_enter("j", "g-b")  # closed: the process serves no group any more
+    finally:
+        client.close()
+
+
+async def test_the_async_client_refuses_it_too(agent_server: AgentServer) -> None:
+    agent_server.start(FakeAgent())
+    registration = await asyncio.to_thread(
+        register, "g-a", job_id="j", socket=str(agent_server.path), timeout=5
+    )
+    client = AsyncTimeSliceClient("127.0.0.1:1", job_id="j", call_timeout=1)
+    try:
+        with pytest.raises(FailedPrecondition, match="group g-a"):
+            await client.acquire_all(["g-a", "g-b"], timeout=5)
+        assert client.grants() == {}
+    finally:
+        await client.close()
+        registration.close()

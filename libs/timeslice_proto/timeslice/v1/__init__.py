@@ -657,6 +657,12 @@ class DirectiveAck(betterproto2.Message):
     app hooks' TorchOffloader with keep_pinned); bytes copied = bytes_moved - bytes_skipped.
     """
 
+    moved: "bool" = betterproto2.field(13, betterproto2.TYPE_BOOL)
+    """
+    The directive moved the job's state (checkpointed or restored it). False for an OK with
+    nothing to do: a restore of a job never checkpointed (its first grant), or already back.
+    """
+
 
 default_message_pool.register_message("timeslice.v1", "DirectiveAck", DirectiveAck)
 

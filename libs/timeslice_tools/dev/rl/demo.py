@@ -246,11 +246,15 @@ def run_demo(
         holds = sliced[job]["holds"]
         held = sum((h["released_at"] or h["granted_at"]) - h["granted_at"] for h in holds)
         restored = sum(1 for h in holds if h["restored"])
+        parked = sliced[job]["parked_at_size_zero"]
         say(
             f"  {job}: alone {alone[job]['seconds']:.1f} s, time-sliced "
             f"{sliced[job]['seconds']:.1f} s; {len(holds)} holds ({held:.1f} s), "
-            f"{restored} restores; state {sliced[job]['state_bytes'] / 2**20:.2f} MiB"
+            f"{restored} restores; state {sliced[job]['state_bytes'] / 2**20:.2f} MiB, "
+            f"freed to size 0 at {sum(parked)} of {len(parked)} offloads"
         )
+        if not all(parked):
+            raise DemoFailed(f"job {job}: an offload left tracked storages allocated")
     say(
         f"  switches: {moves.checkpoints} checkpoints, {moves.restores} restores; bytes moved "
         f"out {moves.bytes_out / 2**20:.1f} MiB, in {moves.bytes_in / 2**20:.1f} MiB "

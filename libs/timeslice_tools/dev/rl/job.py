@@ -177,6 +177,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         final = digests(trainer.model)
         holds: list[dict[str, Any]] = []
         job_bytes = 0
+        parked = []
     else:
         from timeslice import TimeSliceOrchestratorClient
         from timeslice.integrations.trl import time_slice
@@ -189,8 +190,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     first.view(-1)[:1].view(torch.int32).bitwise_xor_(1)
                 print(f"corrupted one bit of the first parameter at step {args.corrupt_step}")
 
+        class CheckedOffloader(TorchOffloader):
+            """Records, at every offload the agent asks for, whether every tracked storage
+            (policy, reference, optimizer state) was really freed: size 0 while parked."""
+
+            parked: list[bool] = []
+
+            def offload(self, tags: Any = None) -> int:
+                copied = super().offload(tags)
+                self.parked.append(self.device_bytes == 0)
+                return copied
+
         os.environ["TIMESLICE_AGENT_SOCKET"] = str(args.agent_socket)
-        offloader = TorchOffloader()
+        offloader = CheckedOffloader()
         with (
             TimeSliceOrchestratorClient(job_id=args.job_id) as client,
             time_slice(
@@ -207,6 +219,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 final = digests(trainer.model)
                 job_bytes = offloader.device_bytes
             holds = [asdict(h) for h in sliced.holds]
+        parked = offloader.parked
     return {
         "job": args.job_id,
         "mode": "alone" if args.group is None else "time-sliced",
@@ -215,6 +228,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "steps": steps,
         "final": final,
         "holds": holds,
+        "parked_at_size_zero": parked,
     }
 
 
