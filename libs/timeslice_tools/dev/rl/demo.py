@@ -1,6 +1,6 @@
 """``make demo-rl``: two real GRPO jobs time-sliced on one group, proven to train exactly as alone.
 
-    python -m timeslice_tools.dev.rl [--steps 40] [--corrupt JOB:STEP] [--keep]
+    python -m timeslice_tools.dev.rl [--steps 100] [--corrupt JOB:STEP] [--keep]
 
 1. Each job (:mod:`timeslice_tools.dev.rl.job`: TRL's ``GRPOTrainer``, a tiny policy built in
    code) runs **alone**, with no time-slicing, both at once (they share nothing).
@@ -300,7 +300,7 @@ def _corrupt_arg(text: str) -> tuple[str, int]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m timeslice_tools.dev.rl", description=__doc__)
-    p.add_argument("--steps", type=int, default=40, help="optimizer steps per job (default 40)")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps per job (default 100)")
     p.add_argument("--corrupt", type=_corrupt_arg, metavar="JOB:STEP", help="test switch")
     p.add_argument("--work", type=Path, help="work directory (default: a new temporary one)")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
