@@ -124,3 +124,38 @@ async def test_a_decorated_function_captured_by_a_ray_task_runs_in_the_worker(
         assert pid != os.getpid() and epoch > 0
         # The worker's copy gave the group back when the step ended.
         assert client.acquire("trainer-pool", timeout=10).epoch > epoch
+
+
+async def test_an_actor_method_and_a_task_decorated_directly_hold_the_group_per_call(
+    cluster_factory: ClusterFactory, local_ray: None
+) -> None:
+    # Decorated once, where they are defined: the client made here travels with the class and
+    # the function (one copy, with its own session, per Ray worker process).
+    cluster = cluster_factory(agents=0)
+    with TimeSliceOrchestratorClient(cluster.targets, job_id="ray-direct") as client:
+
+        @ray.remote
+        class Trainer:
+            @client.on_accelerators(group_id="trainer-pool", timeout=60)
+            def step(self, x: int) -> tuple[int, int, int]:
+                return os.getpid(), client.grants()["trainer-pool"].epoch, x * 2
+
+            def held(self) -> list[str]:
+                return sorted(client.grants())
+
+        @ray.remote
+        @client.on_accelerators(group_id="rollout-pool", timeout=60)
+        def rollout(x: int) -> tuple[int, int]:
+            return os.getpid(), client.grants()["rollout-pool"].epoch + x
+
+        trainer = Trainer.remote()  # type: ignore[attr-defined]
+        steps = ray.get([trainer.step.remote(i) for i in range(3)], timeout=120)
+        assert [s[2] for s in steps] == [0, 2, 4]
+        epochs = [s[1] for s in steps]
+        assert epochs == sorted(set(epochs)) and epochs[0] > 0  # a new hold per call
+        assert ray.get(trainer.held.remote(), timeout=30) == []  # given back after each call
+        pid, epoch = ray.get(rollout.remote(0), timeout=120)
+        assert os.getpid() not in (pid, steps[0][0]) and epoch > 0
+        # Both were given back: the driver's own copy gets each group at once.
+        assert client.acquire("trainer-pool", timeout=10).epoch > epochs[-1]
+        assert client.acquire("rollout-pool", timeout=10).epoch > epoch

@@ -132,3 +132,22 @@ def test_a_phase_not_in_the_table_takes_no_lock() -> None:
     callback.on_phase_begin("save_checkpoint")
     callback.on_phase_end("save_checkpoint")
     assert client.calls == []
+
+
+def test_the_phase_callback_path_loads_the_way_slime_loads_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Slime's load_phase_callback: load_function(path) (rpartition on the last dot,
+    # importlib.import_module, getattr), then cls() with no arguments.
+    import importlib
+
+    from timeslice.integrations import slime
+
+    for name in ("TIMESLICE_JOB_ID", "TIMESLICE_ORCH_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    module_path, _, attr = slime.PHASE_CALLBACK_PATH.rpartition(".")
+    callback = getattr(importlib.import_module(module_path), attr)()
+    assert isinstance(callback, SlimePhaseCallback) and not callback.enabled
+    callback.on_phase_begin("generate", "sampler", {"rollout_id": 0})  # inert: no lock, no error
+    callback.on_phase_end("generate", "sampler", {"rollout_id": 0})
+    callback.close()

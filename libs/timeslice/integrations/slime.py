@@ -54,6 +54,11 @@ DEFAULT_TIMEOUT = 600.0
 TRAINER = "trainer"
 SAMPLER = "sampler"
 
+PHASE_CALLBACK_PATH = "timeslice.integrations.slime.SlimePhaseCallback"
+"""The value of Slime's ``--phase-callback-path`` (the phase-callback fork, aishukamal/slime
+``feat/phase-callbacks``): Slime imports the module, takes the attribute and calls it with no
+arguments, once per driver process."""
+
 # Which pools each phase needs (the reference's table).
 PHASE_LOCKS: Mapping[str, tuple[str, ...]] = {
     "init": (TRAINER, SAMPLER),
