@@ -81,6 +81,8 @@ class Deployment:
     docs: list[Obj]
     cluster: Cluster
     certs: Path
+    others: dict[str, Cluster]
+    """The Secrets docs/deployment.md makes in other namespaces (the jobs'), by namespace."""
 
 
 def kubectl() -> Path:
@@ -109,11 +111,27 @@ def deployment(overlay: str, tmp: Path) -> Deployment:
     docs = render(kubectl(), K8S / overlay)
     certs, secrets = make_secrets(tmp)
     cluster = Cluster(NAMESPACE)
+    others: dict[str, Cluster] = {}
     for secret in secrets:
-        assert secret["metadata"]["namespace"] == NAMESPACE
-        cluster.add_secret(secret)
+        namespace = secret["metadata"]["namespace"]
+        if namespace == NAMESPACE:
+            cluster.add_secret(secret)
+        else:
+            others.setdefault(namespace, Cluster(namespace)).add_secret(secret)
     cluster.services = [d for d in docs if d["kind"] == "Service"]
-    return Deployment(docs, cluster, certs)
+    return Deployment(docs, cluster, certs, others)
+
+
+def provision_node(tmp: Path, node: str) -> Path:
+    """The node's key, installed on the emulated node by docs/deployment.md's commands ("Each
+    node's key"), run as written with the node's root in place of ``/``."""
+    node_root = tmp / "nodes" / node
+    node_root.mkdir(parents=True, exist_ok=True)
+    block = doc_block(DOCS, "### Each node's key")
+    assert "/etc/timeslice/node-tls" in block, block
+    block = block.replace("N=gpu-1", f"N={node}").replace("/etc/", f"{node_root}/etc/")
+    run_doc_block(block, tmp)
+    return node_root
 
 
 def _matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
@@ -235,6 +253,7 @@ def plan(dep: Deployment, pods: PodSet, block: int) -> Plan:
         for suffix in suffixes[: int(orchestrator["spec"]["replicas"])]
     ]
     agents = one(docs, "DaemonSet", "timeslice-agent")
+    provision_node(pods.workdir, NODE)
     agent = planner.pod(agents, "timeslice-agent-h5v2c", node=NODE)
     planner.services()
     containers = {id(p): c for p, c, _ in planner.planned}

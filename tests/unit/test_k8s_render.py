@@ -221,6 +221,17 @@ def _mounted_from_secret(pod: dict[str, Any], container: dict[str, Any], path: s
     raise AssertionError(f"{path} is not mounted in {container['name']}")
 
 
+def _mounted_from_host(pod: dict[str, Any], container: dict[str, Any], path: str) -> str:
+    """The host directory that the file ``path`` of ``container`` comes from (fails if none)."""
+    volumes = {v["name"]: v for v in pod["spec"]["template"]["spec"].get("volumes", [])}
+    for mount in container.get("volumeMounts", []):
+        if path.startswith(mount["mountPath"].rstrip("/") + "/"):
+            host = volumes[mount["name"]].get("hostPath")
+            assert host is not None and mount.get("readOnly"), f"{path}: {mount}"
+            return str(host["path"])
+    raise AssertionError(f"{path} is not mounted in {container['name']}")
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_hop_is_tls_with_certificates_from_secrets(
     overlay: str, monkeypatch: pytest.MonkeyPatch
@@ -244,8 +255,9 @@ def test_every_hop_is_tls_with_certificates_from_secrets(
     agent_config = parse_config(args, _env(agent))
     assert agent_config.tls is not None and not agent_config.insecure
     assert agent_config.tls.cert == f"/etc/timeslice/tls/node-{node}.crt"
+    # The node's own pair, from the node's disk: no Secret hands every node's key to the agents.
     for path in agent_config.tls.paths():
-        _mounted_from_secret(daemonset, agent, path)
+        assert _mounted_from_host(daemonset, agent, path) == "/etc/timeslice/node-tls"
     etcd = _one(docs, "StatefulSet", "etcd")
     command = " ".join(_container(etcd)["command"])
     assert "http://" not in command and "--client-cert-auth" in command
