@@ -1,11 +1,13 @@
 # timeslice: co-operative accelerator time-slicing for RL jobs.
-# `make test` and `make demo` work on a fresh machine: they create .venv and install everything.
+# `make test` and `make demo` work on a fresh machine: they create .venv; `make test` installs
+# everything (.[dev]), `make demo` only what the demo runs (.[demo]: services, tools, etcd).
 
 PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
 PY     := $(BIN)/python
 STAMP  := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 PKGS   := -p timeslice -p timeslice_tools -p timeslice_orchestrator -p timeslice_agent
 
 .PHONY: venv test test-fast fuzz lint typecheck protos demo demo-rl cluster bench bench-quick soak clean
@@ -16,7 +18,14 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
-	touch $(STAMP)
+	touch $(STAMP) $(DEMO_STAMP)
+
+# The demo's own, smaller install (no test, lint or ML toolchain); .[dev] includes it.
+$(DEMO_STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[demo]'
+	touch $(DEMO_STAMP)
 
 test: $(STAMP) lint
 	$(BIN)/pytest -n auto -q
@@ -42,7 +51,7 @@ typecheck: lint
 protos: $(STAMP)
 	PATH=$(abspath $(BIN)):$$PATH $(PY) scripts/protogen.py libs/timeslice_proto
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(PY) -m timeslice_tools.dev.demo
 
 # Two real GRPO jobs (TRL, CPU) time-sliced on one group through the app backend; exits
@@ -64,5 +73,18 @@ bench-quick: $(STAMP)
 soak: $(STAMP)
 	$(PY) -m bench.soak --duration 600 --out bench/results/soak-600s.json
 
+# The published distributions (packaging/README.md): timeslice-sdk, -services, -tools wheels.
+.PHONY: wheels
+wheels:
+	$(PYTHON) -m pip wheel --no-deps -w dist packaging/sdk packaging/services packaging/tools
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# The one image every manifest runs (k8s/base/kustomization.yaml `images:`, compose). Push it to
+# your registry with IMAGE=... and point your overlay's `images:` at it (docs/deployment.md).
+IMAGE ?= ghcr.io/timeslice/timeslice
+TAG   ?= 0.1.0
+.PHONY: image
+image:
+	docker build -t $(IMAGE):$(TAG) .

@@ -45,7 +45,7 @@ How it works, and what follows from it:
 
 The same code runs on CPU tensors (the tests do): there the "device" copy is a plain,
 synchronous copy into a separate host buffer. ``torch`` is an optional dependency
-(``timeslice[torch]``); ``import timeslice`` does not import this module.
+(``timeslice-sdk[torch]``); ``import timeslice`` does not import this module.
 """
 
 from __future__ import annotations

@@ -12,9 +12,14 @@ with nothing set) and its YAML anchors, runs as a pod of tests.deploy.pods: its 
 their container paths, the service names on loopback. The certificates are made by the
 commands docs/deployment.md gives for Compose. Order follows ``depends_on``: etcd (healthy over
 mutual TLS as ``etcd``), ``etcd-auth`` (must complete successfully), the three orchestrators,
-the two agents; jaeger, prometheus and grafana are third-party images and are not started
-(the services' OTLP exporter then finds no receiver at ``jaeger:4317``, which they survive);
-``agent-gpu`` is in the ``gpu`` profile, not started by a plain ``up``.
+the two agents, then the ``demo`` profile (``docker compose --profile demo up``): the two
+workers services register with their agents, and ``demo-job`` takes turns on ``demo-pool`` as
+two jobs until it has seen ``DEMO_SWITCHES`` switches (set through Compose's interpolation, as
+``DEMO_SWITCHES=3 docker compose ...`` would). jaeger, prometheus and grafana are third-party
+images and are not started (the services' OTLP exporter then finds no receiver at
+``jaeger:4317``, which they survive); ``agent-gpu`` is in the ``gpu`` profile, not started.
+The ``pid: service:agent-N`` of the demo workers is not emulated (every pod here shares this
+machine's pid namespace); the test checks that each names the agent whose socket it uses.
 """
 
 from __future__ import annotations
@@ -60,12 +65,14 @@ IMAGES: dict[str, tuple[list[str], list[str]]] = {
     "quay.io/coreos/etcd:v3.5.17": ([], ["/usr/local/bin/etcd"]),
 }
 NOT_STARTED = {
-    "jaeger": "third-party image (Jaeger all-in-one)",
+    "jaeger": "third-party image (Jaeger v2)",
     "prometheus": "third-party image",
     "grafana": "third-party image",
 }
 GROUP = "compose-pool"
 JOBS = ("job-a", "job-b")
+PROFILES = {"demo"}
+DEMO_SWITCHES = 3
 
 
 def _check(path: Path) -> subprocess.CompletedProcess[str]:
@@ -128,9 +135,13 @@ def http_port(argv: list[str]) -> str:
 @pytest.mark.skipif(os.geteuid() != 0, reason="pods need mount namespaces (run as root)")
 def test_compose_services_start_and_serve_a_switch(tmp_path: Path) -> None:
     certs = make_certs(tmp_path)
-    compose = load(COMPOSE, env={})
+    compose = load(COMPOSE, env={"DEMO_SWITCHES": str(DEMO_SWITCHES), "DEMO_HOLD": "1"})
     services: dict[str, dict[str, Any]] = compose["services"]
-    started = [n for n, s in services.items() if n not in NOT_STARTED and not s.get("profiles")]
+    started = [
+        n
+        for n, s in services.items()
+        if n not in NOT_STARTED and (not s.get("profiles") or PROFILES & set(s["profiles"]))
+    ]
     assert set(started) == {
         "etcd",
         "etcd-auth",
@@ -139,7 +150,11 @@ def test_compose_services_start_and_serve_a_switch(tmp_path: Path) -> None:
         "orchestrator-2",
         "agent-0",
         "agent-1",
+        "demo-workers-0",
+        "demo-workers-1",
+        "demo-job",
     }, started
+    assert services["jaeger"]["image"].startswith("jaegertracing/jaeger:2.")
     address = loopback_block(64)
     pods = PodSet(tmp_path)
     ips = {name: address(i + 1) for i, name in enumerate(services)}
@@ -236,5 +251,29 @@ def test_compose_services_start_and_serve_a_switch(tmp_path: Path) -> None:
         nodes = ("node-0", "node-1")
         assert first["resident"] == dict.fromkeys(nodes, JOBS[0]), result
         assert second["resident"] == dict.fromkeys(nodes, JOBS[1]), result
-        down = [p for p in (*orchestrators, *agents, etcd) if not p.running()]
+
+        # The demo profile: its workers on each agent's socket, then its jobs switching.
+        demo_workers = [planned["demo-workers-0"], planned["demo-workers-1"]]
+        for agent, pod in zip(agents, demo_workers, strict=True):
+            # Registration needs the agent's pid namespace: the one whose socket it dials.
+            assert services[pod.name]["pid"] == f"service:{agent.name}", pod.name
+            socket = pod.argv[pod.argv.index("--socket") + 1]
+            assert socket == agent.argv[agent.argv.index("--worker-socket") + 1], pod.argv
+            dependencies_met(pod.name)
+            pods.start(pod)
+        for pod in demo_workers:
+            pods.wait_for(
+                f"{pod.name} registered both jobs",
+                functools.partial(lambda p: p.tail().count(" registered ") == 2, pod),
+                [pod, *agents],
+            )
+        demo = planned["demo-job"]
+        dependencies_met(demo.name)
+        code = pods.run_to_completion(demo, timeout=120)
+        assert code == 0, pods.fail(f"demo-job exited {code}", demo, *demo_workers, *agents)
+        log = demo.tail(200)
+        switched = [line for line in log.splitlines() if "switched from demo-" in line]
+        assert len(switched) >= DEMO_SWITCHES, pods.fail("too few switches", demo)
+        assert f"done: {len(switched)} switches" in log, log
+        down = [p for p in (*orchestrators, *agents, *demo_workers, etcd) if not p.running()]
         assert not down, pods.fail("pods exited", *down)

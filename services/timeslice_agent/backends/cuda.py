@@ -158,7 +158,7 @@ class DriverApi:
             from cuda.bindings import driver
         except ImportError:
             raise CudaUnavailable(
-                "cuda-bindings is not installed (pip install 'timeslice[cuda]')"
+                "cuda-bindings is not installed (pip install 'timeslice-services[cuda]')"
             ) from None
         self.bindings_version = _bindings_version()
         missing = [name for name in REQUIRED_DRIVER_SYMBOLS if not _has_symbol(driver, name)]
