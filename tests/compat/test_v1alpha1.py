@@ -80,7 +80,9 @@ async def test_blocking_acquire_hands_over_and_restores(
             yielded = await a.ok("Yield", job_id="a", group_id="g")
             assert yielded == {"success": True, "pending_waiters": "1", "snapshot_deferred": False}
             grant = await asyncio.wait_for(waiter, 30)
-            assert grant["success"] and grant["context_restored"], grant
+            # b's state never left the devices, so nothing was restored: the honest answer
+            # the compat notes allow (the reference says true after every switch).
+            assert grant["success"] and not grant["context_restored"], grant
             assert int(grant["waited_ms"]) >= 300
 
             got = await until(a, lambda s: s["group"]["group_state"] == "STATE_LOCKED")
@@ -95,6 +97,9 @@ async def test_blocking_acquire_hands_over_and_restores(
             assert got["group"]["loaded_job"] == "b" and got["group"]["locking_job"] == ""
             again = await b.ok("Yield", job_id="b", group_id="g")
             assert again["success"], "Yield when nobody holds succeeds"
+            # a's state was parked: its next grant restores it, and says so.
+            back = await a.ok("Acquire", job_id="a", group_id="g")
+            assert back["success"] and back["context_restored"], back
 
 
 async def test_status_codes(cluster_factory: ClusterFactory, v1alpha1: V1Factory) -> None:
@@ -145,7 +150,7 @@ async def test_status_during_a_switch(cluster_factory: ClusterFactory, v1alpha1:
             assert "STATE_TRANSITIONING" in jobs(got).values(), got
             assert not waiter.done()
             grant = await asyncio.wait_for(waiter, 60)
-            assert grant["context_restored"]
+            assert not grant["context_restored"]  # b's state never left: nothing to restore
             got = await status(a)
             assert got["group"]["group_state"] == "STATE_LOCKED"
             assert got["group"]["active_job"] == "b" and got["group"]["loaded_job"] == "b"
@@ -336,6 +341,8 @@ async def test_tls_job_identity_is_checked(
 async def test_faulted_switch_answers_unavailable(
     cluster_factory: ClusterFactory, v1alpha1: V1Factory
 ) -> None:
+    """a's state can not be checkpointed: a is the one faulted (UNAVAILABLE when it asks
+    again), never b, which waits and is granted once a's processes are gone."""
     cluster = cluster_factory(
         tls=False,
         agents=1,
@@ -343,16 +350,18 @@ async def test_faulted_switch_answers_unavailable(
         orchestrator_args=COMPAT,
     )
     socket = str(cluster.agent_sockets["node-0"])
-    with (
-        register("g", job_id="a", socket=socket, state_bytes=64 << 20),
-        register("g", job_id="b", socket=socket, state_bytes=64 << 20),
-    ):
+    worker_a = register("g", job_id="a", socket=socket, state_bytes=64 << 20)
+    with register("g", job_id="b", socket=socket, state_bytes=64 << 20):
         async with v1alpha1(cluster.target) as a, v1alpha1(cluster.target) as b:
             await a.ok("Acquire", job_id="a", group_id="g")
-            waiter = asyncio.create_task(b.call("Acquire", timeout=60, job_id="b", group_id="g"))
+            waiter = asyncio.create_task(b.call("Acquire", timeout=90, job_id="b", group_id="g"))
             await until(a, lambda s: s["group"]["waiter_queue_depth"] == "1")
             await a.ok("Yield", job_id="a", group_id="g")
-            reply = await asyncio.wait_for(waiter, 60)
-            assert not reply["ok"] and reply["code"] == "UNAVAILABLE", reply
+            again = await a.call("Acquire", timeout=60, job_id="a", group_id="g")
+            assert not again["ok"] and again["code"] == "UNAVAILABLE", again
             got = await status(a)
-            assert jobs(got).get(("node-0", "b")) == "STATE_FAULTED", got
+            assert jobs(got).get(("node-0", "a")) == "STATE_FAULTED", got
+            assert not waiter.done(), "b is not faulted for a's stuck state"
+            worker_a.close()  # a's processes are gone: nothing of it is left to move
+            reply = await asyncio.wait_for(waiter, 60)
+            assert reply["ok"] and reply["resp"]["success"], reply

@@ -82,7 +82,8 @@ async def test_agent_sdk_and_cli_reach_replicas_by_name_and_fail_over(
             await asyncio.sleep(0.2)
             await a.yield_("g")
             grant = await waiter
-            assert grant.restored and grant.previous_job_id == "a"  # moved on the named node
+            # a was moved off the named node (b's state never left it: nothing restored).
+            assert grant.previous_job_id == "a" and not grant.restored
             await b.yield_("g")
 
             # The first name goes away: the agent and the clients go on through the second.
