@@ -36,16 +36,15 @@ phases, or after ``train()``, does it inside :meth:`TimeSlicedTrainer.hold`.
 from __future__ import annotations
 
 import logging
-import threading
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from timeslice.errors import InvalidArgument
 from timeslice.ids import validate_group_id
+from timeslice.integrations._hold import GroupHold, Hold
+
+__all__ = ["Hold", "TimeSlicedTrainer", "time_slice"]
 
 if TYPE_CHECKING:
     from timeslice._types import Grant
@@ -60,20 +59,10 @@ GENERATION_HOOK = "_generate_and_score_completions"
 LOSS_HOOK = "compute_loss"
 
 
-@dataclass
-class Hold:
-    """One hold of the group: which phase, when it was asked for, granted and given back."""
-
-    phase: str
-    requested_at: float  # time.time()
-    granted_at: float
-    restored: bool  # the grant brought this job's state back to the devices
-    released_at: float = 0.0  # 0 while held
-
-
-class TimeSlicedTrainer:
+class TimeSlicedTrainer(GroupHold):
     """A trainer's phases wired to one group (see the module docstring). Made by
-    :func:`time_slice`; a context manager that undoes the wiring and ends the registration."""
+    :func:`time_slice`; a context manager that undoes the wiring and ends the registration.
+    :attr:`holds` records every hold: ``generation``, ``training`` or ``hold``."""
 
     def __init__(
         self,
@@ -85,60 +74,12 @@ class TimeSlicedTrainer:
         timeout: float | None,
         on_grant: Callable[[str, Grant], None] | None,
     ) -> None:
+        super().__init__(client, group_id, timeout=timeout, on_grant=on_grant)
         self.trainer = trainer
-        self.client = client
-        self.group_id = group_id
         self.offloader = offloader
-        self.timeout = timeout
         self.registration: WorkerRegistration | None = None
-        self.holds: list[Hold] = []
-        """Every hold, in order: its phase (``generation``, ``training``, ``hold``) and times."""
-        self._on_grant = on_grant
-        self._held = False
-        # The trainer calls from one thread; hold() may come from another (a saver thread).
-        self._lock = threading.Lock()
         self._originals: dict[str, Any] = {}
         self._callback: Any = None
-
-    # ------------------------------------------------------------------ the hold
-
-    @property
-    def held(self) -> bool:
-        """True while this job holds the group through this wrapper."""
-        return self._held
-
-    def enter(self, phase: str) -> None:
-        """Hold the group for ``phase`` (no-op when already held)."""
-        with self._lock:
-            if self._held:
-                return
-            asked = time.time()
-            grant = self.client.acquire(self.group_id, timeout=self.timeout)
-            self._held = True
-            self.holds.append(Hold(phase, asked, time.time(), grant.restored))
-        if self._on_grant is not None:
-            self._on_grant(phase, grant)
-
-    def leave(self) -> None:
-        """Give the group back (no-op when not held)."""
-        with self._lock:
-            if not self._held:
-                return
-            self._held = False
-            self.client.yield_(self.group_id)
-            self.holds[-1].released_at = time.time()
-
-    @contextmanager
-    def hold(self) -> Iterator[None]:
-        """Hold the group for a block outside the trainer's phases (saving, evaluating the
-        final model); a no-op inside a phase."""
-        already = self._held
-        self.enter("hold")
-        try:
-            yield
-        finally:
-            if not already:
-                self.leave()
 
     # ------------------------------------------------------------------ wiring
 

@@ -60,18 +60,25 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-import threading
-import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from timeslice.errors import InvalidArgument
 from timeslice.ids import validate_group_id, validate_job_id
+from timeslice.integrations._hold import Acquirer, GroupHold, Hold
 
 if TYPE_CHECKING:
-    from timeslice._types import Grant
     from timeslice.worker import WorkerRegistration
+
+__all__ = [
+    "Hold",
+    "Slicer",
+    "TimeSlicedMixin",
+    "hydra_overrides",
+    "register_trainers",
+    "runtime_env_vars",
+    "trainer_class",
+]
 
 log = logging.getLogger("timeslice.integrations.verl")
 
@@ -116,28 +123,10 @@ HOOKS: Mapping[str, tuple[str, ...]] = {
 }
 
 
-class _Client(Protocol):
+class _Client(Acquirer, Protocol):
     """What the trainer needs of a client (TimeSliceOrchestratorClient has it)."""
 
-    @property
-    def job_id(self) -> str: ...
-
-    def acquire(self, group_id: str, *, timeout: float | None = None) -> Grant: ...
-
-    def yield_(self, group_id: str) -> None: ...
-
     def close(self) -> None: ...
-
-
-@dataclass
-class Hold:
-    """One hold of the group: why it was taken, when it was asked for, granted, given back."""
-
-    reason: str  # "init" or "step"
-    requested_at: float  # time.time()
-    granted_at: float
-    restored: bool
-    released_at: float = 0.0  # 0 while held
 
 
 def runtime_env_vars(
@@ -192,21 +181,19 @@ def hydra_overrides(
     ]
 
 
-class Slicer:
+class Slicer(GroupHold):
     """The group's holds for one trainer: taken at ``init``, cycled at each step's gap.
+    :attr:`holds` records them (reason ``init`` or ``step``).
 
     Thread-safe: the agent calls the app hooks from another thread while the trainer's
     thread waits in :meth:`switch`.
     """
 
+    client: _Client  # it also closes the client
+
     def __init__(self, client: _Client, group_id: str, *, timeout: float | None = None) -> None:
-        self.client = client
-        self.group_id = validate_group_id(group_id)
-        self.timeout = timeout
-        self.holds: list[Hold] = []
+        super().__init__(client, group_id, timeout=timeout)
         self.registration: WorkerRegistration | None = None
-        self._held = False
-        self._lock = threading.Lock()
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Slicer:
@@ -226,30 +213,6 @@ class Slicer:
 
         client = TimeSliceOrchestratorClient(env[TARGET_ENV], job_id=env[JOB_ENV])
         return cls(client, env[GROUP_ENV], timeout=timeout)
-
-    @property
-    def held(self) -> bool:
-        """True while the job holds the group through this slicer."""
-        return self._held
-
-    def enter(self, reason: str) -> None:
-        """Hold the group (no-op when already held)."""
-        with self._lock:
-            if self._held:
-                return
-            asked = time.time()
-            grant = self.client.acquire(self.group_id, timeout=self.timeout)
-            self._held = True
-            self.holds.append(Hold(reason, asked, time.time(), grant.restored))
-
-    def leave(self) -> None:
-        """Give the group back (no-op when not held)."""
-        with self._lock:
-            if not self._held:
-                return
-            self._held = False
-            self.client.yield_(self.group_id)
-            self.holds[-1].released_at = time.time()
 
     def switch(self) -> None:
         """The gap between two holds: give the group back and queue for it again."""
