@@ -5,6 +5,9 @@ the method's schema with random (often out-of-range, badly encoded) values, raw 
 a valid message cut short, or a gRPC frame whose declared length lies. Properties:
 
 - every answer is a typed status (never UNKNOWN or INTERNAL), a refusal saying its kind;
+- a message that is not a strict encoding of its type (by :func:`timeslice.wire.validate`,
+  and in fixed cases built to be wrong) is refused as malformed, by the strict codec, before
+  any handler sees it: betterproto2 alone would read most of them leniently;
 - the services stay up, and no traceback reaches their logs;
 - etcd is byte-for-byte unchanged by a refused call.
 
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +32,7 @@ from hypothesis import strategies as st
 from tests.conftest import ClusterFactory
 from tests.integration.etcdview import snapshot
 from tests.wirecalls import TYPED, frame, raw_call, raw_channel, varint
+from timeslice.wire import MalformedMessage, validate
 from timeslice_proto.timeslice.v1 import (
     AcquireRequest,
     AgentMessage,
@@ -155,9 +159,40 @@ def cases(methods: dict[str, type[betterproto2.Message]]) -> st.SearchStrategy[C
 # -- running cases against real processes ----------------------------------------------------
 
 
+def malformed(case: Case, methods: dict[str, type[betterproto2.Message]]) -> str | None:
+    """The request type's name if ``case`` is a whole frame whose message is not strict."""
+    header, payload = case.data[:5], case.data[5:]
+    if header != frame(payload)[:5]:
+        return None  # a lying or compressed frame: refused before the codec
+    cls = methods[case.method]
+    try:
+        validate(payload, cls)
+    except MalformedMessage:
+        return cls.__name__
+    return None
+
+
+# Known wrong, whatever ``validate`` says: betterproto2 reads each without complaint (a value
+# masked or taken as true, a truncated field cut short, a list in a number, a group skipped),
+# so only the strict codec refuses them.
+_REGISTER = "/timeslice.v1.WorkerLink/Register"
+_COMPLETE = "/timeslice.v1.WorkerLink/CompleteCommand"
+AGENT_MALFORMED = (
+    Case(_REGISTER, frame(varint(3 << 3) + varint(2**32 + 5))),  # pid: uint32
+    Case(_REGISTER, frame(varint(6 << 3) + varint(7))),  # acquirer: bool
+    Case(_REGISTER, frame(varint(4 << 3 | 2) + varint(1) + b"\x01")),  # state_bytes: LEN
+    Case(_COMPLETE, frame(varint(1 << 3 | 2) + varint(10) + b"ab")),  # command_id truncated
+    Case(_COMPLETE, frame(varint(2 << 3) + varint(2))),  # ok: bool
+    Case(_COMPLETE, frame(varint(9 << 3 | 3))),  # a group (wire type 3)
+)
+
+
 class Harness:
-    def __init__(self, cluster: LocalCluster, target: str) -> None:
+    def __init__(
+        self, cluster: LocalCluster, target: str, methods: dict[str, type[betterproto2.Message]]
+    ) -> None:
         self.cluster = cluster
+        self.methods = methods
         self.loop = asyncio.new_event_loop()
         self.channel: Channel = self.loop.run_until_complete(self._channel(target))
         self.statuses: dict[str, int] = {}
@@ -188,6 +223,15 @@ class Harness:
         name = outcome.status.name
         self.statuses[name] = self.statuses.get(name, 0) + 1
         assert outcome.status in TYPED, f"{case}: untyped {outcome.status.name} {outcome.message}"
+        wrong = malformed(case, self.methods)
+        if wrong is not None:
+            # The strict codec refuses it before a handler runs (validation switched off, a
+            # handler would see betterproto2's lenient reading of it).
+            assert outcome.status.name == "INVALID_ARGUMENT", f"{case}: {name} {outcome.message}"
+            assert outcome.message.startswith(f"[invalid_argument] malformed {wrong}: "), (
+                f"{case}: {outcome.message!r} is not the strict codec's refusal"
+            )
+            self.statuses["malformed"] = self.statuses.get("malformed", 0) + 1
         if outcome.refused and outcome.status.name != "DEADLINE_EXCEEDED":
             if case.method.startswith("/timeslice.v1.TimeSlice/") or outcome.message.startswith(
                 "malformed"
@@ -220,9 +264,17 @@ def fuzz_cluster(cluster_factory: ClusterFactory) -> Iterator[LocalCluster]:
     yield cluster_factory(agents=1, orchestrator_args=["--max-message-bytes=65536"])
 
 
-def _fuzz(cluster: LocalCluster, target: str, methods: dict[str, type[Any]]) -> None:
-    harness = Harness(cluster, target)
+def _fuzz(
+    cluster: LocalCluster,
+    target: str,
+    methods: dict[str, type[Any]],
+    known_malformed: Sequence[Case] = (),
+) -> None:
+    harness = Harness(cluster, target, methods)
     state = {"before": harness.quiet_snapshot()}
+    for case in known_malformed:
+        assert malformed(case, methods), f"{case} is a strict encoding after all"
+        assert not harness.run(case, state["before"]), f"{case} was accepted"
 
     @given(cases(methods))
     def property_(case: Case) -> None:
@@ -234,6 +286,8 @@ def _fuzz(cluster: LocalCluster, target: str, methods: dict[str, type[Any]]) -> 
         print(f"statuses over {target}: {dict(sorted(harness.statuses.items()))}")
     finally:
         harness.close()
+    # The corpus reaches the codec's refusals (not only the frame checks before it).
+    assert harness.statuses.get("malformed", 0) >= len(known_malformed) + 1, harness.statuses
     assert cluster.exited() == {}, "a service died"
     _no_tracebacks(cluster)
 
@@ -243,4 +297,5 @@ def test_fuzz_orchestrator_rpcs(fuzz_cluster: LocalCluster) -> None:
 
 
 def test_fuzz_agent_rpcs(fuzz_cluster: LocalCluster) -> None:
-    _fuzz(fuzz_cluster, f"unix:{fuzz_cluster.agent_sockets['node-0']}", AGENT_METHODS)
+    target = f"unix:{fuzz_cluster.agent_sockets['node-0']}"
+    _fuzz(fuzz_cluster, target, AGENT_METHODS, AGENT_MALFORMED)

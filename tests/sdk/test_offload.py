@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -715,19 +716,34 @@ def test_cycle_stats_split_the_time() -> None:
     assert back is not None and 0 < back.copy_seconds <= back.seconds
 
 
-def test_concurrent_hooks_move_the_state_once() -> None:
+def test_concurrent_hooks_move_the_state_once(monkeypatch: pytest.MonkeyPatch) -> None:
     t = torch.randn(64)
     offloader = TorchOffloader()
     offloader.add_tensors(t)
     results: list[int] = []
     lock = threading.Lock()
+    # The race made certain: a call that reaches the copy waits there for the others, and
+    # once copied for them again (so none frees a storage another still reads). With the
+    # offloader's lock the others are held at the lock: the first waits out the timeout and
+    # moves the state alone. Without it, every call planned the same copy and all move it.
+    overlap = threading.Barrier(4, timeout=1.0)
+    copy = offloader._run
+
+    def copy_when_overlapping(copies: list[Any]) -> None:
+        with contextlib.suppress(threading.BrokenBarrierError):
+            overlap.wait()
+        copy(copies)
+        with contextlib.suppress(threading.BrokenBarrierError):
+            overlap.wait()
+
+    monkeypatch.setattr(offloader, "_run", copy_when_overlapping)
 
     def run() -> None:
         moved = offloader.offload()
         with lock:
             results.append(moved)
 
-    threads = [threading.Thread(target=run) for _ in range(4)]
+    threads = [threading.Thread(target=run) for _ in range(overlap.parties)]
     for thread in threads:
         thread.start()
     for thread in threads:
