@@ -25,8 +25,13 @@ Every directive received gets exactly one ack:
    back in another (:meth:`DirectiveExecutor.check_registration`). A directive of its old group
    then finds nothing of the job to move there and is acked OK without acting.
 8. A directive that moved a job's state is acked OK only once the job's new state is in the
-   state file; when the file cannot be written (after brief retries, within the deadline) the
-   ack is FAILED, as it is when the write before acting fails.
+   state file. When the state file cannot be written (a full or read-only disk), before acting
+   or after, the directive is not answered and the node stops answering directives at all:
+   the link tells the orchestrator (``StateUnwritable``), which fences the node out as if it
+   had gone silent, so its switches go on without it and no job is faulted for the disk
+   (``docs/fencing.md``). The write is retried in the background (at most every
+   :data:`UNWRITABLE_RETRY_MAX_SECONDS`); once one succeeds, the link says hello again and the
+   node rejoins. An ack remembered but not written is written then, with the rest.
 """
 
 from __future__ import annotations
@@ -82,10 +87,9 @@ MAX_DIRECTIVE_ID_LENGTH = 256
 # Jobs whose left groups are remembered (the oldest are forgotten first); past it, a late
 # directive of a group the job left long ago is refused, as before jobs could move.
 _LEFT_JOBS = 4096
-# Waits before writing a moved job's state again when the write failed (a disk that is
-# briefly full or slow); never past the directive's deadline. Kept short: the orchestrator
-# is waiting for the ack, and a FAILED one lets it roll the switch back.
-_DURABLE_RETRY_DELAYS = (0.1, 0.4)
+# While the state file cannot be written, the write is retried after these waits (doubling).
+UNWRITABLE_RETRY_INITIAL_SECONDS = 0.2
+UNWRITABLE_RETRY_MAX_SECONDS = 2.0
 # At most this long for the process scan a checkpoint runs first (the periodic one goes on).
 _RESCAN_SECONDS = 2.0
 
@@ -118,6 +122,8 @@ class _Outcome:
 
 
 _OK_NOTHING = _Outcome(AckStatus.OK)
+# Not acted on, and not answered: the state file cannot be written (the node is being fenced).
+_UNANSWERED = _Outcome(AckStatus.UNSPECIFIED, "the state file cannot be written")
 
 
 def _pin(pids: tuple[int, ...]) -> tuple[ProcessIdentity, ...]:
@@ -183,6 +189,10 @@ class DirectiveExecutor:
         self._fence_revision = 0  # no directive below it acts, whatever its group
         # Why directives must not run now (the link's stall detector), or None.
         self.stalled: Callable[[], str | None] = lambda: None
+        # Why the state file cannot be written ("" while it can); told to the link.
+        self._unwritable = ""
+        self.on_unwritable: Callable[[str], None] = lambda reason: None
+        self.on_writable: Callable[[], None] = lambda: None
         # The groups each job left on this node since the agent started (its processes there
         # ended): a late directive of one of them, for the job now in another group here,
         # finds nothing to move instead of being refused as the orchestrator's mistake.
@@ -305,9 +315,54 @@ class DirectiveExecutor:
             await self.store.save()
         except StateWriteError as exc:
             self._metrics.state_write_failures.inc()
-            log.error("%s", exc)
+            if not self._unwritable:
+                log.error("%s", exc)
+            self._state_unwritable(exc)
             return exc
+        self._state_writable()
         return None
+
+    @property
+    def unwritable(self) -> str | None:
+        """Why the state file cannot be written, or None while it can."""
+        return self._unwritable or None
+
+    def _state_unwritable(self, exc: StateWriteError) -> None:
+        """Stop answering directives until a write succeeds; retry it in the background."""
+        if self._unwritable:
+            return
+        self._unwritable = str(exc)
+        log.error(
+            "the state file %s cannot be written: this node answers no directive until it can "
+            "(the orchestrator fences it out); retrying at most every %g s",
+            self.store.path,
+            UNWRITABLE_RETRY_MAX_SECONDS,
+        )
+        self.on_unwritable(self._unwritable)
+        if not self._closing:  # a stopping agent's last write is not retried
+            self._supervisor.spawn(self._retry_writes(), name="state-retry", kind="persist")
+
+    def _state_writable(self) -> None:
+        if not self._unwritable:
+            return
+        self._unwritable = ""
+        log.warning("the state file %s can be written again: rejoining", self.store.path)
+        self.on_writable()
+
+    async def _retry_writes(self) -> None:
+        delay = UNWRITABLE_RETRY_INITIAL_SECONDS
+        while self._unwritable:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, UNWRITABLE_RETRY_MAX_SECONDS)
+            if not self._unwritable:
+                return
+            try:
+                await self.store.save()
+            except StateWriteError as exc:
+                self._metrics.state_write_failures.inc()
+                log.debug("the state file still cannot be written: %s", exc)
+                continue
+            self._state_writable()
 
     def _count_jobs(self) -> None:
         self._metrics.set_jobs(j.state for j in self._jobs.values())
@@ -419,6 +474,14 @@ class DirectiveExecutor:
         """Accept one directive from the stream (never blocks; work runs in its own task)."""
         loop = asyncio.get_running_loop()
         did = directive.directive_id
+        if self._unwritable:
+            # Not answered, not remembered: nothing may act that cannot be made durable, and
+            # an ack (even a stored one, perhaps not yet written) would be read as this node's
+            # word while the orchestrator is fencing it out for the disk. Sent again, if at
+            # all, on the stream of the next hello, once the state file can be written.
+            log.warning("directive %s not answered: the state file cannot be written", did)
+            self._metrics.refused.labels("unwritable").inc()
+            return
         # In flight first: its ack may be remembered already but not yet durable.
         running = self._ledger.running(did)
         if running is not None:
@@ -472,7 +535,13 @@ class DirectiveExecutor:
         )
 
     async def _ack_when_done(self, running: asyncio.Future[DirectiveAck]) -> None:
-        self._send_ack(await asyncio.shield(running))
+        try:
+            ack = await asyncio.shield(running)
+        except asyncio.CancelledError:
+            if running.cancelled():
+                return  # abandoned unanswered (the state file cannot be written)
+            raise
+        self._send_ack(ack)
 
     def _invalid(self, d: Directive) -> str | None:
         if not d.directive_id:
@@ -619,6 +688,8 @@ class DirectiveExecutor:
     async def _run_untraced(self, d: Directive, clock: _Clock) -> DirectiveAck:
         try:
             outcome = await self._execute(d, clock)
+            if outcome is _UNANSWERED:
+                return self._unanswered(d, clock)
         except asyncio.CancelledError:
             reason = "interrupted: the agent stopped during the directive"
             job = self._jobs.get(d.job_id)
@@ -639,49 +710,57 @@ class DirectiveExecutor:
             outcome = _Outcome(AckStatus.FAILED, reason)
         ack = self._ack(d, clock, outcome)
         if outcome.moved and ack.status is AckStatus.OK:
-            ack = await self._durable(d, clock, ack)
-            self._exit(d, ack, written=ack.status is AckStatus.OK)
+            if not await self._durable(ack):
+                self._ledger.abandon(d.directive_id)
+                log.warning(
+                    "directive %s %s job %s: done, but not answered: its outcome cannot be "
+                    "written to the state file (the node is fenced out until it can)",
+                    d.directive_id,
+                    d.kind.name.lower(),
+                    d.job_id,
+                )
+                return ack
+            self._exit(d, ack, written=True)
         else:
             self._exit(d, ack)
         return ack
 
-    async def _durable(self, d: Directive, clock: _Clock, ack: DirectiveAck) -> DirectiveAck:
-        """``ack`` once the job's new state and the ack itself are written, else a FAILED ack.
+    def _unanswered(self, d: Directive, clock: _Clock) -> DirectiveAck:
+        """Leave ``d`` unanswered and unremembered: it did not act, the disk is unwritable."""
+        self._ledger.abandon(d.directive_id)
+        log.warning(
+            "directive %s %s job %s not acted on and not answered: the state file cannot be "
+            "written (the node is fenced out until it can)",
+            d.directive_id,
+            d.kind.name.lower(),
+            d.job_id,
+        )
+        return self._ack(d, clock, _Outcome(AckStatus.FAILED, _UNANSWERED.error))
+
+    async def _durable(self, ack: DirectiveAck) -> bool:
+        """Whether the job's new state and ``ack`` itself are written.
 
         Until then the file says the job is TRANSITIONING from where it was (the write before
         acting), and a restarted agent faults it there, not where its state now is: a later
         restore would only re-run the app's hooks of a job whose state is parked, a later
-        checkpoint would save nothing of one whose state is on the devices. An OK would let
-        the orchestrator build on the move regardless; a FAILED makes it roll the switch back
-        (or isolate the restored job), as for a write that fails before acting. The job in
-        memory stays as the move left it, which is the truth the following directives act on
-        (nor could it be faulted safely here: this directive no longer holds the job's lock).
+        checkpoint would save nothing of one whose state is on the devices. So an OK is sent
+        only once written. When the write fails, nothing is sent: the node stops answering
+        and is fenced out (its switches go on without it, none of its jobs faulted for the
+        disk), and its next hello, once the file can be written, reports where the job's
+        state really is. The job in memory stays as the move left it, which is the truth the
+        following directives act on, and the ack stays in the ledger, to be written with the
+        next successful write.
         """
         # In the ledger before the write, so the one write that settles the job carries its
         # ack too: a re-send after a restart is answered, never executed again.
         self._ledger.remember(ack)
         try:
-            error = await self._save()
-            loop = asyncio.get_running_loop()
-            for delay in _DURABLE_RETRY_DELAYS:
-                if error is None:
-                    return ack
-                if clock.deadline is not None and loop.time() + delay >= clock.deadline:
-                    break
-                await asyncio.sleep(delay)
-                error = await self._save()
+            return await self._save() is None
         except asyncio.CancelledError:
             # As for a directive interrupted while it acted: the agent is stopping, and its
             # shutdown writes the state (with this ack) where the disk allows.
             self._ledger.release(ack)
             raise
-        if error is None:
-            return ack
-        reason = (
-            f"the {d.kind.name.lower()} was done but its outcome could not be made durable, "
-            f"so a restart of the agent would lose it: {error}"
-        )
-        return self._ack(d, clock, _Outcome(AckStatus.FAILED, reason, ack.bytes_moved))
 
     async def _execute(self, d: Directive, clock: _Clock) -> _Outcome:
         try:
@@ -758,15 +837,14 @@ class DirectiveExecutor:
         prev_state, prev_reason = job.state, job.reason
         job.transition(JobState.TRANSITIONING)
         self._count_jobs()
-        try:
-            # One write before acting: the accepted epoch must survive a crash, and a restart
-            # must see that this job was mid-move (it then comes back FAULTED, not "fine").
-            await self.store.save()
-        except StateWriteError as exc:
-            self._metrics.state_write_failures.inc()
+        # One write before acting: the accepted epoch must survive a crash, and a restart
+        # must see that this job was mid-move (it then comes back FAULTED, not "fine"). When
+        # it fails nothing acts and nothing is answered: the node is fenced out for its disk,
+        # not its job faulted (_save reports it).
+        if await self._save() is not None:
             job.transition(prev_state, prev_reason)
             self._count_jobs()
-            return _Outcome(AckStatus.FAILED, f"cannot persist state before acting: {exc}")
+            return _UNANSWERED
         scope = asyncio.timeout_at(clock.deadline)
         try:
             async with scope:

@@ -59,6 +59,12 @@ class AckLedger:
         if waiting is not None and not waiting.done():
             waiting.set_result(ack)
 
+    def abandon(self, directive_id: str) -> None:
+        """The directive will not be answered now (its re-sends waiting give up too)."""
+        waiting = self._running.pop(directive_id, None)
+        if waiting is not None and not waiting.done():
+            waiting.cancel()
+
     def _store(self, ack: DirectiveAck) -> None:
         self._acks[ack.directive_id] = ack
         self._acks.move_to_end(ack.directive_id)

@@ -1,10 +1,11 @@
 """Wiring of the agent: state file, backend, worker socket, HTTP, orchestrator link.
 
 Start order: load the state file (refusing a file of another node), re-adopt saved jobs, write
-the state back (a state file that cannot be written fails the start, not a later directive),
-serve the worker socket, serve HTTP, then dial the orchestrator. Stop order (SIGTERM/SIGINT):
-refuse new directives and let running ones finish briefly, close the stream, close the
-servers, save the state, remove the socket.
+the state back (a state file that cannot be written, on a full or read-only disk, holds the
+start there: the agent says so once and retries, serving nothing until a write succeeds, and
+never exits for it), serve the worker socket, serve HTTP, then dial the orchestrator. Stop
+order (SIGTERM/SIGINT): refuse new directives and let running ones finish briefly, close the
+stream, close the servers, save the state, remove the socket.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from timeslice_agent.nvml import (
 )
 from timeslice_agent.operations import OrchestratorOperations
 from timeslice_agent.procs import identity_of
-from timeslice_agent.statefile import StateFileError, load_state
+from timeslice_agent.statefile import StateFileError, StateWriteError, load_state
 from timeslice_agent.stream import OrchestratorLink
 from timeslice_agent.tasks import Supervisor
 from timeslice_agent.workers import WorkerLinkService, WorkerRegistry
@@ -58,6 +59,11 @@ CLOSE_SECONDS = 5.0
 # How long a registration waits for the orchestrator to record it. With the agent's check of
 # the worker's process (up to 5 s) it stays within the 10 s the SDK's register() waits.
 REGISTRATION_RECORD_SECONDS = 3.0
+# While the state file cannot be written at start, the write is retried after these waits.
+START_WRITE_RETRY_INITIAL_SECONDS = 0.2
+START_WRITE_RETRY_MAX_SECONDS = 2.0
+# ... and the agent says it still waits this often.
+START_WRITE_REMIND_SECONDS = 60.0
 _MAX_UNIX_PATH = 107
 # Owner and group may connect; nobody else (registering is a request to be frozen/checkpointed).
 WORKER_SOCKET_MODE = 0o660
@@ -181,6 +187,8 @@ class Agent:
             tls=config.tls,
         )
         self.executor.stalled = self.link.stalled
+        self.executor.on_unwritable = self.link.state_unwritable
+        self.executor.on_writable = self.link.state_writable
         self.devices: list[Device] = []
         self.memory: DeviceMemory | None = None
         self.finder: ProcessFinder | None = None
@@ -345,8 +353,7 @@ class Agent:
             raise AgentStartError(str(exc)) from None
         await self.executor.adopt(state)
         self._state_owned = True
-        if not await self.executor.persist():
-            raise AgentStartError(f"cannot write the state file {cfg.state_file}")
+        await self._first_write()
         self.devices = self.backend.devices(await discover_devices())
         await self._open_device_checks()
         await self._rescan()
@@ -398,6 +405,41 @@ class Agent:
             self.link.run_forever(), name="orchestrator-link", kind="link", critical=True
         )
 
+    async def _first_write(self) -> None:
+        """Write the state file before serving anything; while that fails, retry.
+
+        A full or read-only disk is an operator's matter that the agent cannot fix; exiting
+        would only have its supervisor restart it into the same failure (or give up). So it
+        says so once, retries with a bounded interval, and starts once a write succeeds.
+        """
+        path = self.config.state_file
+        loop = asyncio.get_running_loop()
+        delay = START_WRITE_RETRY_INITIAL_SECONDS
+        since = reminded = loop.time()
+        failed = False
+        while True:
+            try:
+                await self.executor.store.save()
+            except StateWriteError as exc:
+                self.metrics.state_write_failures.inc()
+                now = loop.time()
+                if not failed:
+                    failed = True
+                    log.error(
+                        "%s; not serving until it can be written: retrying at most every %g s",
+                        exc,
+                        START_WRITE_RETRY_MAX_SECONDS,
+                    )
+                elif now - reminded >= START_WRITE_REMIND_SECONDS:
+                    reminded = now
+                    log.error("%s (still, after %.0f s); retrying", exc, now - since)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, START_WRITE_RETRY_MAX_SECONDS)
+                continue
+            if failed:
+                log.warning("the state file %s can be written now; starting", path)
+            return
+
     def _accelerators(self) -> AcceleratorMemory | None:
         memory = self.memory
         return memory if isinstance(memory, NvmlDeviceMemory) else None
@@ -433,13 +475,29 @@ class Agent:
 
     async def run(self, stop: asyncio.Event) -> int:
         """Serve until ``stop`` is set (exit 0) or a critical task fails (exit 1)."""
+        stop_wait = asyncio.create_task(stop.wait(), name="stop-wait")
+        # The start may wait (for a writable state file): a stop request ends that wait.
+        starting = asyncio.create_task(self.start(), name="agent-start")
         try:
-            await self.start()
-        except AgentStartError as exc:
+            await asyncio.wait({starting, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not starting.done():
+                starting.cancel()
+                await asyncio.wait({starting})
+        if starting.cancelled():
+            log.info("stop requested before the agent started; shutting down")
+            stop_wait.cancel()
+            await self.shutdown()
+            return 0
+        exc = starting.exception()
+        if isinstance(exc, AgentStartError):
             log.error("agent cannot start: %s", exc)
+            stop_wait.cancel()
             await self.shutdown()
             return 2
-        stop_wait = asyncio.create_task(stop.wait(), name="stop-wait")
+        if exc is not None:
+            stop_wait.cancel()
+            raise exc
         fatal_wait = asyncio.create_task(self.supervisor.wait_fatal(), name="fatal-wait")
         try:
             done, _ = await asyncio.wait(

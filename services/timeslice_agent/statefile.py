@@ -241,7 +241,10 @@ def write_atomic(path: Path, data: bytes) -> None:
         finally:
             os.close(dir_fd)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass  # a read-only file system refuses even this (EROFS): nothing to remove there
         raise StateWriteError(f"cannot write state file {path}: {exc}") from exc
 
 

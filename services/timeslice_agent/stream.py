@@ -20,6 +20,12 @@ orchestrator may have fenced the node out meanwhile, so the link reports the sta
 drops the stream. Before each hello the link lets running directives finish (``settle``), so
 the hello reports what is really on the devices; the Welcome's fence revision goes to
 ``on_welcome``.
+
+A state file that cannot be written (:meth:`OrchestratorLink.state_unwritable`) is reported
+on the stream (``StateUnwritable``: the orchestrator fences the node out), directives are
+refused unanswered from then on, and no new stream is dialled until a write succeeds
+(:meth:`OrchestratorLink.state_writable`); the stream it was reported on is then dropped, so
+that the agent says hello again and learns its fence before it accepts any directive.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from timeslice_proto.timeslice.v1 import (
     DirectiveAck,
     Heartbeat,
     OrchestratorMessage,
+    StateUnwritable,
     Welcome,
     WorkerInfo,
     WorkersChanged,
@@ -134,6 +141,13 @@ class OrchestratorLink:
         self._recorded_version = 0
         self._records_workers = False
         self._recorded_changed = asyncio.Event()
+        # Why the state file cannot be written ("" while it can): no stream is dialled then.
+        self._unwritable = ""
+        self._unwritable_due = False  # to be reported on the current (or next) stream
+        self._writable = asyncio.Event()
+        self._writable.set()
+        # Set when the state file became unwritable during the current stream.
+        self._reported = asyncio.Event()
 
     @property
     def ready(self) -> bool:
@@ -194,6 +208,29 @@ class OrchestratorLink:
         self._acks.append(ack)
         self._wake.set()
 
+    def state_unwritable(self, reason: str) -> None:
+        """The state file cannot be written: tell the orchestrator, which fences the node out;
+        answer no directive, and dial no new stream, until :meth:`state_writable`."""
+        if self._unwritable:
+            return
+        self._unwritable = reason
+        self._unwritable_due = True
+        self._writable.clear()
+        self._reported.set()
+        self._wake.set()
+
+    def state_writable(self) -> None:
+        """The state file can be written again: say hello again (ending a stream on which the
+        node was reported unwritable: it may have been fenced meanwhile, and only the next
+        Welcome says so; directives wait for it)."""
+        if not self._unwritable:
+            return
+        self._unwritable = ""
+        self._unwritable_due = False
+        if self._ready and not self._stall:
+            self._stall = "the state file was unwritable on this stream: saying hello again"
+        self._writable.set()
+
     def _stall_threshold(self) -> float:
         return self._heartbeat_interval + self._liveness_timeout / 2
 
@@ -204,6 +241,8 @@ class OrchestratorLink:
         for that long (the loop is only now waking, and a directive that waited in a socket
         buffer is being read before the ticker's turn).
         """
+        if self._unwritable:
+            return f"the state file cannot be written ({self._unwritable})"
         if self._stall:
             return self._stall
         if self._liveness_timeout <= 0 or not self._ready:
@@ -223,6 +262,13 @@ class OrchestratorLink:
         """Connect, serve, reconnect; returns only by cancellation."""
         attempt = 0
         while True:
+            if not self._writable.is_set():
+                log.warning(
+                    "agent %s: not connecting to an orchestrator until the state file can be "
+                    "written",
+                    self._node,
+                )
+                await self._writable.wait()
             target = self._targets[attempt % len(self._targets)]
             attempt += 1
             try:
@@ -314,9 +360,13 @@ class OrchestratorLink:
     async def _serve(self, stream: _AgentStream) -> None:
         # Acks queued while no stream was up go out first.
         self._wake.set()
+        self._reported = asyncio.Event()
+        if self._unwritable:
+            self._reported.set()
         tasks = {
             asyncio.create_task(self._send_loop(stream), name="stream-send"),
             asyncio.create_task(self._recv_loop(stream), name="stream-recv"),
+            asyncio.create_task(self._end_when_writable(), name="stream-rewritable"),
         }
         if self._heartbeat_interval > 0:
             tasks.add(asyncio.create_task(self._tick(), name="stream-heartbeat"))
@@ -349,10 +399,21 @@ class OrchestratorLink:
             self._heartbeat_due = True
             self._wake.set()
 
+    async def _end_when_writable(self) -> None:
+        """End the stream on which the node was reported unwritable, once it is writable."""
+        await self._reported.wait()
+        await self._writable.wait()
+        log.info("agent %s: the state file can be written again; saying hello again", self._node)
+        raise StreamProtocolError("the state file can be written again: saying hello again")
+
     async def _send_loop(self, stream: _AgentStream) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            if self._unwritable_due:
+                self._unwritable_due = False
+                report = StateUnwritable(reason=self._unwritable)
+                await stream.send_message(AgentMessage(state_unwritable=report))
             if self._heartbeat_due:
                 self._heartbeat_due = False
                 self._heartbeat_seq += 1

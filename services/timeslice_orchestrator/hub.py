@@ -13,6 +13,9 @@ process), or that misses a directive's deadline, is fenced out: its agent record
 leaves every group at once), its residency is marked unknown, its stream is closed, and a fence
 record keeps the revision of the fence. Its next hello reconciles its residency from what it
 reports, and the Welcome tells it the fence revision, below which it refuses every directive.
+An agent that says it cannot write its state file (``StateUnwritable``: a full or read-only
+disk) is fenced out the same way, at once: it answers no directive until it can write again,
+and then says hello again.
 """
 
 from __future__ import annotations
@@ -92,6 +95,7 @@ class AgentConnection:
     last_heard: float = 0.0  # loop time of the last message from the agent
     fence_revision: int = 0  # the node's fence as its hello found it (0: never fenced)
     record_revision: int = 0  # the revision of this stream's last write of the agent record
+    unwritable: bool = False  # the agent said it cannot write its state file: being fenced
 
     def fail_pending(self, reason: str, error: type[AgentUnavailable] = AgentUnavailable) -> None:
         for fut in self.pending.values():
@@ -139,6 +143,8 @@ class AgentHub(AgentHubBase):
         # 0 disables heartbeats (and so fencing on silence; a missed deadline still fences).
         self._liveness_timeout = liveness_timeout
         self.fencer: Fencer = self._fence_alone
+        # Fences begun from a stream's reader: they outlive the stream they close.
+        self._fencing: set[asyncio.Task[None]] = set()
 
     @property
     def heartbeat_interval(self) -> float:
@@ -308,6 +314,33 @@ class AgentHub(AgentHubBase):
             woke = now + pause
             await asyncio.sleep(pause)
 
+    def _state_unwritable(self, conn: AgentConnection, detail: str) -> None:
+        """The agent cannot persist its state: fence it out as if it had stopped answering.
+
+        It answers no directive meanwhile (one it cannot make durable is not acted on), so
+        waiting for its deadlines would only stall its groups; a failed directive would fault
+        jobs that did nothing wrong. The fence fails its pending directives as
+        :class:`AgentFenced`: its switches go on without it, as for a silent node.
+        """
+        if conn.unwritable:
+            return
+        conn.unwritable = True
+        reason = f"agent {conn.node} cannot write its state file ({detail or 'no detail'})"
+        log.warning("%s: fencing it out", reason)
+        self._metrics.agents_fenced.labels(reason="unwritable").inc()
+        # Not in the reader: the fence ends this stream, and with it the reader.
+        task = asyncio.create_task(self._fence_now(conn.node, reason), name=f"fence-{conn.node}")
+        self._fencing.add(task)
+        task.add_done_callback(self._fencing.discard)
+
+    async def _fence_now(self, node: str, reason: str) -> None:
+        try:
+            await self.fencer(node, reason)
+        except StoreUnavailable as exc:
+            # Its stream is closed all the same (fence); the agent, unable to write, does not
+            # say hello again, so its record goes with its agent lease.
+            log.error("could not fence %s out: %s", node, exc)
+
     async def fence(self, node: str, reason: str, groups: list[str]) -> int:
         """Fence ``node`` out of its groups (the rule is in ``docs/fencing.md``).
 
@@ -415,6 +448,9 @@ class AgentHub(AgentHubBase):
         async for msg in messages:
             conn.last_heard = loop.time()
             if msg.heartbeat is not None:
+                continue
+            if msg.state_unwritable is not None:
+                self._state_unwritable(conn, msg.state_unwritable.reason)
                 continue
             if msg.ack is not None:
                 fut = conn.pending.pop(msg.ack.directive_id, None)

@@ -54,7 +54,8 @@ class Metrics:
             ["reason"],
             registry=r,
         )
-        for reason in ("deadline", "silent"):  # exported at 0: alerts see a series from start
+        # Exported at 0: alerts see a series from start.
+        for reason in ("deadline", "silent", "unwritable"):
             self.agents_fenced.labels(reason=reason)
         self.waiters = Gauge(
             "timeslice_waiters", "Acquire calls waiting on this replica", registry=r

@@ -530,64 +530,94 @@ async def fill_disk(rig: Rig, good: int, bad: int | None) -> FillingDisk:
     return disk
 
 
-async def test_a_checkpoint_whose_outcome_cannot_be_written_is_not_acked_ok(
+class DiskWatch:
+    """What the executor told the link about its state file."""
+
+    def __init__(self, rig: Rig) -> None:
+        self.events: list[str] = []
+        self.writable = asyncio.Event()
+        rig.executor.on_unwritable = lambda reason: self.events.append(f"unwritable: {reason}")
+        rig.executor.on_writable = self._writable
+
+    def _writable(self) -> None:
+        self.events.append("writable")
+        self.writable.set()
+
+
+async def test_a_checkpoint_whose_outcome_cannot_be_written_is_not_answered(
     tmp_path: Path,
 ) -> None:
     first = Rig(tmp_path)
+    watch = DiskWatch(first)
     first.worker("j1", gb=0.01)
     # The write before acting succeeds; every write after the checkpoint fails.
     disk = await fill_disk(first, good=1, bad=None)
-    ack = await first.run("d1", CKPT, "j1", 3)
+    first.send("d1", CKPT, "j1", 3)
     # An OK would let the orchestrator restore the next job, while the file still says j1 is
-    # on the devices (mid-move): a restart would fault it there, and a later restore would
-    # only re-run its hooks, leaving its processes checkpointed.
-    assert ack.status == AckStatus.FAILED
-    assert "could not be made durable" in ack.error and "No space left" in ack.error
-    assert ack.job_state == ProtoJobState.SAVED
+    # on the devices (mid-move): a restart would fault it there. A FAILED faulted the jobs for
+    # the disk (issue 37, 5). Nothing is answered: the node says it cannot write (the
+    # orchestrator fences it out) and answers nothing until it can.
+    with pytest.raises(TimeoutError):
+        await first.ack(timeout=0.5)
+    assert len(watch.events) == 1 and "No space left" in watch.events[0], watch.events
+    assert first.executor.unwritable is not None
     on_disk = load_state(first.state_file, "n1")
     assert on_disk is not None and on_disk.jobs["j1"].state is JobState.TRANSITIONING
     # In memory the job is where the move left it: the state is parked on the host.
     job = first.executor.jobs["j1"]
     assert (job.state, job.residency) == (JobState.SAVED, Residency.HOST)
-    assert first.count("timeslice_agent_state_write_failures_total") >= 3  # retried
-    assert first.count("timeslice_agent_directives_total", kind="checkpoint", status="ok") == 0
-    assert first.count("timeslice_agent_directives_total", kind="checkpoint", status="failed") == 1
-    # The disk has room again; the agent stops, writing its state as it does on shutdown.
+    # Meanwhile no directive is answered, nor remembered.
+    first.send("d2", REST, "j1", 3)
+    with pytest.raises(TimeoutError):
+        await first.ack(timeout=0.3)
+    assert first.count("timeslice_agent_directives_refused_total", reason="unwritable") == 1
+    assert backend_state(first) == (JobState.SAVED, Residency.HOST)
+    # The disk has room again: the background retry writes the job and d1's ack.
     disk.heal()
-    assert await first.executor.persist()
+    await asyncio.wait_for(watch.writable.wait(), 5)
+    assert watch.events[1:] == ["writable"] and first.executor.unwritable is None
+    on_disk = load_state(first.state_file, "n1")
+    assert on_disk is not None and on_disk.jobs["j1"].state is JobState.SAVED
+    assert [a.directive_id for a in on_disk.acks] == ["d1"]
     await first.close()
     backend = CountingSim()
     second = Rig(tmp_path, backend)
     await second.executor.adopt(load_state(first.state_file, "n1"))
-    # The re-sent checkpoint gets the ack the orchestrator got, and nothing runs again.
-    assert bytes(await second.run("d1", CKPT, "j1", 3)) == bytes(ack)
+    # A re-send of the checkpoint is answered OK from the ledger; nothing runs again.
+    resent = await second.run("d1", CKPT, "j1", 3)
+    assert (resent.status, resent.job_state) == (AckStatus.OK, ProtoJobState.SAVED)
     assert backend.checkpoints == 0
-    # The orchestrator's rollback restore brings the parked state back to its worker.
     second.worker("j1", gb=0.01)
-    restored = await second.run("d2", REST, "j1", 3)
+    restored = await second.run("d3", REST, "j1", 4)
     assert (restored.status, restored.job_state) == (AckStatus.OK, ProtoJobState.RUNNING)
     assert backend.restores == 1 and restored.bytes_moved == GB // 100
     await second.close()
 
 
-async def test_a_restore_whose_outcome_cannot_be_written_is_not_acked_ok(tmp_path: Path) -> None:
+def backend_state(rig: Rig) -> tuple[JobState, Residency]:
+    job = rig.executor.jobs["j1"]
+    return job.state, job.residency
+
+
+async def test_a_restore_whose_outcome_cannot_be_written_is_not_answered(tmp_path: Path) -> None:
     first = Rig(tmp_path)
+    watch = DiskWatch(first)
     first.worker("j1", gb=0.01)
     assert (await first.run("d1", CKPT, "j1", 3)).status == AckStatus.OK
     disk = await fill_disk(first, good=1, bad=None)
-    ack = await first.run("d2", REST, "j1", 3)
-    # The file still says j1 is parked: a restart would take a later checkpoint for done
-    # without moving anything, and the next job would be restored on top of j1's state.
-    assert ack.status == AckStatus.FAILED
-    assert "restore was done but its outcome could not be made durable" in ack.error
-    job = first.executor.jobs["j1"]
-    assert (job.state, job.residency) == (JobState.RUNNING, Residency.DEVICE)
+    first.send("d2", REST, "j1", 3)
+    with pytest.raises(TimeoutError):
+        await first.ack(timeout=0.5)
+    assert len(watch.events) == 1, watch.events
+    assert backend_state(first) == (JobState.RUNNING, Residency.DEVICE)
     disk.heal()
-    assert await first.executor.persist()
+    await asyncio.wait_for(watch.writable.wait(), 5)
     await first.close()
+    on_disk = load_state(first.state_file, "n1")
+    assert on_disk is not None and on_disk.jobs["j1"].state is JobState.RUNNING
     backend = CountingSim()
     second = Rig(tmp_path, backend)
-    await second.executor.adopt(load_state(first.state_file, "n1"))
+    await second.executor.adopt(on_disk)
     second.worker("j1", gb=0.01)
     checkpointed = await second.run("d3", CKPT, "j1", 4)
     assert (checkpointed.status, checkpointed.bytes_moved) == (AckStatus.OK, GB // 100)
@@ -595,16 +625,44 @@ async def test_a_restore_whose_outcome_cannot_be_written_is_not_acked_ok(tmp_pat
     await second.close()
 
 
-async def test_a_failed_write_after_a_move_is_retried_before_the_ack(rig: Rig) -> None:
+async def test_a_write_that_fails_before_acting_faults_nothing(tmp_path: Path) -> None:
+    backend = CountingSim()
+    rig = Rig(tmp_path, backend)
+    watch = DiskWatch(rig)
+    try:
+        rig.worker("j1", gb=0.01)
+        disk = await fill_disk(rig, good=0, bad=None)
+        rig.send("d1", CKPT, "j1", 3)
+        # Before: acked FAILED "cannot persist state before acting", and the orchestrator
+        # faulted (isolated) the job for the node's disk.
+        with pytest.raises(TimeoutError):
+            await rig.ack(timeout=0.5)
+        assert backend.checkpoints == 0
+        assert backend_state(rig) == (JobState.IDLE, Residency.DEVICE)  # not faulted
+        assert len(watch.events) == 1, watch.events
+        disk.heal()
+        await asyncio.wait_for(watch.writable.wait(), 5)
+        # Not remembered: once the node rejoins, the directive (re-sent) runs.
+        assert (await rig.run("d1", CKPT, "j1", 3)).status == AckStatus.OK
+        assert backend.checkpoints == 1
+    finally:
+        await rig.close()
+
+
+async def test_a_failed_write_after_a_move_is_retried_and_the_node_rejoins(rig: Rig) -> None:
+    watch = DiskWatch(rig)
     rig.worker("j1", gb=0.01)
     await fill_disk(rig, good=1, bad=1)  # the first write after the checkpoint fails
-    ack = await rig.run("d1", CKPT, "j1", 3)
-    assert ack.status == AckStatus.OK
+    rig.send("d1", CKPT, "j1", 3)
+    await asyncio.wait_for(watch.writable.wait(), 5)
     assert rig.count("timeslice_agent_state_write_failures_total") == 1
-    # Acked OK only once written: a restart now finds the job parked, with its ack.
+    # Written by the retry: a restart now finds the job parked, with its ack.
     on_disk = load_state(rig.state_file, "n1")
     assert on_disk is not None and on_disk.jobs["j1"].state is JobState.SAVED
     assert [a.directive_id for a in on_disk.acks] == ["d1"]
+    # Unanswered when it was done; a re-send (on the next stream) gets the OK.
+    assert rig.acks.empty()
+    assert (await rig.run("d1", CKPT, "j1", 3)).status == AckStatus.OK
 
 
 async def test_a_process_scan_that_never_ends_does_not_hold_a_checkpoint(tmp_path: Path) -> None:

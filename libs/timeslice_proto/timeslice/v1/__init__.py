@@ -48,6 +48,7 @@ __all__ = (
     "QueueEntry",
     "SetGroupMembersRequest",
     "StartOperationRequest",
+    "StateUnwritable",
     "SwitchPhase",
     "SwitchStatus",
     "TimeSliceBase",
@@ -517,6 +518,10 @@ class AgentMessage(betterproto2.Message):
 
     heartbeat: "Heartbeat | None" = betterproto2.field(
         4, betterproto2.TYPE_MESSAGE, optional=True, group="body"
+    )
+
+    state_unwritable: "StateUnwritable | None" = betterproto2.field(
+        5, betterproto2.TYPE_MESSAGE, optional=True, group="body"
     )
 
 
@@ -1059,6 +1064,21 @@ class StartOperationRequest(betterproto2.Message):
 default_message_pool.register_message(
     "timeslice.v1", "StartOperationRequest", StartOperationRequest
 )
+
+
+@dataclass(eq=False, repr=False)
+class StateUnwritable(betterproto2.Message):
+    """
+    Sent by an agent that cannot write its state file (a full or read-only disk): it can no
+    longer act safely, so it answers no directive, and the orchestrator fences the node out as
+    if it had stopped answering (its jobs are not faulted for it). The agent says hello again
+    once a write succeeds (docs/fencing.md).
+    """
+
+    reason: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+
+default_message_pool.register_message("timeslice.v1", "StateUnwritable", StateUnwritable)
 
 
 @dataclass(eq=False, repr=False)
