@@ -18,7 +18,7 @@ from timeslice.argv import OneLineParser
 from timeslice.targets import HostPort, parse_address
 from timeslice.tls import TlsFiles
 from timeslice_orchestrator.dashboard import DashboardConfig
-from timeslice_orchestrator.identity import IdentityRules, JobSource
+from timeslice_orchestrator.identity import RESERVED_NAMES, IdentityRules, JobSource
 from timeslice_orchestrator.limits import Limits
 from timeslice_orchestrator.policy import Policy
 from timeslice_orchestrator.store.etcd import parse_endpoints
@@ -235,9 +235,18 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
     )
     tls.add_argument(
         "--tls-operator-ou",
-        default=_env("TLS_OPERATOR_OU", "timeslice-operators", legacy_name=False),
-        help="a client certificate with this subject OU is an operator (as is SAN URI "
-        "timeslice://operator); empty: the URI only",
+        default=_env("TLS_OPERATOR_OU", "", legacy_name=False),
+        metavar="OU",
+        help="make a client certificate with this subject OU an operator (besides SAN URI "
+        "timeslice://operator); off unless given: whoever may issue a job certificate with "
+        "that OU would otherwise issue an operator",
+    )
+    tls.add_argument(
+        "--tls-reserved-names",
+        default=_env("TLS_RESERVED_NAMES", "", legacy_name=False),
+        metavar="NAME[,NAME]",
+        help="etcd users besides root and timeslice (always reserved): a client certificate "
+        "whose CN, job or node is one of them is refused every call",
     )
     tls.add_argument(
         "--insecure",
@@ -307,7 +316,11 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         operator_token_file=a.operator_token_file,
         tls=server_tls,
         etcd_tls=etcd_tls,
-        identity=IdentityRules(JobSource(a.tls_job_identity), a.tls_operator_ou),
+        identity=IdentityRules(
+            JobSource(a.tls_job_identity),
+            a.tls_operator_ou.strip(),
+            RESERVED_NAMES | {n.strip() for n in a.tls_reserved_names.split(",") if n.strip()},
+        ),
         insecure=a.insecure,
         limits=_limits(p, a),
         compat_hold_ttl=a.compat_hold_ttl,

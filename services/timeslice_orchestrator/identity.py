@@ -2,11 +2,17 @@
 
 With mutual TLS every connection carries a verified client certificate. It says one of:
 
-- an operator: SAN URI ``timeslice://operator``, or the subject OU named by
-  ``--tls-operator-ou``; an operator may call the operator RPCs and act as any job;
+- an operator: SAN URI ``timeslice://operator``, or (only when ``--tls-operator-ou`` names
+  one; off by default) a subject OU; an operator may call the operator RPCs and act as any
+  job;
 - a node (an agent): SAN URI ``timeslice://node/<name>``; only that node's agent stream;
 - a job: by default SAN URI ``timeslice://job/<id>``; with ``--tls-job-identity dns`` the
   first DNS SAN, with ``cn`` the subject CN. A job's certificate acts as that job only.
+
+A certificate whose CN, job or node is a reserved name (an etcd user: ``root``,
+``timeslice`` and ``--tls-reserved-names``) is refused every call (PERMISSION_DENIED): such a
+certificate is either the etcd CA's, which the replicas do not trust, or one that could act as
+that user in an etcd that trusts the same CA (docs/security.md).
 
 Without TLS (``--insecure``) there is no identity (``None``) and these checks let the call
 through: what protects a plaintext deployment is elsewhere (session secrets, the operator
@@ -23,6 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from grpclib import GRPCError
+from grpclib.const import Status
 from grpclib.events import RecvRequest, listen
 from grpclib.server import Server, Stream
 
@@ -33,6 +41,10 @@ log = logging.getLogger(__name__)
 OPERATOR_URI = "timeslice://operator"
 NODE_URI = "timeslice://node/"
 JOB_URI = "timeslice://job/"
+# etcd's users (etcd takes a client certificate's CN for its user): always reserved.
+RESERVED_NAMES: frozenset[str] = frozenset({"root", "timeslice"})
+# Distinct refused subjects logged at most (a flood of them is only refused, not logged).
+_MAX_LOGGED = 256
 
 
 class JobSource(enum.Enum):
@@ -46,7 +58,10 @@ class JobSource(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class IdentityRules:
     job_source: JobSource = JobSource.URI
-    operator_ou: str = "timeslice-operators"
+    operator_ou: str = ""
+    """A subject OU that makes a certificate an operator; empty (the default): none does."""
+    reserved: frozenset[str] = RESERVED_NAMES
+    """Names no client certificate may carry as CN, job or node (etcd users)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +73,8 @@ class Identity:
     job: str | None = None
     node: str | None = None
     operator: bool = False
+    reserved: str | None = None
+    """The reserved name (an etcd user) the certificate carries: it may do nothing."""
 
     def may_act_as_job(self, job: str) -> bool:
         return self.operator or self.job == job
@@ -66,6 +83,8 @@ class Identity:
         roles = [f"job {self.job}"] if self.job else []
         roles += [f"node {self.node}"] if self.node else []
         roles += ["operator"] if self.operator else []
+        if self.reserved is not None:
+            roles = [f"reserved name {self.reserved!r}"]
         return f"{self.subject!r} ({', '.join(roles) or 'no timeslice role'})"
 
 
@@ -95,6 +114,9 @@ def identity_of(cert: Mapping[str, Any] | None, rules: IdentityRules) -> Identit
     if operator or node is not None:
         # A role certificate is not also a job's (a CN-named job would otherwise be any CN).
         job = job if rules.job_source is JobSource.URI else None
+    taken = next((n for n in (cn, job, node) if n and n in rules.reserved), None)
+    if taken is not None:
+        return Identity(subject=cn, reserved=taken)
     return Identity(subject=cn, job=job or None, node=node or None, operator=operator)
 
 
@@ -120,8 +142,26 @@ def install(server: Server, rules: IdentityRules) -> None:
     set here is what the handler sees.
     """
 
+    logged: set[str] = set()
+
     async def on_request(event: RecvRequest) -> None:
-        _current.set(identity_of(event.peer.cert(), rules))
+        who = identity_of(event.peer.cert(), rules)
+        _current.set(who)
+        if who is not None and who.reserved is not None:
+            if who.subject not in logged and len(logged) < _MAX_LOGGED:
+                logged.add(who.subject)
+                log.warning(
+                    "refused every call of the client certificate %s: %r is an etcd user "
+                    "(reserved names: %s); logged once per subject",
+                    who,
+                    who.reserved,
+                    ", ".join(sorted(rules.reserved)),
+                )
+            raise GRPCError(
+                Status.PERMISSION_DENIED,
+                f"the client certificate {who} names an etcd user ({who.reserved!r}); "
+                "reserved names may not be jobs, nodes or clients",
+            )
 
     listen(server, RecvRequest, on_request)
 

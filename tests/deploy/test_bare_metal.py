@@ -272,7 +272,7 @@ async def test_systemd_exec_start_runs_both_services(
         "TIMESLICE_ORCHESTRATOR_LISTEN": f"127.0.0.1:{grpc_port}",
         "TIMESLICE_ORCHESTRATOR_HTTP": f"127.0.0.1:{orch_http}",
         "TIMESLICE_ORCHESTRATOR_ETCD": tls_etcd_server.endpoint,
-        "TIMESLICE_ORCHESTRATOR_ETCD_CA": str(session_pki.ca),
+        "TIMESLICE_ORCHESTRATOR_ETCD_CA": str(session_pki.etcd_ca),
         "TIMESLICE_ORCHESTRATOR_ETCD_CERT": str(etcd_client.cert),
         "TIMESLICE_ORCHESTRATOR_ETCD_KEY": str(etcd_client.key),
         "TIMESLICE_ORCHESTRATOR_TLS_CA": str(session_pki.ca),

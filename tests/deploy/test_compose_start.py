@@ -114,7 +114,7 @@ def etcd_healthy(pod: Pod, certs: Path) -> bool:
         2379,
         "/health",
         server_name=pod.name,
-        ca=certs / "ca.crt",
+        ca=certs / "etcd-ca.crt",
         cert=certs / "etcd-root.crt",
         key=certs / "etcd-root.key",
     )

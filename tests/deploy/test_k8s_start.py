@@ -272,7 +272,7 @@ def etcd_healthy(pod: Pod, name: str, certs: Path) -> bool:
         2379,
         "/health",
         server_name=name,
-        ca=certs / "ca.crt",
+        ca=certs / "etcd-ca.crt",
         cert=certs / "etcd-root.crt",
         key=certs / "etcd-root.key",
     )

@@ -8,7 +8,10 @@ from certificates, a fake agent, certificate rotation under a hold, and etcd's r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
+import hashlib
+import ssl
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -178,6 +181,8 @@ async def test_rotation_keeps_the_hold_and_new_connections_use_the_new_certifica
         grant = await holder.acquire("g1")
         waiting = asyncio.create_task(waiter.acquire("g1", timeout=60))
         status = await _status_with_queue(holder, "g1")
+        old = _file_fingerprint(pki.orchestrator.cert)
+        assert await _served_fingerprint(cluster) == old
         # Rotate every certificate in place: the server's and the clients'.
         pki.issue(
             "orchestrator",
@@ -196,13 +201,41 @@ async def test_rotation_keeps_the_hold_and_new_connections_use_the_new_certifica
         assert after.holder_job_id == "j1"
         assert after.holder_epoch == grant.epoch == status.holder_epoch
         assert [q.job_id for q in after.queue] == ["j2"]
-        assert "orchestrator TLS certificate reloaded" in cluster.log_tail("r0", 200)
+        # A new connection is served the new certificate (not the old one, reloaded or not).
+        new = _file_fingerprint(pki.orchestrator.cert)
+        assert new != old
+        assert await _served_fingerprint(cluster) == new
         await holder.yield_("g1")
         second = await asyncio.wait_for(waiting, 30)
         assert second.job_id == "j2" and second.epoch > grant.epoch
     finally:
         await holder.close()
         await waiter.close()
+
+
+def _file_fingerprint(path: Path) -> str:
+    """SHA-256 of the first certificate in a PEM file (its DER form)."""
+    pem = path.read_text()
+    end = "-----END CERTIFICATE-----"
+    return hashlib.sha256(ssl.PEM_cert_to_DER_cert(pem[: pem.index(end) + len(end)])).hexdigest()
+
+
+async def _served_fingerprint(cluster: LocalCluster) -> str:
+    """SHA-256 of the certificate a replica presents to a new TLS connection (DER)."""
+    pki = cluster.pki
+    assert pki is not None
+    files = TlsFiles(str(pki.ca), str(pki.operator.cert), str(pki.operator.key))
+    ctx = await asyncio.to_thread(client_context, files)
+    host, port = parse_address(cluster.targets[0])
+    _, writer = await asyncio.wait_for(asyncio.open_connection(host, port, ssl=ctx), 10)
+    try:
+        served = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError, ssl.SSLError):
+            await asyncio.wait_for(writer.wait_closed(), 5)
+    assert served, "the replica presented no certificate"
+    return hashlib.sha256(served).hexdigest()
 
 
 async def _status_with_queue(client: AsyncTimeSliceClient, group: str) -> GroupStatus:
@@ -217,12 +250,12 @@ async def _status_with_queue(client: AsyncTimeSliceClient, group: str) -> GroupS
 async def test_etcd_refuses_a_client_without_its_certificate(cluster: LocalCluster) -> None:
     pki = cluster.pki
     assert pki is not None
-    no_cert = EtcdClient([cluster.etcd_endpoint], timeout=2, tls=TlsFiles(str(pki.ca)))
+    no_cert = EtcdClient([cluster.etcd_endpoint], timeout=2, tls=TlsFiles(str(pki.etcd_ca)))
     plain = EtcdClient([cluster.etcd_endpoint], timeout=2)
     ours = EtcdClient(
         [cluster.etcd_endpoint],
         timeout=2,
-        tls=TlsFiles(str(pki.ca), str(pki.etcd_client.cert), str(pki.etcd_client.key)),
+        tls=TlsFiles(str(pki.etcd_ca), str(pki.etcd_client.cert), str(pki.etcd_client.key)),
     )
     try:
         for client in (no_cert, plain):

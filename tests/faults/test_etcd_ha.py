@@ -103,7 +103,7 @@ def _client(cluster: EtcdCluster, timeout: float = 2.0) -> EtcdClient:
     tls = None
     if cluster.tls is not None:
         pair = cluster.tls.etcd_client
-        tls = TlsFiles(str(cluster.tls.ca), str(pair.cert), str(pair.key))
+        tls = TlsFiles(str(cluster.tls.etcd_ca), str(pair.cert), str(pair.key))
     return EtcdClient([",".join(_by_name(cluster))], tls=tls, timeout=timeout)
 
 

@@ -29,7 +29,7 @@ from timeslice_tools.dev.etcd import EtcdServer
 def _copy_tls(pki: Pki, into: Path) -> TlsFiles:
     pair = pki.etcd_client
     files = TlsFiles(
-        ca=str(shutil.copy(pki.ca, into / "ca.crt")),
+        ca=str(shutil.copy(pki.etcd_ca, into / "ca.crt")),
         cert=str(shutil.copy(pair.cert, into / "client.crt")),
         key=str(shutil.copy(pair.key, into / "client.key")),
     )

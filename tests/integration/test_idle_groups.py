@@ -44,7 +44,7 @@ async def db_size(cluster: LocalCluster, *, compact_and_defrag: bool = False) ->
     else:
         ca, key, cert = await asyncio.to_thread(
             lambda: (
-                pki.ca.read_bytes(),
+                pki.etcd_ca.read_bytes(),
                 pki.etcd_root.key.read_bytes(),
                 pki.etcd_root.cert.read_bytes(),
             )

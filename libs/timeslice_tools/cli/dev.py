@@ -29,7 +29,7 @@ from timeslice.cli.base import (
 )
 from timeslice.errors import InvalidArgument, Unavailable
 from timeslice.targets import TARGET_ENV, parse_address
-from timeslice_tools.dev.certs import DEFAULT_DAYS, Pki
+from timeslice_tools.dev.certs import DEFAULT_DAYS, RESERVED_NAMES, Pki
 from timeslice_tools.dev.cluster import BACKENDS, ClusterError, LocalCluster
 from timeslice_tools.dev.etcd import EtcdError
 
@@ -81,9 +81,10 @@ def register(commands: Commands) -> None:
     certs = dev_sub.add_parser(
         "certs",
         help="make a CA and the certificates of a deployment (Compose, Kubernetes Secrets)",
-        description="Write a new CA and the certificates of every component to --out: "
-        "orchestrator, etcd (server, replicas' client, root), an operator, and one per node "
-        "and job given. Keep ca.key away from the services.",
+        description="Write a new CA, etcd's own CA and the certificates of every component to "
+        "--out: orchestrator, etcd (server, replicas' client, root; from the etcd CA), an "
+        "operator, and one per node and job given (never named root or timeslice: etcd's "
+        "users). Keep ca.key and etcd-ca.key away from the services.",
     )
     certs.add_argument("--out", type=Path, required=True, metavar="DIR", help="where to write")
     certs.add_argument("--nodes", nargs="*", default=[], metavar="NODE", help="agents' node names")
@@ -99,6 +100,13 @@ def register(commands: Commands) -> None:
     certs.add_argument("--days", type=count(1), default=DEFAULT_DAYS, help="validity")
     certs.add_argument(
         "--force", action="store_true", help="replace a CA already in --out (a new CA)"
+    )
+    certs.add_argument(
+        "--split-etcd-ca",
+        action="store_true",
+        help="migrate a directory made with one CA for everything: add its own etcd CA "
+        "(etcd-ca.crt) and re-issue etcd-server, etcd-client and etcd-root from it; the CA "
+        "and every other certificate stay (docs/security.md)",
     )
     cluster.add_argument(
         "--base-dir",
@@ -132,6 +140,17 @@ def cmd_dev(args: argparse.Namespace) -> int:
 def cmd_dev_certs(args: argparse.Namespace) -> int:
     """``timeslice dev certs --out DIR``: a CA and every component's certificate."""
     out_dir: Path = args.out
+    if args.split_etcd_ca:
+        if args.force or args.nodes or args.jobs or args.hosts:
+            raise InvalidArgument("--split-etcd-ca takes only --out (and --days)")
+        if not (out_dir / "ca.crt").exists():
+            raise InvalidArgument(f"{out_dir} holds no CA (ca.crt) to migrate")
+        pki = Pki(out_dir)
+        if not pki.split_etcd_ca(days=args.days):
+            raise InvalidArgument(f"{out_dir} already has its own etcd CA ({pki.etcd_ca.name})")
+        for path in (pki.etcd_ca, pki.etcd_server.cert, pki.etcd_client.cert, pki.etcd_root.cert):
+            out(str(path))
+        return 0
     if (out_dir / "ca.crt").exists() and not args.force:
         raise InvalidArgument(
             f"{out_dir} already holds a CA (ca.crt): certificates signed by a new one would "
@@ -140,6 +159,12 @@ def cmd_dev_certs(args: argparse.Namespace) -> int:
     for name in [*args.nodes, *args.jobs]:
         if not _FILE_SAFE.fullmatch(name):
             raise InvalidArgument(f"{name!r} cannot be part of a file name")
+        if name in RESERVED_NAMES:
+            raise InvalidArgument(
+                f"{name!r} is an etcd user (reserved: {', '.join(sorted(RESERVED_NAMES))}): "
+                "a job or node certificate named so could act as that user in etcd; choose "
+                "another name"
+            )
     pki = Pki.create(out_dir, nodes=args.nodes, jobs=args.jobs, hosts=args.hosts, days=args.days)
     for path in sorted(pki.directory.iterdir()):
         if path.suffix in (".crt", ".key") and not path.name.startswith("."):

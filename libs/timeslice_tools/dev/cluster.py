@@ -302,7 +302,7 @@ class LocalCluster:
         if self._pki is None:
             return None
         pair = self._pki.etcd_client
-        return TlsFiles(str(self._pki.ca), str(pair.cert), str(pair.key))
+        return TlsFiles(str(self._pki.etcd_ca), str(pair.cert), str(pair.key))
 
     @property
     def prefix(self) -> str:
@@ -362,6 +362,12 @@ class LocalCluster:
                 f.write(self._operator_token + "\n")
             if self._pki is not None and not self._pki.ca.exists():
                 self._pki = Pki.create(self._pki.directory, nodes=list(self._agents))
+            if self._pki is not None and not self._pki.etcd_ca.exists():
+                raise ClusterError(
+                    f"{self._pki.directory} has no etcd CA ({self._pki.etcd_ca.name}): it was "
+                    "made with one CA for etcd and everything else; run `timeslice dev certs "
+                    f"--out {self._pki.directory} --split-etcd-ca` (docs/security.md)"
+                )
             if self._given_etcd is None and self._etcd_members > 1:
                 self._etcd_cluster = EtcdCluster(
                     self._etcd_members, self._base_dir / "etcd", tls=self._pki
@@ -572,7 +578,7 @@ class LocalCluster:
                 "--tls-cert", str(pki.orchestrator.cert),
                 "--tls-key", str(pki.orchestrator.key),
                 "--tls-ca", str(pki.ca),
-                "--etcd-ca", str(pki.ca),
+                "--etcd-ca", str(pki.etcd_ca),
                 "--etcd-cert", str(pki.etcd_client.cert),
                 "--etcd-key", str(pki.etcd_client.key),
             ]  # fmt: skip

@@ -120,6 +120,18 @@ def find_etcd_binary() -> Path:
     )
 
 
+def _etcd_ca(tls: Pki) -> Path:
+    """The etcd CA of ``tls``; EtcdError naming the migration for a one-CA directory."""
+    if not tls.etcd_ca.exists():
+        raise EtcdError(
+            f"{tls.directory} has no etcd CA ({tls.etcd_ca.name}): it was made with one CA "
+            "for etcd and the gRPC hops, which lets a job certificate named root or "
+            f"timeslice act as that etcd user; run `timeslice dev certs --out {tls.directory} "
+            "--split-etcd-ca` (docs/security.md)"
+        )
+    return tls.etcd_ca
+
+
 class EtcdServer:
     """A single-member etcd on free loopback ports, with its data and log in ``data_dir``.
 
@@ -350,13 +362,15 @@ class EtcdServer:
             argv += ["--initial-cluster-token", self._cluster_token]
         if self._tls is None:
             return argv
-        # Clients must show a certificate from our CA; with auth on, its CN is the user.
+        # Clients must show a certificate from the etcd CA; with auth on, its CN is the user.
+        # Only the etcd CA: the CA of jobs and nodes is not trusted here, so no job or node
+        # certificate can claim an etcd user (root, timeslice) by its CN.
         return [
             *argv,
             "--cert-file", str(self._tls.etcd_server.cert),
             "--key-file", str(self._tls.etcd_server.key),
             "--client-cert-auth",
-            "--trusted-ca-file", str(self._tls.ca),
+            "--trusted-ca-file", str(_etcd_ca(self._tls)),
         ]  # fmt: skip
 
     def _channel(self) -> grpc.Channel:
@@ -367,7 +381,9 @@ class EtcdServer:
 
     def _root_channel(self, tls: Pki) -> grpc.Channel:
         creds = grpc.ssl_channel_credentials(
-            tls.ca.read_bytes(), tls.etcd_root.key.read_bytes(), tls.etcd_root.cert.read_bytes()
+            _etcd_ca(tls).read_bytes(),
+            tls.etcd_root.key.read_bytes(),
+            tls.etcd_root.cert.read_bytes(),
         )
         return grpc.secure_channel(self.endpoint, creds)
 
@@ -426,7 +442,7 @@ class EtcdServer:
     def _health_context(self) -> ssl.SSLContext | None:
         if self._tls is None:
             return None
-        context = ssl.create_default_context(cafile=str(self._tls.ca))
+        context = ssl.create_default_context(cafile=str(_etcd_ca(self._tls)))
         context.load_cert_chain(str(self._tls.etcd_root.cert), str(self._tls.etcd_root.key))
         return context
 
