@@ -54,7 +54,6 @@ import enum
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -62,6 +61,19 @@ import torch
 from torch import nn
 
 from timeslice import worker
+from timeslice._parking import (
+    Kept,
+    Parked,
+    Slot,
+    bytes_of,
+    lay_out,
+    refuse_fixed,
+    same_layout,
+    storage_key,
+    storages_of,
+    versions,
+    whole,
+)
 from timeslice.errors import InvalidArgument
 
 log = logging.getLogger("timeslice.offload")
@@ -69,9 +81,6 @@ log = logging.getLogger("timeslice.offload")
 DEFAULT_TAG = "default"
 DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024
 DEFAULT_NUM_STREAMS = 4
-
-# Host offsets of storages are aligned like device allocations, which the copy engines favour.
-_ALIGN = 512
 
 RecreateFn = Callable[[torch.Tensor], None]
 """Re-fills a discarded tensor after its storage came back (zeroed) on restore."""
@@ -113,56 +122,6 @@ class CycleStats:
         return self.copied_bytes + self.skipped_bytes + self.discarded_bytes
 
 
-@dataclass(frozen=True)
-class _Piece:
-    """One chunk copy: ``length`` bytes at ``start`` of a storage <-> a host slice."""
-
-    start: int
-    host: torch.Tensor  # a uint8 view into one host buffer; keeps it alive
-    lane: int  # which of the CUDA streams carries the copy
-
-
-@dataclass
-class _Slot:
-    """A storage freed by an offload: what is needed to bring it back."""
-
-    storage: torch.UntypedStorage
-    nbytes: int
-    pieces: list[_Piece]  # empty for a discarded storage
-
-
-@dataclass
-class _Parked:
-    """The offloaded state of one tag."""
-
-    slots: list[_Slot]
-    discarded: list[torch.Tensor]  # tracked tensors of a DISCARD tag, for ``recreate``
-
-
-@dataclass
-class _Kept:
-    """A restored tag's host copy, still current for every storage not written since.
-
-    ``versions`` maps ``id(tensor)`` of each tracked tensor, as of the restore, to the tensor
-    (weakly: a gradient dropped later must not be kept alive) and its version counter then.
-    """
-
-    slots: list[_Slot]
-    versions: dict[int, tuple[weakref.ref[torch.Tensor], int]]
-
-    def written(self, tensors: list[torch.Tensor]) -> set[int]:
-        """Keys of the storages some tensor wrote to since the restore, or may have: a
-        tensor the restore did not see counts as a write."""
-        keys: set[int] = set()
-        for tensor in tensors:
-            if tensor.device.type == "meta":
-                continue
-            seen = self.versions.get(id(tensor))
-            if seen is None or seen[0]() is not tensor or seen[1] != tensor._version:
-                keys.add(_storage_key(tensor))
-        return keys
-
-
 @dataclass
 class _Tag:
     mode: OffloadMode = OffloadMode.OFFLOAD
@@ -171,8 +130,8 @@ class _Tag:
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     tensors: list[torch.Tensor] = field(default_factory=list)
     buffers: list[torch.Tensor] = field(default_factory=list)  # host buffers (uint8)
-    parked: _Parked | None = None
-    kept: _Kept | None = None  # after a restore with keep_pinned and skip_unchanged
+    parked: Parked | None = None
+    kept: Kept | None = None  # after a restore with keep_pinned and skip_unchanged
 
     def collect(self) -> Iterator[torch.Tensor]:
         """Every tensor of the tag as of now (optimizer state and gradients come and go)."""
@@ -196,10 +155,10 @@ class _Plan:
 
     name: str
     tag: _Tag
-    slots: list[_Slot]
+    slots: list[Slot]
     buffers: list[torch.Tensor]
     discarded: list[torch.Tensor]
-    to_copy: list[_Slot]  # the slots whose bytes go out; the rest are discarded or current
+    to_copy: list[Slot]  # the slots whose bytes go out; the rest are discarded or current
 
 
 @dataclass(frozen=True)
@@ -261,7 +220,7 @@ class TorchOffloader:
             if param.grad is not None:
                 named.append((f"gradient of {name!r}", param.grad))
         named += [(f"buffer {name!r}", buffer) for name, buffer in module.named_buffers()]
-        _refuse_fixed(named, f"module {type(module).__name__}")
+        refuse_fixed(named, f"module {type(module).__name__}")
         with self._lock:
             self._open(tag).modules.append(module)
 
@@ -276,7 +235,7 @@ class TorchOffloader:
         index = {
             id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])
         }
-        _refuse_fixed(
+        refuse_fixed(
             [
                 (f"state {key!r} of parameter {index.get(id(param), '?')}", value)
                 for param, state in optimizer.state.items()
@@ -293,7 +252,7 @@ class TorchOffloader:
         for tensor in tensors:
             if not isinstance(tensor, torch.Tensor):
                 raise InvalidArgument(f"expected torch.Tensor, got {type(tensor).__name__}")
-        _refuse_fixed(
+        refuse_fixed(
             [(f"tensor {i} ({tuple(t.shape)}, {t.dtype})", t) for i, t in enumerate(tensors)],
             "add_tensors",
         )
@@ -345,7 +304,7 @@ class TorchOffloader:
             seen: set[int] = set()
             total = 0
             for tag in self._tags.values():
-                for storage in _storages(tag.collect(), seen):
+                for storage in storages_of(tag.collect(), seen):
                     total += storage.nbytes()
             return total
 
@@ -411,7 +370,7 @@ class TorchOffloader:
                 [
                     _Copy(
                         dst=piece.host,
-                        src=_bytes_of(slot.storage, piece),
+                        src=bytes_of(slot.storage, piece),
                         device=slot.storage.device,
                         lane=piece.lane,
                     )
@@ -424,7 +383,7 @@ class TorchOffloader:
             # Storages with a host copy go first: if freeing fails half-way, those can be
             # brought back unchanged.
             order = sorted((s for p in plans for s in p.slots), key=lambda s: not s.pieces)
-            freed: list[_Slot] = []
+            freed: list[Slot] = []
             try:
                 for slot in order:
                     _resize(slot.storage, 0)
@@ -435,7 +394,7 @@ class TorchOffloader:
                 self._bring_back(freed, [])
                 raise
             for plan in plans:
-                plan.tag.parked = _Parked(plan.slots, plan.discarded)
+                plan.tag.parked = Parked(plan.slots, plan.discarded)
                 plan.tag.buffers = plan.buffers
                 plan.tag.kept = None
             if any(slot.storage.device.type == "cuda" for slot in order):
@@ -467,7 +426,7 @@ class TorchOffloader:
             names = [n for n in self._select(tags) if self._tags[n].parked is not None]
             if not names:
                 return 0
-            slots: list[_Slot] = []
+            slots: list[Slot] = []
             recreates: list[tuple[RecreateFn, list[torch.Tensor]]] = []
             for name in names:
                 tag = self._tags[name]
@@ -488,7 +447,7 @@ class TorchOffloader:
                 parked, tag.parked = tag.parked, None
                 assert parked is not None
                 if self.keep_pinned and self.skip_unchanged and tag.mode is OffloadMode.OFFLOAD:
-                    tag.kept = _Kept(parked.slots, _versions(tag.collect()))
+                    tag.kept = Kept(parked.slots, versions(tag.collect()))
                 elif not self.keep_pinned:
                     released = released or bool(tag.buffers)
                     tag.buffers = []
@@ -581,7 +540,7 @@ class TorchOffloader:
         for name in names:
             tag = self._tags[name]
             tensors = list(tag.collect())
-            storages = list(_storages(tensors, seen))
+            storages = list(storages_of(tensors, seen))
             for storage in storages:
                 if not storage.resizable():
                     raise InvalidArgument(
@@ -591,81 +550,34 @@ class TorchOffloader:
                     )
             if tag.mode is OffloadMode.DISCARD:
                 keys = {s._cdata for s in storages}
-                mine = {id(t): t for t in tensors if _storage_key(t) in keys}
+                mine = {id(t): t for t in tensors if storage_key(t) in keys}
                 discarded = list(mine.values())
-                slots = [_Slot(s, s.nbytes(), []) for s in storages]
+                slots = [Slot(s, s.nbytes(), []) for s in storages]
                 plans.append(_Plan(name, tag, slots, [], discarded, []))
                 continue
             kept = tag.kept
-            if kept is not None and _same_layout(kept.slots, storages):
+            if kept is not None and same_layout(kept.slots, storages):
                 # The host copy of the last restore is laid out for exactly these storages:
                 # copy out only the ones written since.
                 written = kept.written(tensors)
                 to_copy = [slot for slot in kept.slots if slot.storage._cdata in written]
                 plans.append(_Plan(name, tag, kept.slots, tag.buffers, [], to_copy))
                 continue
-            slots, buffers = self._lay_out(storages, tag.buffers, lane)
+            slots, buffers = lay_out(
+                storages, tag.buffers, chunk=self.chunk_bytes, lane=lane, lanes=self.num_streams
+            )
             lane += len(buffers)
             plans.append(_Plan(name, tag, slots, buffers, [], slots))
         return plans
 
-    def _lay_out(
-        self, storages: list[torch.UntypedStorage], kept: list[torch.Tensor], lane: int
-    ) -> tuple[list[_Slot], list[torch.Tensor]]:
-        """Pack the storages one after another into host buffers of ``chunk_bytes`` each.
-
-        Equal, large buffers (rather than one per storage) keep the number of pinned
-        allocations small and reusable: torch's pinned allocator rounds sizes up to a power
-        of two, so a buffer per storage could cost up to twice the host memory.
-        """
-        chunk = self.chunk_bytes
-        # Only align when it can not leave a whole buffer empty.
-        align = _ALIGN if chunk % _ALIGN == 0 else 1
-        placed: list[tuple[torch.UntypedStorage, list[tuple[int, int, int, int]]]] = []
-        offset = end = 0
-        for storage in storages:
-            nbytes = storage.nbytes()
-            spans = []
-            start = 0
-            while start < nbytes:
-                index, within = divmod(offset, chunk)
-                length = min(nbytes - start, chunk - within)
-                spans.append((start, index, within, length))
-                start += length
-                offset += length
-            placed.append((storage, spans))
-            end = offset
-            offset = -(-offset // align) * align
-        pin = torch.cuda.is_available() and any(s.device.type == "cuda" for s in storages)
-        buffers: list[torch.Tensor] = []
-        for index in range(-(-end // chunk)):
-            need = min(chunk, end - index * chunk)
-            old = kept[index] if index < len(kept) else None
-            if old is not None and old.numel() >= need and (not pin or old.is_pinned()):
-                buffers.append(old)
-            else:
-                buffers.append(torch.empty(need, dtype=torch.uint8, pin_memory=pin))
-        slots = [
-            _Slot(
-                storage,
-                storage.nbytes(),
-                [
-                    _Piece(start, buffers[b][w : w + n], (lane + b) % self.num_streams)
-                    for start, b, w, n in spans
-                ],
-            )
-            for storage, spans in placed
-        ]
-        return slots, buffers
-
     def _bring_back(
-        self, slots: list[_Slot], recreates: list[tuple[RecreateFn, list[torch.Tensor]]]
+        self, slots: list[Slot], recreates: list[tuple[RecreateFn, list[torch.Tensor]]]
     ) -> float:
         """Re-allocate the slots' storages and fill them; on failure free them again.
 
         Returns the seconds the copies took (allocation and zeroing not included).
         """
-        allocated: list[_Slot] = []
+        allocated: list[Slot] = []
         try:
             for slot in slots:
                 _resize(slot.storage, slot.nbytes)
@@ -674,7 +586,7 @@ class TorchOffloader:
             self._run(
                 [
                     _Copy(
-                        dst=_bytes_of(slot.storage, piece),
+                        dst=bytes_of(slot.storage, piece),
                         src=piece.host,
                         device=slot.storage.device,
                         lane=piece.lane,
@@ -687,7 +599,7 @@ class TorchOffloader:
             with torch.no_grad():
                 for slot in slots:
                     if not slot.pieces:
-                        _whole(slot.storage).zero_()
+                        whole(slot.storage).zero_()
                 for recreate, tensors in recreates:
                     for tensor in tensors:
                         recreate(tensor)
@@ -740,7 +652,7 @@ class TorchOffloader:
 
     @staticmethod
     def _stats(
-        slots: list[_Slot],
+        slots: list[Slot],
         started: float,
         *,
         copied_bytes: int,
@@ -777,74 +689,6 @@ class TorchOffloader:
             stats.copy_seconds,
         )
         return stats.copied_bytes
-
-
-def _refuse_fixed(named: list[tuple[str, torch.Tensor]], what: str) -> None:
-    """Refuse tensors whose storage can not be freed: better now than at the first switch.
-
-    Such storages borrow their memory (a memory-mapped file, as ``from_pretrained`` loads
-    safetensors on the CPU; numpy; ``torch.frombuffer``), so ``resize_`` can not free them.
-    """
-    fixed = []
-    for name, tensor in named:
-        if tensor.device.type == "meta" or tensor.layout is not torch.strided:
-            continue  # nothing to move, or refused with its reason at the offload
-        storage = tensor.untyped_storage()
-        if storage.nbytes() and not storage.resizable():
-            fixed.append(name)
-    if fixed:
-        shown = ", ".join(fixed[:8]) + (f" and {len(fixed) - 8} more" if len(fixed) > 8 else "")
-        raise InvalidArgument(
-            f"{what}: {shown}: the storage can not be resized, so it could not be offloaded "
-            "(memory borrowed from a memory-mapped file, such as safetensors loaded on the "
-            "CPU, or from numpy or torch.frombuffer); give it memory of its own first: a "
-            "clone, or the module moved to a real device"
-        )
-
-
-def _storage_key(tensor: torch.Tensor) -> int:
-    key: int = tensor.untyped_storage()._cdata
-    return key
-
-
-def _versions(tensors: Iterable[torch.Tensor]) -> dict[int, tuple[weakref.ref[torch.Tensor], int]]:
-    return {id(t): (weakref.ref(t), t._version) for t in tensors if t.device.type != "meta"}
-
-
-def _same_layout(slots: list[_Slot], storages: list[torch.UntypedStorage]) -> bool:
-    """Whether ``slots`` hold exactly ``storages``, in order, at their current sizes."""
-    return len(slots) == len(storages) and all(
-        slot.storage._cdata == storage._cdata and slot.nbytes == storage.nbytes()
-        for slot, storage in zip(slots, storages, strict=True)
-    )
-
-
-def _storages(tensors: Iterable[torch.Tensor], seen: set[int]) -> Iterator[torch.UntypedStorage]:
-    """The distinct, allocated, non-meta storages of ``tensors`` not yet in ``seen``."""
-    for tensor in tensors:
-        if tensor.device.type == "meta":
-            continue
-        try:
-            storage = tensor.untyped_storage()
-        except (RuntimeError, NotImplementedError) as exc:
-            raise InvalidArgument(
-                f"a {tensor.layout} tensor of shape {tuple(tensor.shape)} has no plain "
-                f"storage to offload: {exc}"
-            ) from exc
-        key: int = storage._cdata
-        if key in seen or storage.nbytes() == 0:
-            continue
-        seen.add(key)
-        yield storage
-
-
-def _whole(storage: torch.UntypedStorage) -> torch.Tensor:
-    """A flat uint8 tensor over all of ``storage``: byte copies are exact for every dtype."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
-def _bytes_of(storage: torch.UntypedStorage, piece: _Piece) -> torch.Tensor:
-    return _whole(storage)[piece.start : piece.start + piece.host.numel()]
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool) -> None:

@@ -99,18 +99,14 @@ def arithmetic_reward(completions: list[str], answer: list[str], **_: Any) -> li
 
 def digests(model: Any) -> dict[str, str]:
     """SHA-256 of every parameter's bytes, by name."""
+    import torch
+
     out = {}
     for name, param in model.named_parameters():
         # Through a copy: a storage numpy has seen can no longer be resized, so offloaded.
-        data = param.detach().clone().view(-1).view(dtype=_uint8())
+        data = param.detach().clone().view(-1).view(dtype=torch.uint8)
         out[name] = hashlib.sha256(data.numpy().tobytes()).hexdigest()
     return out
-
-
-def _uint8() -> Any:
-    import torch
-
-    return torch.uint8
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
