@@ -60,6 +60,7 @@ BLOCKED = (
 )
 # SDK modules that need more than the SDK's requirements, and what they need.
 NEEDS_EXTRA = {
+    "timeslice._parking": "torch",  # the offloader's bookkeeping: extra `torch`
     "timeslice.offload": "torch",  # extra `torch`
     "timeslice.tracing": "opentelemetry",  # the services' tracing set-up (timeslice-services)
 }
