@@ -28,7 +28,7 @@ $(DEMO_STAMP): pyproject.toml
 	touch $(DEMO_STAMP)
 
 test: $(STAMP) lint
-	$(BIN)/pytest -n auto -q
+	$(BIN)/pytest -n auto -q --durations=30
 
 test-fast: $(STAMP)
 	$(BIN)/pytest -n auto -q -m "not slow"

@@ -30,7 +30,7 @@ from timeslice_agent.discovery import Discovered, ProcessFinder
 from timeslice_agent.executor import DirectiveExecutor
 from timeslice_agent.hostmem import GB, HostMemory
 from timeslice_agent.http import HttpServer
-from timeslice_agent.jobs import Residency
+from timeslice_agent.jobs import JobState, Residency
 from timeslice_agent.journal import DirectiveJournal
 from timeslice_agent.llmd import AcceleratorMemory, HealthService, SnapshotAgentService
 from timeslice_agent.metrics import AgentMetrics
@@ -59,6 +59,9 @@ CLOSE_SECONDS = 5.0
 # How long a registration waits for the orchestrator to record it. With the agent's check of
 # the worker's process (up to 5 s) it stays within the 10 s the SDK's register() waits.
 REGISTRATION_RECORD_SECONDS = 3.0
+# A restarted agent waits this long at most, before its first hello, for the workers of the
+# jobs its state file lists to register again (a registration reconnects every 2 s at most).
+REREGISTER_SECONDS = 5.0
 # While the state file cannot be written at start, the write is retried after these waits.
 START_WRITE_RETRY_INITIAL_SECONDS = 0.2
 START_WRITE_RETRY_MAX_SECONDS = 2.0
@@ -402,8 +405,67 @@ class Agent:
                 self._discover_forever(), name="process-discovery", kind="sweep", critical=True
             )
         self._link_task = self.supervisor.spawn(
-            self.link.run_forever(), name="orchestrator-link", kind="link", critical=True
+            self._serve_orchestrators(), name="orchestrator-link", kind="link", critical=True
         )
+
+    async def _serve_orchestrators(self) -> None:
+        await self._workers_back(REREGISTER_SECONDS)
+        await self.link.run_forever()
+
+    async def _workers_back(self, timeout: float) -> None:
+        """Before a restarted agent's first hello: wait (at most ``timeout`` s) until each job
+        its state file lists on the devices or parked has a worker registered again.
+
+        The agent acts only on processes it knows, and a restart forgot the registrations. A
+        checkpoint of a job whose workers have not registered again would stop nothing (the
+        freeze backend), and the workers, registering afterwards, would run beside the job
+        given the devices; a parked job without them would not be planned on this node, and
+        be granted while its processes here stay parked. Their registrations come back within
+        a reconnect interval; the hello, and so every directive, waits for them. Not waited
+        for: a parked job none of whose checkpointed processes lives any more (nothing will
+        register for it), and a faulted one.
+        """
+
+        on_device = {
+            j
+            for j, job in self.executor.jobs.items()
+            if job.state in (JobState.IDLE, JobState.RUNNING)
+        }
+        parked = {
+            j: job.saved_identities
+            for j, job in self.executor.jobs.items()
+            if job.state is JobState.SAVED
+        }
+
+        def alive() -> set[str]:  # /proc reads, off the loop
+            return {
+                j for j, pinned in parked.items() if any(identity_of(i.pid) == i for i in pinned)
+            }
+
+        jobs = on_device | await asyncio.to_thread(alive)
+
+        def missing() -> list[str]:
+            return sorted(j for j in jobs if not self.registry.workers_of(j))
+
+        waiting = missing()
+        if not waiting:
+            return
+        log.info(
+            "waiting up to %g s for the workers of %s to register again before the hello",
+            timeout,
+            ", ".join(waiting),
+        )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while waiting and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+            waiting = missing()
+        if waiting:
+            log.warning(
+                "no worker of %s registered again within %g s; saying hello without them",
+                ", ".join(waiting),
+                timeout,
+            )
 
     async def _first_write(self) -> None:
         """Write the state file before serving anything; while that fails, retry.

@@ -7,9 +7,11 @@ queue behind its own. Quotas (:mod:`.limits`) bound what a client may *keep*; ad
 bounds how fast it may *ask*.
 
 Each client has a token bucket, filled at ``client_rate`` tokens a second up to
-``client_burst``. A client is a job when its client certificate names one (mutual TLS: all
-the job's connections share the bucket), else a connection (its peer address: one HTTP/2
-connection; without TLS a job id is only a claim, so it cannot choose the bucket):
+``client_burst``. With mutual TLS a client is its certificate's identity, whatever the
+number of connections it opens: a job (``("job", id)``), an operator (by subject CN), a node,
+or a certificate of no role (by subject CN). Without TLS it is a connection (its peer
+address: one HTTP/2 connection; a job id is then only a claim, so it cannot choose the
+bucket):
 
 - A call is admitted, before its request is read or decoded, while the bucket is not in
   debt; it then pays its method's cost (:data:`COSTS`: 1, more for the calls that create a
@@ -18,15 +20,22 @@ connection; without TLS a job id is only a claim, so it cannot choose the bucket
   client that keeps asking for what it cannot have runs out first.
 - A call that finds the bucket in debt waits, first in first out per client (no CPU
   spent on it while it waits, and its caller sends nothing more), at most
-  ``client_max_wait`` seconds and never past its own deadline. Past that, or with
-  ``client_max_waiting`` calls of its client already waiting, it is refused
-  RESOURCE_EXHAUSTED, typed, with how long to wait in the message.
+  ``client_max_wait`` seconds and never past its own deadline. Past that, it is refused
+  RESOURCE_EXHAUSTED, typed, with how long to wait in the message. A call that finds
+  ``client_max_waiting`` calls of its client already waiting takes no place in line and is
+  refused so too, after as long as it could have waited: a client with more calls in flight
+  than that gets refusals at the pace of its own concurrency, not as fast as it can ask.
 
 Other clients have buckets of their own, so their calls are never delayed or refused by a
 flood; a job doing a handful of calls per step never comes near the defaults. A client's
 state is dropped once it is idle (no call running or waiting, its bucket full), so what is
 kept is bounded by the clients that are busy right now. The agents' service is not
 admitted here (one long stream per node).
+
+Operators have no larger bucket: what they do (the CLI, ``timeslice top``, pinning members)
+costs a few tokens a second, and one certificate on many connections (the dev cluster once
+gave every client the operator's) must not get the loop to itself. Certificates sharing a
+subject CN share a bucket.
 
 Without client certificates, a client opening many connections gets a bucket on each: this
 bounds a client library or a runaway loop, not a determined attacker (use client
@@ -162,8 +171,17 @@ class Admission:
             client.active += 1
             return client
         wait = self.max_wait if timeout is None else max(0.0, min(self.max_wait, timeout))
-        if len(client.waiters) >= self.max_waiting or wait <= 0:
+        if wait <= 0:
             self._refused(client, method, "waiting")
+        if len(client.waiters) >= self.max_waiting:
+            # Refused, but only once it could have waited: a client that keeps more calls in
+            # flight than it may queue (many connections of one certificate, say) then gets
+            # its refusals at the pace of its own concurrency, not as fast as the replica can
+            # write them (a refusal costs the loop about what a cheap call does). Nothing is
+            # kept for the call but its sleep; its stream holds as much anyway.
+            waiting = len(client.waiters)
+            await asyncio.sleep(wait)
+            self._refused(client, method, "waiting", waiting)
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if not client.waiters:
             turn.set_result(None)
@@ -204,25 +222,33 @@ class Admission:
             # burst / rate seconds once it stops.
             client.tokens = max(-self.burst, client.tokens - REFUSAL_COST)
 
-    def _refused(self, client: _Client, method: str, why: str) -> None:
+    def _refused(self, client: _Client, method: str, why: str, waiting: int | None = None) -> None:
         if self._metrics is not None:
             self._metrics.admission.labels(outcome=f"refused_{why}").inc()
         retry = max(0.05, -client.tokens / self.rate if self.rate else 1.0)
+        waiting = len(client.waiters) if waiting is None else waiting
         raise ResourceExhausted(
             f"{method}: this client sends calls faster than this replica admits "
             f"({self.rate:g} tokens/s, burst {self.burst:g}, --client-rate/--client-burst; "
-            f"{len(client.waiters)} calls already waiting); retry in {retry:.2f} s"
+            f"{waiting} calls already waiting); retry in {retry:.2f} s"
         )
 
 
 def _client_key(peer_addr: Any) -> Hashable:
-    """Whose bucket a call spends: its job's, when a client certificate names the job (all
-    the job's connections then share one bucket), else its connection's."""
+    """Whose bucket a call spends: with a client certificate, its identity's (all the
+    connections of one job, operator, node or other certificate share one bucket), else
+    its connection's."""
     who = identity.current()  # set by identity's listener, before the handler runs
-    if who is not None and who.job is not None and not who.operator:
-        return ("job", who.job)
-    # TCP: (host, port), one per connection. A unix socket has no peer name: all its
-    # connections share one bucket.
+    if who is not None:
+        if who.operator:
+            return ("operator", who.subject)
+        if who.job is not None:
+            return ("job", who.job)
+        if who.node is not None:
+            return ("node", who.node)
+        return ("subject", who.subject)
+    # Plaintext: TCP (host, port), one per connection. A unix socket has no peer name: all
+    # its connections share one bucket.
     return ("peer", tuple(peer_addr) if isinstance(peer_addr, (tuple, list)) else peer_addr)
 
 

@@ -5,14 +5,19 @@ Typed errors become gRPC statuses whose message starts with "[kind]" (timeslice.
 Who may call what (:mod:`.authz`): calls on a session carry its secret, checked by
 LockService; operator RPCs (SetGroupMembers, the Yield that names no session) are served by
 handlers that see the call's stream, hence its metadata and peer (``__mapping__``).
+
+Who may read what (:mod:`.visibility`): the group reads (ListGroups, GetGroupStatus,
+WatchGroup) are scoped by the caller's identity; their handlers learn first, from the stream,
+whether the caller is an operator (certificate or token).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpclib
@@ -22,7 +27,8 @@ from opentelemetry.trace import Span, Tracer
 
 from timeslice import AcquireStage
 from timeslice.errors import ErrorKind, ResourceExhausted, TimeSliceError
-from timeslice_orchestrator import identity
+from timeslice.ids import validate_group_id
+from timeslice_orchestrator import identity, visibility
 from timeslice_orchestrator.admission import Admission
 from timeslice_orchestrator.authz import Authorizer, peer_of
 from timeslice_orchestrator.limits import Limits, Quotas
@@ -30,7 +36,8 @@ from timeslice_orchestrator.locks import LockService, Progress
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.rpc import Call, encoded_off_loop, served
 from timeslice_orchestrator.store.cache import GroupView, Mirror, group_topic
-from timeslice_orchestrator.store.records import hold_epoch
+from timeslice_orchestrator.store.records import AgentRecord, hold_epoch
+from timeslice_orchestrator.visibility import Reach, Viewer
 from timeslice_proto.timeslice.v1 import (
     AcquireEvent,
     AcquireRequest,
@@ -64,6 +71,10 @@ log = logging.getLogger(__name__)
 
 # A listing of every group reads this many between two turns of the event loop.
 LIST_SLICE = 2000
+# The viewer of the group read being handled (set from its stream: see __mapping__).
+_viewer: contextvars.ContextVar[Viewer | None] = contextvars.ContextVar(
+    "timeslice_viewer", default=None
+)
 
 
 class TimeSliceService(TimeSliceBase):
@@ -102,7 +113,37 @@ class TimeSliceService(TimeSliceBase):
             mapping[name] = Handler(
                 handler, generated.cardinality, generated.request_type, generated.reply_type
             )
+        for method in _READS:
+            name = f"/{_SERVICE}/{method}"
+            generated = mapping[name]
+            mapping[name] = Handler(
+                self._scoped(generated.func),
+                generated.cardinality,
+                generated.request_type,
+                generated.reply_type,
+            )
         return mapping
+
+    def _scoped(
+        self, handler: Callable[[grpclib.server.Stream[Any, Any]], Awaitable[None]]
+    ) -> Callable[[grpclib.server.Stream[Any, Any]], Awaitable[None]]:
+        """``handler`` run with its caller's viewer known (an operator token is in the
+        stream's metadata, which the generated handler does not pass on)."""
+
+        async def scoped(stream: grpclib.server.Stream[Any, Any]) -> None:
+            who = visibility.viewer_of(identity.current(), operator=self._authz.is_operator(stream))
+            token = _viewer.set(who)
+            try:
+                await handler(stream)
+            finally:
+                _viewer.reset(token)
+
+        return scoped
+
+    @staticmethod
+    def _viewer() -> Viewer:
+        """Who reads: as :meth:`_scoped` found, else from the certificate alone."""
+        return _viewer.get() or visibility.viewer_of(identity.current())
 
     def _call(
         self, method: str, group: str = "", job: str = "", peer: str = ""
@@ -110,7 +151,9 @@ class TimeSliceService(TimeSliceBase):
         """The RPC's server span; typed errors out, refusals counted by the authorizer."""
 
         def refused(exc: TimeSliceError) -> None:
-            if exc.kind in _REFUSALS:
+            if exc.kind is ErrorKind.PERMISSION_DENIED and method in _READS:
+                self._authz.refused(method, "reading groups without a job or operator identity")
+            elif exc.kind in _REFUSALS:
                 self._authz.refused(method, _REFUSALS[exc.kind], peer)
 
         call = Call(_SERVICE, method, group, job)
@@ -138,6 +181,7 @@ class TimeSliceService(TimeSliceBase):
     async def acquire(self, message: AcquireRequest) -> AsyncIterator[AcquireEvent]:
         grant: Progress | None = None
         delivered = False
+        viewer = self._viewer()
         try:
             with self._call("Acquire", message.group_id, message.job_id) as span:
                 identity.check_job(message.job_id, "Acquire")
@@ -161,7 +205,7 @@ class TimeSliceService(TimeSliceBase):
                                     "timeslice.waited_seconds": step.waited_seconds,
                                 }
                             )
-                        yield _event(step)
+                        yield _event(step, viewer)
                         # Resumed: the framework sent the event and asked for more.
                         delivered = grant is not None
         finally:
@@ -242,7 +286,22 @@ class TimeSliceService(TimeSliceBase):
 
     async def list_groups(self, message: ListGroupsRequest) -> ListGroupsResponse:
         with self._call("ListGroups"):
-            return await encoded_off_loop(ListGroupsResponse(groups=await self._summaries()))
+            viewer = self._viewer()
+            viewer.check_reads("ListGroups")
+            groups = await (self._summaries() if viewer.reach is Reach.ALL else self._own(viewer))
+            return await encoded_off_loop(ListGroupsResponse(groups=groups))
+
+    async def _own(self, viewer: Viewer) -> list[GroupSummary]:
+        """The summaries of a job's own groups, other jobs' ids replaced."""
+        return [
+            GroupSummary(
+                group_id=view.group,
+                holder_job_id=viewer.name(view.holder.record.job if view.holder else ""),
+                queue_length=len(view.queue),
+                switching=view.switch is not None,
+            )
+            for view in await own_groups(self._mirror, viewer)
+        ]
 
     async def _summaries(self) -> list[GroupSummary]:
         """Every group's summary (not its whole view: a deployment may list 100,000 groups),
@@ -268,12 +327,16 @@ class TimeSliceService(TimeSliceBase):
 
     async def get_group_status(self, message: GetGroupStatusRequest) -> GroupStatus:
         with self._call("GetGroupStatus", message.group_id):
-            return self._status(message.group_id)
+            return self._status(message.group_id, self._viewer(), "GetGroupStatus")
 
-    def _status(self, group: str) -> GroupStatus:
-        status = group_status(self._locks.view(group), self._mirror)
+    def _status(
+        self, group: str, viewer: Viewer = visibility.EVERYTHING, what: str = ""
+    ) -> GroupStatus:
+        agents = self._mirror.agents()
+        view = read_view(self._locks, self._mirror, viewer, group, agents, what)
+        status = group_status(view, self._mirror, agents)
         status.policy = self._locks.policy.value
-        return status
+        return visibility.scoped_status(viewer, status)
 
     async def _rpc_set_group_members(
         self, stream: grpclib.server.Stream[SetGroupMembersRequest, Any]
@@ -304,17 +367,27 @@ class TimeSliceService(TimeSliceBase):
             return self._status(message.group_id)
 
     async def watch_group(self, message: WatchGroupRequest) -> AsyncIterator[GroupEvent]:
-        with self._call("WatchGroup", message.group_id):
-            view = self._locks.view(message.group_id)
+        viewer, group = self._viewer(), message.group_id
+        with self._call("WatchGroup", group):
+            agents = self._mirror.agents()
+            view = read_view(self._locks, self._mirror, viewer, group, agents, "WatchGroup")
         topic = group_topic(view.group)
         while True:
             seen = self._mirror.version(topic)
             view = self._mirror.group(view.group)
-            yield GroupEvent(revision=view.revision, status=group_status(view, self._mirror))
+            agents = self._mirror.agents()
+            if not viewer.sees(view, agents) and viewer.reach is not Reach.ALL:
+                # No longer the job's (its last record there went): what opening it would get.
+                gone = visibility.hidden(view.group, viewer)
+                raise grpclib.GRPCError(gone.status, gone.wire_message())
+            status = visibility.scoped_status(viewer, group_status(view, self._mirror, agents))
+            yield GroupEvent(revision=view.revision, status=status)
             await self._mirror.wait_for_change(topic, seen)
 
 
 _SERVICE = "timeslice.v1.TimeSlice"
+# The group reads, scoped by the caller's identity (:mod:`.visibility`).
+_READS = ("ListGroups", "GetGroupStatus", "WatchGroup")
 # Typed errors that refuse a caller for who it is, and the cause each is counted under.
 _REFUSALS = {
     ErrorKind.UNAUTHENTICATED: "session secret missing or wrong",
@@ -322,14 +395,55 @@ _REFUSALS = {
 }
 
 
-def _event(step: Progress) -> AcquireEvent:
+def read_view(
+    locks: LockService,
+    mirror: Mirror,
+    viewer: Viewer,
+    group: str,
+    agents: dict[str, AgentRecord],
+    what: str,
+) -> GroupView:
+    """The group ``viewer`` asks ``what`` of: PERMISSION_DENIED for a caller that reads no
+    groups; NOT_FOUND, the same, for a job's read of a group that does not exist and of one
+    that is not the job's."""
+    viewer.check_reads(what)
+    if viewer.reach is Reach.ALL:
+        return locks.view(group)
+    validate_group_id(group)
+    view = mirror.group(group)
+    if not viewer.sees(view, agents):
+        raise visibility.hidden(group, viewer)
+    return view
+
+
+async def own_groups(mirror: Mirror, viewer: Viewer) -> list[GroupView]:
+    """The groups ``viewer`` (a job) may read, by name, in slices with the replica's other
+    work let through between them, as an operator's listing is. Only a group whose keys or
+    values name the job (or where a worker of it is registered) is decoded to tell: a job
+    id recorded anywhere in a group is in its bytes as is (ids are plain ASCII)."""
+    agents = mirror.agents()
+    registered = {w.group for a in agents.values() for w in a.workers if w.job == viewer.job}
+    needle = viewer.job.encode()
+    views = []
+    for n, name in enumerate(mirror.group_names(), 1):
+        if n % LIST_SLICE == 0:
+            await asyncio.sleep(0)
+        if name not in registered and not mirror.mentions(name, needle):
+            continue
+        view = mirror.group(name)
+        if viewer.sees(view, agents):
+            views.append(view)
+    return views
+
+
+def _event(step: Progress, viewer: Viewer) -> AcquireEvent:
     return AcquireEvent(
         state=step.stage.to_wire(),
         queue_position=step.position,
         epoch=step.epoch,
         waited_seconds=step.waited_seconds,
         restored=step.restored,
-        previous_job_id=step.previous_job,
+        previous_job_id=viewer.name(step.previous_job),
         switch_seconds=step.switch_seconds,
         ticket=step.ticket,
     )
@@ -342,8 +456,11 @@ _PHASE = {
 }
 
 
-def group_status(view: GroupView, mirror: Mirror) -> GroupStatus:
-    agents = mirror.agents()
+def group_status(
+    view: GroupView, mirror: Mirror, agents: dict[str, AgentRecord] | None = None
+) -> GroupStatus:
+    """The group as timeslice.v1 states it (``agents``: the mirror's, if already read)."""
+    agents = mirror.agents() if agents is None else agents
     resident = view.residency().nodes
     nodes = sorted(
         set(resident)

@@ -93,7 +93,12 @@ class Orchestrator:
     def __init__(self, config: OrchestratorConfig, tracing: TracerProvider | None = None) -> None:
         self.config = config
         self.metrics = Metrics()
-        self.etcd = EtcdClient(config.etcd, tls=config.etcd_tls)
+        self.etcd = EtcdClient(
+            config.etcd,
+            tls=config.etcd_tls,
+            timeout=config.etcd_timeout,
+            probe=config.etcd_probe,
+        )
         self.keys = Keyspace(config.prefix)
         self.store = GroupStore(self.etcd, self.keys)
         self.mirror = Mirror(self.etcd, self.keys, name=config.replica_id)
@@ -245,7 +250,9 @@ class Orchestrator:
             await server.start(cfg.listen.host, cfg.listen.port)
         else:
             identity.install(server, cfg.identity)
-            self.tls = TlsListener(cfg.tls, self.metrics, self._tasks)
+            self.tls = TlsListener(
+                cfg.tls, self.metrics, self._tasks, cfg.connections, cfg.identity
+            )
             await self.tls.start(server, cfg.listen.host, cfg.listen.port)
         if cfg.etcd_tls is None:
             log.warning("--insecure: etcd at %s is reached in plaintext", ",".join(cfg.etcd))

@@ -53,7 +53,8 @@ from timeslice.errors import (
 )
 from timeslice.ids import validate_group_id, validate_job_id
 from timeslice.tasks import Supervisor
-from timeslice_orchestrator import identity
+from timeslice_orchestrator import identity, visibility
+from timeslice_orchestrator.api import own_groups, read_view
 from timeslice_orchestrator.authz import secret_hash
 from timeslice_orchestrator.limits import Quotas
 from timeslice_orchestrator.locks import LockService, Progress
@@ -234,12 +235,24 @@ class CompatService(TimeSliceOrchestratorServiceBase):
         )
 
     async def list_groups(self, message: ListGroupsRequest) -> ListGroupsResponse:
+        """Every group to an operator; a job's own groups to a job (:mod:`.visibility`)."""
         with self._call("ListGroups"):
-            return await encoded_off_loop(ListGroupsResponse(group_ids=self._mirror.group_names()))
+            viewer = visibility.viewer_of(identity.current())
+            viewer.check_reads("ListGroups")
+            if viewer.reach is visibility.Reach.ALL:
+                names = self._mirror.group_names()
+            else:
+                names = [view.group for view in await own_groups(self._mirror, viewer)]
+            return await encoded_off_loop(ListGroupsResponse(group_ids=names))
 
     async def get_group_status(self, message: GetGroupStatusRequest) -> GetGroupStatusResponse:
-        with self._call("GetGroupStatus", message.group_id):
-            return group_status(self._locks.view(message.group_id), self._mirror.agents())
+        """The group as v1alpha1 states it, other jobs' ids replaced for a job."""
+        group = message.group_id
+        with self._call("GetGroupStatus", group):
+            viewer = visibility.viewer_of(identity.current())
+            agents = self._mirror.agents()
+            view = read_view(self._locks, self._mirror, viewer, group, agents, "GetGroupStatus")
+            return visibility.scoped_v1alpha1(viewer, group_status(view, agents))
 
     # -- implicit sessions ----------------------------------------------------------------
 

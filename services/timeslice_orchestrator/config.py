@@ -21,7 +21,8 @@ from timeslice_orchestrator.dashboard import DashboardConfig
 from timeslice_orchestrator.identity import RESERVED_NAMES, IdentityRules, JobSource
 from timeslice_orchestrator.limits import Limits
 from timeslice_orchestrator.policy import Policy
-from timeslice_orchestrator.store.etcd import parse_endpoints
+from timeslice_orchestrator.store.etcd import MemberProbe, parse_endpoints
+from timeslice_orchestrator.tls import ConnectionLimits
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,15 @@ class OrchestratorConfig:
     start_timeout: float = 30.0
     """How long start-up waits for etcd (its lease, then its first full read) before the
     process gives up with one line; a supervisor (systemd, Kubernetes) restarts it."""
+    etcd_timeout: float = 5.0
+    """The deadline of each etcd call, in seconds."""
+    etcd_probe: MemberProbe = field(default_factory=MemberProbe)
+    """When an etcd member with calls waiting is asked whether it still serves them, and how
+    long it has to answer (store/etcd.py)."""
     dashboard: DashboardConfig = field(default_factory=DashboardConfig)
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
+    """What one peer may hold on the gRPC port with TLS: pending handshakes, deadlines,
+    connections per identity, idle connections (tls.py, docs/security.md)."""
     """Limits of the dashboard on the HTTP port (docs/dashboard.md)."""
     compat_hold_ttl: int = 10
     """TTL of the implicit sessions of v1alpha1 (llm-d) clients: how long a hold outlives
@@ -148,6 +157,26 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         type=float,
         default=_env("START_TIMEOUT", "30", legacy_name=False),
         help="seconds start-up waits for etcd before giving up (default 30)",
+    )
+    p.add_argument(
+        "--etcd-timeout",
+        type=float,
+        default=_env("ETCD_TIMEOUT", "5", legacy_name=False),
+        help="deadline of each etcd call, seconds (default 5)",
+    )
+    p.add_argument(
+        "--etcd-probe-after",
+        type=float,
+        default=_env("ETCD_PROBE_AFTER", "0.5", legacy_name=False),
+        help="an etcd call unanswered this long has its member asked for its status; a member "
+        "that does not answer, or has lost its leader, is left and its calls end at once "
+        "(seconds, default 0.5; 0: off, calls wait for their deadline)",
+    )
+    p.add_argument(
+        "--etcd-probe-timeout",
+        type=float,
+        default=_env("ETCD_PROBE_TIMEOUT", "0.5", legacy_name=False),
+        help="seconds an etcd member has to answer that status probe (default 0.5)",
     )
     p.add_argument(
         "--compat-hold-ttl",
@@ -254,6 +283,7 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         default=_env_flag("INSECURE", legacy_name=False),
         help="allow plaintext where no certificate is given (gRPC port, etcd): development only",
     )
+    _add_connection_limits(p)
     _add_limits(p)
     a = p.parse_args(argv)
     try:
@@ -274,6 +304,17 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         p.error(str(exc))
     if not 0 < a.start_timeout <= 3600:
         p.error("--start-timeout must be between 0 and 3600 seconds")
+    if not 0 < a.etcd_timeout <= 3600:
+        p.error("--etcd-timeout must be between 0 and 3600 seconds")
+    try:
+        etcd_probe = MemberProbe(after=a.etcd_probe_after, timeout=a.etcd_probe_timeout)
+    except ValueError as exc:
+        p.error(f"--etcd-probe-after/--etcd-probe-timeout: {exc}")
+    if etcd_probe.enabled and etcd_probe.after + etcd_probe.timeout >= a.etcd_timeout:
+        p.error(
+            "--etcd-probe-after plus --etcd-probe-timeout must be less than --etcd-timeout: "
+            "a probe must be able to end a call before its deadline does"
+        )
     if a.agent_liveness_timeout < 0 or a.agent_liveness_timeout > 3600:
         p.error("--agent-liveness-timeout must be between 0 and 3600 seconds")
     try:
@@ -325,13 +366,88 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         limits=_limits(p, a),
         compat_hold_ttl=a.compat_hold_ttl,
         start_timeout=a.start_timeout,
+        etcd_timeout=a.etcd_timeout,
+        etcd_probe=etcd_probe,
         dashboard=dashboard,
+        connections=_connection_limits(p, a),
     )
+
+
+# The gRPC port's connections (tls.py): flag, ConnectionLimits field, type, what it means.
+_CONNECTION_OPTIONS: tuple[tuple[str, str, type, str], ...] = (
+    (
+        "max-pending-handshakes",
+        "max_pending",
+        int,
+        "connections whose TLS handshake is not done yet, at most; past it the oldest that "
+        "sent nothing is dropped, or accepting pauses (the kernel backlog holds the rest)",
+    ),
+    (
+        "max-pending-per-address",
+        "max_pending_per_address",
+        int,
+        "of those, from one source address (IPv6: a /64); more are closed at once",
+    ),
+    (
+        "hello-timeout",
+        "hello_timeout",
+        float,
+        "seconds a new connection has to send its first bytes (the TLS ClientHello)",
+    ),
+    ("handshake-timeout", "handshake_timeout", float, "seconds from accept to a done handshake"),
+    (
+        "max-connections-per-identity",
+        "max_per_identity",
+        int,
+        "connections one client certificate's identity (a job, node, operator) may keep to a "
+        "replica; the next one is sent GOAWAY and closed",
+    ),
+    (
+        "idle-connection-timeout",
+        "idle_timeout",
+        float,
+        "seconds a connection with no open call and no traffic stays open (0: forever); an "
+        "open stream keeps it",
+    ),
+)
+
+
+def _add_connection_limits(p: argparse.ArgumentParser) -> None:
+    defaults = ConnectionLimits()
+    group = p.add_argument_group("connections", "limits on the gRPC port's connections (TLS)")
+    for flag, name, kind, text in _CONNECTION_OPTIONS:
+        group.add_argument(
+            "--" + flag,
+            dest="conn_" + name,
+            type=kind,
+            default=_env(
+                flag.upper().replace("-", "_"), str(getattr(defaults, name)), legacy_name=False
+            ),
+            help=text,
+        )
+
+
+def _connection_limits(p: argparse.ArgumentParser, a: argparse.Namespace) -> ConnectionLimits:
+    try:
+        return ConnectionLimits(
+            **{name: getattr(a, "conn_" + name) for _, name, _, _ in _CONNECTION_OPTIONS}
+        )
+    except ValueError as exc:
+        message = str(exc)  # names a field: say which flag
+        for flag, name, _, _ in sorted(_CONNECTION_OPTIONS, key=lambda o: -len(o[1])):
+            message = message.replace(name, "--" + flag)
+        p.error(message)
 
 
 # Quotas (limits.py): what one flag means, its default, and its Limits field.
 _LIMIT_OPTIONS: tuple[tuple[str, type, str], ...] = (
     ("max_groups", int, "groups the deployment keeps at most"),
+    (
+        "max_groups_per_job",
+        int,
+        "groups one job's Acquires may create that still exist (until the idle clean-up "
+        "removes them); operators' pinned groups count in --max-groups only",
+    ),
     ("max_sessions", int, "sessions open at once, over every job"),
     ("max_sessions_per_job", int, "sessions one job may have open at once"),
     ("max_entries_per_session", int, "queue entries and holds of one session, over all groups"),
@@ -343,11 +459,12 @@ _LIMIT_OPTIONS: tuple[tuple[str, type, str], ...] = (
     (
         "client_rate",
         float,
-        "call tokens a second each client connection may spend (a call costs 1-10, 10 more "
+        "call tokens a second each client may spend (a client: a certificate's identity, "
+        "over all its connections; a connection in plaintext; a call costs 1-10, 10 more "
         "when refused); 0 = no admission control",
     ),
-    ("client_burst", int, "tokens a client connection may spend at once"),
-    ("client_max_waiting", int, "calls of one connection that may wait for tokens"),
+    ("client_burst", int, "tokens a client may spend at once"),
+    ("client_max_waiting", int, "calls of one client that may wait for tokens"),
     ("client_max_wait", float, "seconds a call may wait for tokens before it is refused"),
 )
 

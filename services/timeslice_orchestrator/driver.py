@@ -20,6 +20,9 @@ to bottom:
                                            prefetch the next waiter beside it if it fits
                                            (one that fails is retried with backoff, and
                                            never faults the waiter)
+    a waiter parked on a node that      -> held back (the next waiter in line is served
+      cannot restore it (agent away)       instead), with the reason in last_error; faulted
+                                           once that lasts past its deadline
     head's last switch failed just now  -> wait until its retry is due
     head's state already on its nodes   -> grant at once (no data movement)
     otherwise                           -> CHECKPOINT the residents on every node concurrently,
@@ -36,6 +39,12 @@ A node that stops answering (silent past the agent liveness timeout, or past a d
 deadline) is fenced out (``docs/fencing.md``): the switch record lists it, it is sent nothing
 more of the switch, its residency is unknown, and the switch completes on the nodes that
 answer, with the reason in the group's ``last_error``. No phase waits for it to come back.
+But a job whose state is parked on a node that cannot restore it (its agent away, or back
+without the job's workers yet) is never granted: its processes there would stay parked
+(stopped, for the freeze backend) while it is told it holds the group. A switch towards it
+that went on without such a node ends without a grant, and the job is held back until the
+node has restored it, for at most ``parked_wait`` seconds; then it is faulted with the reason.
+Other waiters are served meanwhile.
 
 Operator operations (snapshot / restore of one job on one node, docs/llmd-agent.md) never
 interleave with a switch: one runs only when no switch record exists, and it is a switch
@@ -75,6 +84,7 @@ from timeslice_orchestrator.store.cache import (
 from timeslice_orchestrator.store.etcd import StoreUnavailable
 from timeslice_orchestrator.store.groups import Authority, Fault, Grant, GroupStore, new_switch_id
 from timeslice_orchestrator.store.records import (
+    AgentRecord,
     NodeStep,
     OperationKind,
     OperationRecord,
@@ -85,7 +95,7 @@ from timeslice_orchestrator.store.records import (
     SwitchRecord,
     hold_epoch,
 )
-from timeslice_orchestrator.switch_plan import plan, plan_operation
+from timeslice_orchestrator.switch_plan import plan, plan_operation, stranded
 from timeslice_orchestrator.workqueue import KeyedBackoff, WorkQueue
 from timeslice_proto.timeslice.v1 import DirectiveKind
 
@@ -108,6 +118,14 @@ class DriverConfig:
     # Groups driven at once. A pass can wait on agents up to the directive timeout, so this is
     # generous: enough that switches of unrelated groups rarely wait for each other.
     workers: int = 64
+    # How long a waiter parked on a node that cannot restore it (its agent away) is held back
+    # before it is faulted; None: the directive timeout (what a restore there may take).
+    parked_wait: float | None = None
+
+    @property
+    def held_back_for(self) -> float:
+        """Seconds a waiter is held back for a node that cannot restore it, at most."""
+        return self.directive_timeout if self.parked_wait is None else self.parked_wait
 
 
 class Next(enum.Enum):
@@ -162,6 +180,8 @@ class SwitchDriver:
         )
         self.retries = RetryLedger()
         """Failed switches, catch-ups and prefetches of live holds and waiters."""
+        self.held_back = RetryLedger()
+        """Waiters held back for a node that cannot restore them: ``due`` is their deadline."""
         self._last_error: dict[str, str] = {}
         # The revision of this driver's last write to each group, until the mirror shows it:
         # a pass planned on an older view would carry on a switch it has just committed.
@@ -243,15 +263,14 @@ class SwitchDriver:
         self._written.pop(group, None)
         if not self._mirror.needs_driver(group):
             self.retries.forget_group(group)
+            self.held_back.forget_group(group)
             return Next.IDLE  # no switch, nobody waits (decided without decoding a record)
         if group in self._hand_overs:
             return Next.IDLE  # a yield here is granting the next waiter; kicked when it ends
         view = self._mirror.group(group)
-        self.retries.forget_ended(
-            group,
-            ((q.job, q.revision) for q in view.queue),
-            (view.holder.record.job, hold_epoch(view.holder)) if view.holder else None,
-        )
+        hold = (view.holder.record.job, hold_epoch(view.holder)) if view.holder else None
+        self.retries.forget_ended(group, ((q.job, q.revision) for q in view.queue), hold)
+        self.held_back.forget_ended(group, ((q.job, q.revision) for q in view.queue), None)
         if view.switch is not None:
             # Ours in flight, or left by a driver that died: carry it on from its phase.
             if not await self._drives(view):
@@ -266,9 +285,9 @@ class SwitchDriver:
             return await self._operate(view, operation)
         if not view.queue:
             return Next.IDLE
-        head = order(self._config.policy, view)[0]
+        ordered = order(self._config.policy, view)
         if view.holder is not None:
-            return await self._prefetch(view, head)
+            return await self._prefetch(view, ordered[0])
         if not await self._drives(view):
             return Next.IDLE
         agents = self._mirror.agents()
@@ -281,6 +300,10 @@ class SwitchDriver:
             if view.stats.last_error != note and await self._store.note_error(group, note):
                 log.warning("group %s: %s", group, note)
             return Next.LATER
+        servable = await self._hold_back(view, ordered, agents)
+        if isinstance(servable, Next):
+            return servable
+        head = servable
         steps = plan(view, head.job, agents, self._config.co_residency)
         assert steps is not None  # nothing is protected without a holder
         if not steps:
@@ -290,6 +313,75 @@ class SwitchDriver:
             return Next.WAIT  # its last switch failed and rolled back just now
         attempt = retry.attempts + 1 if retry is not None else 1
         return await self._begin(view, head.job, head.revision, steps, attempt)
+
+    async def _hold_back(
+        self, view: GroupView, ordered: list[QueuedJob], agents: dict[str, AgentRecord]
+    ) -> QueuedJob | Next:
+        """The first waiter in ``ordered`` that may be served, holding back those parked on a
+        node that cannot restore them (:func:`stranded`); or what to do when none may.
+
+        A held-back waiter's reason goes into ``last_error`` (written when it changes). One
+        held back past its deadline (:attr:`DriverConfig.held_back_for`, from the first pass
+        that held it back) is faulted: its acquire fails with the reason. The node's return
+        changes the agents, which brings the group back here at once.
+        """
+        group = view.group
+        if view.resident is None or not view.resident.record.parked:
+            return ordered[0]  # nothing is parked anywhere (the common case)
+        residency = view.resident.record
+        now = time.monotonic()
+        wait = self._config.held_back_for
+        first: QueuedJob | None = None
+        notes: list[str] = []
+        for waiter in ordered:
+            key = (group, waiter.job, waiter.revision)
+            nodes = stranded(residency, group, waiter.job, agents, view.static_members)
+            if not nodes:
+                self.held_back.pop(key)
+                first = first or waiter
+                continue
+            since = self.held_back.get(key)
+            if since is None:
+                since = Retry(0, now + wait)
+                self.held_back.put(key, since)
+                log.warning(
+                    "group %s: %s held back: parked on %s, which cannot restore it now",
+                    group,
+                    waiter.job,
+                    ", ".join(nodes),
+                )
+            if since.due <= now:
+                return await self._give_up_parked(view, waiter, nodes, wait)
+            notes.append(_held_back_note(waiter.job, nodes, wait))
+        if notes:
+            note = "; ".join(notes)
+            if view.stats.last_error != note and await self._store.note_error(group, note):
+                log.info("group %s: %s", group, note)
+            view.stats.last_error = note  # kept by a grant this pass writes
+        return first if first is not None else Next.LATER
+
+    async def _give_up_parked(
+        self, view: GroupView, waiter: QueuedJob, nodes: list[str], wait: float
+    ) -> Next:
+        """Fault a waiter held back past its deadline for a node that cannot restore it."""
+        where = ", ".join(nodes)
+        reason = (
+            f"{waiter.job} is parked on {where} (its processes there stopped or its state off "
+            f"the devices) and {where} could not restore it for {wait:g} s: the node's agent "
+            f"is away, or lists no worker of {waiter.job}; {waiter.job} is not granted "
+            f"without it (acquire again once {where} is back)"
+        )
+        stats = view.stats
+        stats.last_error = reason
+        stats.faults += 1
+        self.held_back.pop((view.group, waiter.job, waiter.revision))
+        faulted = await self._store.fault_waiter(
+            view.group, self._auth, Fault(waiter, reason), stats
+        )
+        if self._wrote(view.group, faulted) is not None:
+            log.error("group %s: %s isolated: %s", view.group, waiter.job, reason)
+            self._metrics.switches.labels(outcome="held_back_too_long").inc()
+        return Next.AGAIN
 
     async def _drives(self, view: GroupView) -> bool:
         """Whether this replica drives ``view``'s group, claiming the role if it is free."""
@@ -578,6 +670,8 @@ class SwitchDriver:
     async def _restore_and_commit(self, switch: Stored[SwitchRecord], started: float) -> Next:
         record = switch.record
         group = record.group
+        # Nodes gone before this phase: whether their checkpoint ran is not known.
+        gone_in_checkpoint = set(record.fenced)
         restores = [s for s in record.steps if s.restore]
         results = await self._directives.fan_out(switch, DirectiveKind.RESTORE, restores, "restore")
         fenced = self._note_fenced(record, results, "restore")
@@ -592,10 +686,18 @@ class SwitchDriver:
         resident = view.residency()
         self._forget_away(record, resident)
         for step in record.steps:
-            if step.evict and step.node not in record.fenced:
-                # Checkpointed to the host. A fenced node's residency is what its fence (or
-                # the hello that reconciled it since) wrote, and the view read it as such.
-                resident.remove(step.node, step.evict)
+            if not step.evict:
+                continue
+            if step.node not in record.fenced:
+                # Checkpointed: parked on the node (on its host, or its processes stopped).
+                resident.park(step.node, step.evict)
+            elif step.node not in gone_in_checkpoint and step.evict not in resident.nodes.get(
+                step.node, []
+            ):
+                # Its checkpoint was acked before the node went, in this phase: parked there.
+                # Otherwise a fenced node's residency is what its fence (or the hello that
+                # reconciled it since) wrote, and the view read it as such.
+                resident.park(step.node, step.evict)
         for step, result in zip(restores, results, strict=True):
             if result.ok:
                 resident.place(step.node, record.to_job)
@@ -603,6 +705,14 @@ class SwitchDriver:
         head = view.queued(record.to_job)
         if head is not None and head.revision != record.to_revision:
             head = None
+        held: list[str] = []
+        if head is not None and not record.prefetch and not record.operation:
+            # Restored where it could be, but parked on a node that went (or is back without
+            # its workers): it must not be told it holds the group while its processes there
+            # stay parked. The switch ends without a grant; the next pass holds it back.
+            held = stranded(
+                resident, group, record.to_job, self._mirror.agents(), view.static_members
+            )
         failed = [r for r in results if r.failed]
         if failed:
             error = SwitchFailed(SwitchPhase.RESTORE, failed)
@@ -633,10 +743,20 @@ class SwitchDriver:
                 else:
                     log.warning("group %s: restore of %s failed: %s", group, record.to_job, error)
             return Next.AGAIN
-        if record.prefetch or head is None:
+        if record.prefetch or head is None or held:
             # A prefetch ends here, and so does a switch whose waiter left, a catch-up and
             # an operator operation (no waiter): keep what the devices now hold, drop the
             # record (closing the operation with it); a grant (in place) comes on its own.
+            if held:
+                stats.last_error = _held_back_note(record.to_job, held, self._config.held_back_for)
+                if group in self._last_error:
+                    stats.last_error = f"{self._last_error.pop(group)}; {stats.last_error}"
+                log.warning(
+                    "group %s: switch %s ends without a grant: %s",
+                    group,
+                    record.switch_id,
+                    stats.last_error,
+                )
             ended = self._wrote(
                 group,
                 await self._store.end_switch(
@@ -653,6 +773,8 @@ class SwitchDriver:
                 outcome = "prefetched" if record.prefetch else "waiter_left"
                 if record.operation:
                     outcome = "operation"
+                elif held:
+                    outcome = "held_back"
                 self._metrics.switches.labels(outcome=outcome).inc()
             return Next.AGAIN
         elapsed = max(time.monotonic() - started, time.time() - record.started_at)
@@ -723,7 +845,7 @@ class SwitchDriver:
             if result.gone:
                 continue  # said once, in last_error
             if not result.ok:
-                resident.remove(step.node, step.evict)
+                resident.park(step.node, step.evict)  # its checkpoint stands: parked there
                 stats.last_error += f"; rollback on {step.node} failed: {result.error}"
             elif step.evict not in resident.nodes.get(step.node, []):
                 # Back on the devices, whatever the residency says: the node's agent may have
@@ -881,6 +1003,15 @@ class _Culprit:
     job: str
     node: str
     error: str
+
+
+def _held_back_note(job: str, nodes: list[str], wait: float) -> str:
+    """What ``last_error`` says of a waiter held back for nodes that cannot restore it."""
+    where = ", ".join(nodes)
+    return (
+        f"{job} waits: it is parked on {where}, whose agent is away or lists no worker of "
+        f"{job} yet; granted once {where} has restored it, faulted after {wait:g} s"
+    )
 
 
 def _retrying(record: SwitchRecord, phase: str, results: Sequence[NodeResult]) -> None:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 
 from timeslice_orchestrator.store.cache import GroupView, QueuedJob
 from timeslice_orchestrator.store.records import AgentRecord, HolderRecord, ResidentRecord
+from timeslice_orchestrator.switch_plan import stranded
 
 
 def holder_for(
@@ -49,13 +50,17 @@ def in_place(view: GroupView, job: str, agents: dict[str, AgentRecord]) -> Resid
     ``view`` is the group as the grant finds it (no holder). Nothing moves when no switch
     runs, every pinned node's agent is present, and the job's state is already on every node
     where it runs (its workers' nodes and the pinned ones): exactly when the switch plan has
-    no steps. The job becomes the most recently used on its nodes (evicted last).
+    no steps. Never while the job is parked on a node that cannot restore it (its agent away:
+    :func:`~timeslice_orchestrator.switch_plan.stranded`): the driver holds it back. The job
+    becomes the most recently used on its nodes (evicted last).
     """
     if view.holder is not None or view.switch is not None:
         return None
     if any(node not in agents for node in view.static_members):
         return None
     residency = view.residency()
+    if stranded(residency, view.group, job, agents, view.static_members):
+        return None
     runs_on = {n for n, a in agents.items() if job in a.jobs_of(view.group)}
     if any(job not in residency.nodes.get(n, []) for n in runs_on | set(view.static_members)):
         return None

@@ -394,9 +394,12 @@ class AgentHub(AgentHubBase):
         """Trust the agent about what is on its devices: after a crash or a lost stream, a job
         the group still lists as resident there may in truth be parked, half-moved or faulted;
         and a group that lost track of the node (fenced, or its agent lease ran out) learns
-        what the node holds, which lets its driver restore a holder granted meanwhile.
+        what the node holds, which lets its driver restore a holder granted meanwhile. The
+        jobs it reports off its devices are what the group counts as parked there (a job
+        parked on a node is not granted until that node has restored it).
         """
         on_device: dict[str, list[str]] = {}
+        parked: dict[str, list[str]] = {}
         reported: dict[str, list[str]] = {}
         for report in jobs:
             try:
@@ -410,9 +413,10 @@ class AgentHub(AgentHubBase):
             if report.state in _ON_DEVICE:
                 held.append(job)
                 continue
-            if await self._store.forget_residency(group, node, job):
+            parked.setdefault(group, []).append(job)
+            if await self._store.forget_residency(group, node, job, parked=True):
                 log.warning(
-                    "agent %s reports %s of %s as %s: no longer resident there",
+                    "agent %s reports %s of %s as %s: parked there, not on its devices",
                     node,
                     job,
                     group,
@@ -428,6 +432,9 @@ class AgentHub(AgentHubBase):
                     group,
                     ", ".join(held) or "nothing",
                 )
+            # Jobs the group counted as parked there that the agent no longer does (it
+            # reports them on its devices, or not at all) are not held back for this node.
+            await self._store.settle_parked(group, node, parked.get(group, []))
 
     async def _read_hello(self, messages: AsyncIterator[AgentMessage]) -> AgentHello:
         try:

@@ -10,6 +10,15 @@ the store is. They are as fresh as the mirror: replicas creating at the same mom
 overshoot a limit by the calls in flight, never by more, and the next call sees the total.
 A limit is there to bound what a client can pile up, not to be a transactional counter
 (one would be a key every Acquire and OpenSession contends on).
+
+A group counts against the job whose Acquire created it (``--max-groups-per-job``), so that
+one job cannot take every group slot of ``--max-groups`` from the others. The job is recorded
+in the group's ``meta`` key when the group is created (in etcd: every replica counts it, and
+it survives restarts), and the count falls when the idle clean-up removes the group. With
+mutual TLS that job is the caller's certificate's (a job certificate acts as its job only;
+an operator acting as a job spends that job's quota); in plaintext it is the job the session
+was opened for, a claim. Groups an operator creates by pinning members count only in
+``--max-groups``: they are configuration, never idle, and an operator may act as any job.
 """
 
 from __future__ import annotations
@@ -28,6 +37,12 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class Limits:
     max_groups: int = 10_000
+    # Groups one job's Acquires created that still exist (until the idle clean-up removes
+    # them): one job may not take every group slot from the others. A job waits for or holds
+    # at most max_entries_per_session groups per session; this leaves room for groups it
+    # renamed or left behind within the idle TTL. Operators' groups (SetGroupMembers) count
+    # in max_groups only.
+    max_groups_per_job: int = 256
     max_sessions: int = 10_000
     max_sessions_per_job: int = 256
     # Queue entries and holds of one session over all groups (a free group is granted at
@@ -40,8 +55,9 @@ class Limits:
     idle_group_ttl: float = 3600.0
     # Groups one clean-up pass may remove (the rest wait for the next pass).
     cleanup_batch: int = 500
-    # Admission per client connection (admission.py): tokens a second (0: no admission
-    # control), the bucket's size, calls that may wait for tokens, and for how long at most.
+    # Admission per client (admission.py: a certificate's identity, or a plaintext
+    # connection): tokens a second (0: no admission control), the bucket's size, calls that
+    # may wait for tokens, and for how long at most.
     # A call pays 1 to 10 tokens by method, 10 more when refused for the client's fault: a
     # job doing a handful of calls per step uses a few tokens a second.
     client_rate: float = 500.0
@@ -52,6 +68,7 @@ class Limits:
     def __post_init__(self) -> None:
         for name in (
             "max_groups",
+            "max_groups_per_job",
             "max_sessions",
             "max_sessions_per_job",
             "max_entries_per_session",
@@ -108,7 +125,7 @@ class Quotas:
         validate_group_id(group)
         self._id(job, "job_id")
         self._id(group, "group_id")
-        self._new_group(group)
+        self._new_group(group, job)
         lim = self.limits
         if self._mirror.entries_of(session_id) >= lim.max_entries_per_session:
             view = self._mirror.group(group)
@@ -136,9 +153,19 @@ class Quotas:
             self._id(node, "node")
         self._new_group(group)
 
-    def _new_group(self, group: str) -> None:
+    def _new_group(self, group: str, job: str | None = None) -> None:
+        """Refuse creating ``group`` past the deployment's limit, or past ``job``'s (the job
+        whose Acquire would create it; None: an operator's SetGroupMembers, not counted)."""
         lim = self.limits
-        if not self._mirror.has_group(group) and self._mirror.group_count() >= lim.max_groups:
+        if self._mirror.has_group(group):
+            return
+        if job is not None and self._mirror.groups_of(job) >= lim.max_groups_per_job:
+            raise ResourceExhausted(
+                f"job {job} created {self._mirror.groups_of(job)} groups that still exist; "
+                f"the limit is {lim.max_groups_per_job} per job (--max-groups-per-job; idle "
+                "groups are removed after --idle-group-ttl)"
+            )
+        if self._mirror.group_count() >= lim.max_groups:
             raise ResourceExhausted(
                 f"{self._mirror.group_count()} groups exist; the limit is {lim.max_groups} "
                 "(--max-groups; idle groups are removed after --idle-group-ttl)"

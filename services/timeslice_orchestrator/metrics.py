@@ -91,6 +91,36 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        # The gRPC port's connections (tls.py; with TLS only): what unauthenticated and idle
+        # peers hold, and what was shed to bound it.
+        self.pending_handshakes = Gauge(
+            "timeslice_pending_handshakes",
+            "Connections accepted whose TLS handshake is not done yet (--max-pending-handshakes)",
+            registry=r,
+        )
+        self.tls_connections = Gauge(
+            "timeslice_tls_connections",
+            "Connections past their TLS handshake, handed to gRPC",
+            registry=r,
+        )
+        self.connections_closed = Counter(
+            "timeslice_connections_closed",
+            "Connections the replica closed to bound what peers hold, by why: address_cap (too "
+            "many handshakes pending from its address), evicted (the oldest silent one, with "
+            "--max-pending-handshakes reached), identity_cap (its certificate's identity "
+            "already had --max-connections-per-identity), idle (no call for "
+            "--idle-connection-timeout)",
+            ["reason"],
+            registry=r,
+        )
+        for reason in ("address_cap", "evicted", "identity_cap", "idle"):
+            self.connections_closed.labels(reason=reason)
+        self.accept_pauses = Counter(
+            "timeslice_accept_pauses",
+            "Times the replica stopped accepting connections for a while (every pending one "
+            "in its handshake at --max-pending-handshakes, or out of file descriptors)",
+            registry=r,
+        )
         self.driver_errors = Counter(
             "timeslice_driver_errors", "Unexpected errors in the switch driver", registry=r
         )

@@ -6,18 +6,46 @@ the switch record, and every node then acts on its own steps.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from timeslice_orchestrator.store.cache import GroupView
 from timeslice_orchestrator.store.records import (
     AgentRecord,
     NodeStep,
     OperationKind,
     OperationRecord,
+    ResidentRecord,
 )
 
 
 def nodes_of(group: str, job: str, agents: dict[str, AgentRecord]) -> list[str]:
     """Nodes where ``job`` has a registered worker of ``group``."""
     return sorted(node for node, agent in agents.items() if job in agent.jobs_of(group))
+
+
+def stranded(
+    residency: ResidentRecord,
+    group: str,
+    job: str,
+    agents: dict[str, AgentRecord],
+    members: Collection[str] = (),
+) -> list[str]:
+    """The nodes where ``job``'s state is parked and that cannot restore it now, so that
+    ``job`` must not be granted (``docs/fencing.md``, "A job parked on a node that is away").
+
+    Such a node's agent is away (fenced, or its record expired: a switch would go on without
+    it), or it is back but a switch towards ``job`` would leave it out: it lists no worker of
+    ``job`` yet (a restarted agent's hello can come before the job's registrations reach it
+    again) and is not pinned to the group (``members``). Either way ``job``'s processes there
+    would stay parked (stopped, for the freeze backend) while it is told that it holds the
+    group. Granted only once that node has restored it.
+    """
+    return sorted(
+        node
+        for node, jobs in residency.parked.items()
+        if job in jobs
+        and (node not in agents or (job not in agents[node].jobs_of(group) and node not in members))
+    )
 
 
 def plan(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from timeslice.tls import CA_ENV
+from timeslice.tls import CA_ENV, CERT_ENV, KEY_ENV
 from timeslice_tools.dev import _procs
 from timeslice_tools.dev.certs import Pki
 from timeslice_tools.dev.cluster import ClusterError, LocalCluster
@@ -203,12 +203,40 @@ def test_dev_cluster_command_ready_then_clean_stop(
         pids = {k: int(v) for k, v in (kv.split("=") for kv in pid_line.split()[1:])}
         assert set(pids) == {"etcd", "r0", "r1", "node-0"}
 
-        # The cluster serves: the CLI itself can list groups through it.
+        # Clients get a certificate per job, and the operator's for operator commands.
+        exports = {
+            line.partition(": export ")[0]: dict(
+                kv.split("=", 1) for kv in line.partition(": export ")[2].split()
+            )
+            for line in info
+            if ": export " in line and "TIMESLICE_TLS_CERT=" in line
+        }
+        assert set(exports) == {"job job-a", "job job-b", "operator (groups, status, top, members)"}
+        assert exports["job job-a"] == {
+            "TIMESLICE_JOB_ID": "job-a",
+            CERT_ENV: str(session_pki.job("job-a").cert),
+            KEY_ENV: str(session_pki.job("job-a").key),
+        }
+        assert not any(line.startswith(f"export {CERT_ENV}=") for line in info)
+        operator_env = {**os.environ, **exports["operator (groups, status, top, members)"]}
+
+        # The cluster serves: the CLI itself can list groups through it, as the operator.
         groups = subprocess.run(
             [sys.executable, "-m", "timeslice.cli", "groups", "--target", ",".join(targets)],
-            capture_output=True, text=True, timeout=30, check=False,
+            capture_output=True, text=True, timeout=30, check=False, env=operator_env,
         )  # fmt: skip
         assert groups.returncode == 0, groups.stderr
+        if stop_signal == signal.SIGINT:  # (once: each command is a second of start-up)
+            # A job's certificate acts as its job, and as no other.
+            job_env = {**os.environ, **exports["job job-a"]}
+            for job, code in (("job-a", 0), ("job-b", 1)):
+                held = subprocess.run(
+                    [sys.executable, "-m", "timeslice.cli", "acquire", "g", "--job", job,
+                     "--hold", "0", "--timeout", "20", "--target", ",".join(targets)],
+                    capture_output=True, text=True, timeout=60, check=False, env=job_env,
+                )  # fmt: skip
+                assert held.returncode == code, (job, held.stderr)
+            assert "permission_denied" in held.stderr, held.stderr
 
         proc.send_signal(stop_signal)
         assert proc.wait(timeout=30) == 0

@@ -77,6 +77,9 @@ async def test_too_many_waiting_or_waiting_too_long_is_refused_typed() -> None:
     await asyncio.sleep(0)
     with pytest.raises(ResourceExhausted, match=r"2 calls already waiting.*retry in"):
         await admission.admit("a", "KeepAlive")
+    # ... but not at once: as late as a waiter, so that a client with more calls in flight
+    # than it may queue does not get refusals as fast as it can ask for them.
+    assert time.monotonic() - started >= 0.15
     for outcome in await asyncio.gather(*waiting, return_exceptions=True):
         assert isinstance(outcome, ResourceExhausted), outcome  # 0.9 s of debt > 0.2 s
     assert 0.15 <= time.monotonic() - started < 0.85  # refused at max_wait, not after the debt
@@ -147,7 +150,7 @@ def test_options_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
         Limits(client_rate=-1)
 
 
-def test_a_certificate_job_is_one_client_over_all_its_connections() -> None:
+def test_a_certificate_identity_is_one_client_over_all_its_connections() -> None:
     def key(who: Identity | None, addr: object) -> object:
         token = identity._current.set(who)
         try:
@@ -157,7 +160,17 @@ def test_a_certificate_job_is_one_client_over_all_its_connections() -> None:
 
     job = Identity(subject="a", job="trainer")
     assert key(job, ("10.0.0.1", 1)) == key(job, ("10.0.0.2", 2)) == ("job", "trainer")
-    # Without TLS (no identity), or for an operator: each connection is its own client.
-    assert key(None, ("10.0.0.1", 1)) != key(None, ("10.0.0.1", 2))
+    # Operators, nodes and certificates of no role too, each apart from the others.
     operator = Identity(subject="op", operator=True)
-    assert key(operator, ("10.0.0.1", 1)) == ("peer", ("10.0.0.1", 1))
+    node = Identity(subject="gpu-1", node="gpu-1")
+    nobody = Identity(subject="op")
+    keys: set[object] = set()
+    for who in (operator, node, nobody):
+        assert key(who, ("10.0.0.1", 1)) == key(who, ("10.0.0.2", 2))
+        keys.add(key(who, ("10.0.0.1", 1)))
+    assert len(keys | {key(job, ("10.0.0.1", 1))}) == 4
+    # An operator certificate that also names a job spends the operator's bucket.
+    both = Identity(subject="op", job="trainer", operator=True)
+    assert key(both, ("10.0.0.3", 3)) == key(operator, ("10.0.0.1", 1))
+    # Without TLS (no identity): each connection is its own client.
+    assert key(None, ("10.0.0.1", 1)) != key(None, ("10.0.0.1", 2))

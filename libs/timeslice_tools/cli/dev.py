@@ -1,7 +1,8 @@
 """``timeslice dev cluster``: etcd, orchestrators and agents on this machine, in the foreground.
 
-Prints ``ready <targets>`` once the cluster serves, then the exports a job needs, and runs
-until SIGINT/SIGTERM, warning about any process that exits on its own. TLS on every hop
+Prints ``ready <targets>`` once the cluster serves, then the exports clients need (with TLS:
+the CA, a certificate per job of ``--jobs``, and the operator's for operator commands), and
+runs until SIGINT/SIGTERM, warning about any process that exits on its own. TLS on every hop
 unless ``--no-tls``.
 
 ``timeslice dev certs --out DIR``: the CA and certificates of a deployment (the Secrets of
@@ -29,6 +30,7 @@ from timeslice.cli.base import (
 )
 from timeslice.errors import InvalidArgument, Unavailable
 from timeslice.targets import TARGET_ENV, parse_address
+from timeslice.tls import CA_ENV, CERT_ENV, KEY_ENV
 from timeslice_tools.dev.certs import DEFAULT_DAYS, RESERVED_NAMES, Pki
 from timeslice_tools.dev.cluster import BACKENDS, ClusterError, LocalCluster
 from timeslice_tools.dev.etcd import EtcdError
@@ -37,6 +39,9 @@ __all__ = ["cmd_dev_certs", "cmd_dev_cluster", "parse_etcd", "register"]
 
 # Node and job names become file names (node-<name>.crt).
 _FILE_SAFE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+# The jobs `dev cluster` prints certificates for unless --jobs names others.
+DEV_JOBS = ("job-a", "job-b")
+JOB_ID_ENV = "TIMESLICE_JOB_ID"
 
 
 def register(commands: Commands) -> None:
@@ -77,6 +82,14 @@ def register(commands: Commands) -> None:
         help="use the CA and certificates in DIR (made there if DIR has no ca.crt; see "
         "'timeslice dev certs') instead of a throw-away CA; its etcd certificates must be "
         "those of --etcd",
+    )
+    cluster.add_argument(
+        "--jobs",
+        nargs="*",
+        default=list(DEV_JOBS),
+        metavar="JOB",
+        help="jobs to print a certificate's exports for (each may act as itself only; the "
+        f"operator's certificate is for operator commands); default {' '.join(DEV_JOBS)}",
     )
     certs = dev_sub.add_parser(
         "certs",
@@ -137,6 +150,10 @@ def cmd_dev(args: argparse.Namespace) -> int:
     return cmd_dev_cluster(args)
 
 
+def _cert_exports(env: dict[str, str]) -> str:
+    return f"{CERT_ENV}={env[CERT_ENV]} {KEY_ENV}={env[KEY_ENV]}"
+
+
 def cmd_dev_certs(args: argparse.Namespace) -> int:
     """``timeslice dev certs --out DIR``: a CA and every component's certificate."""
     out_dir: Path = args.out
@@ -156,7 +173,17 @@ def cmd_dev_certs(args: argparse.Namespace) -> int:
             f"{out_dir} already holds a CA (ca.crt): certificates signed by a new one would "
             "not be trusted by what uses the old one; pass --force to replace it"
         )
-    for name in [*args.nodes, *args.jobs]:
+    _check_names([*args.nodes, *args.jobs])
+    pki = Pki.create(out_dir, nodes=args.nodes, jobs=args.jobs, hosts=args.hosts, days=args.days)
+    for path in sorted(pki.directory.iterdir()):
+        if path.suffix in (".crt", ".key") and not path.name.startswith("."):
+            out(str(path))
+    return 0
+
+
+def _check_names(names: list[str]) -> None:
+    """Refuse node and job names that cannot name a certificate's files, or name an etcd user."""
+    for name in names:
         if not _FILE_SAFE.fullmatch(name):
             raise InvalidArgument(f"{name!r} cannot be part of a file name")
         if name in RESERVED_NAMES:
@@ -165,15 +192,11 @@ def cmd_dev_certs(args: argparse.Namespace) -> int:
                 "a job or node certificate named so could act as that user in etcd; choose "
                 "another name"
             )
-    pki = Pki.create(out_dir, nodes=args.nodes, jobs=args.jobs, hosts=args.hosts, days=args.days)
-    for path in sorted(pki.directory.iterdir()):
-        if path.suffix in (".crt", ".key") and not path.name.startswith("."):
-            out(str(path))
-    return 0
 
 
 def cmd_dev_cluster(args: argparse.Namespace) -> int:
     """``timeslice dev cluster``."""
+    _check_names(args.jobs)
     etcd = parse_etcd(args.etcd) if args.etcd is not None else None
     if etcd is not None and args.etcd_members > 1:
         raise InvalidArgument("--etcd-members starts an etcd here: it does not go with --etcd")
@@ -212,8 +235,17 @@ def cmd_dev_cluster(args: argparse.Namespace) -> int:
         out(f"ready {cluster.target}")
         out(f"export {TARGET_ENV}={cluster.target}")
         out(f"export {OPERATOR_TOKEN_FILE_ENV}={cluster.operator_token_file}")
-        for name, value in cluster.client_env.items():
-            out(f"export {name}={value}")
+        if cluster.pki is None:
+            for name, value in cluster.client_env.items():
+                out(f"export {name}={value}")
+        else:
+            # The CA for everyone; a certificate per job, and the operator's for operator
+            # commands only (it may act as any job, and all its clients share one bucket).
+            out(f"export {CA_ENV}={cluster.pki.ca}")
+            for job in args.jobs:
+                out(f"job {job}: export {JOB_ID_ENV}={job} {_cert_exports(cluster.job_env(job))}")
+            out(f"operator (groups, status, top, members): export "
+                f"{_cert_exports(cluster.client_env)}")  # fmt: skip
         for node, path in cluster.agent_sockets.items():
             out(f"agent {node}: export TIMESLICE_AGENT_SOCKET={path}")
         out(f"etcd {cluster.etcd_endpoint} prefix {cluster.prefix}")

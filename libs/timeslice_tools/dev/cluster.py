@@ -33,7 +33,7 @@ from typing import Literal, TypedDict
 from timeslice.tls import CA_ENV, CERT_ENV, INSECURE_ENV, KEY_ENV, TlsFiles
 from timeslice_agent.config import BackendKind
 from timeslice_tools.dev import _procs
-from timeslice_tools.dev.certs import Pki
+from timeslice_tools.dev.certs import CertPair, Pki
 from timeslice_tools.dev.etcd import EtcdCluster, EtcdServer
 
 __all__ = ["Backend", "ClientTls", "ClusterError", "LocalCluster", "ServiceProcess"]
@@ -122,8 +122,11 @@ class LocalCluster:
             :class:`~timeslice_tools.dev.certs.Pki` uses those (it must be the given etcd's
             too); ``False`` runs every hop in plaintext (``--insecure``). With TLS, the
             private etcd requires client certificates and auth, replicas serve mutual TLS,
-            agents present their node's certificate, and :attr:`client_env` holds what a
-            client needs (the operator certificate, which may act as any job).
+            agents present their node's certificate, :meth:`job_env` holds what a job's
+            clients need (its own certificate: it may act as that job only, and has an
+            admission bucket and a quota of groups of its own), and :attr:`client_env` what
+            an operator's need (the operator certificate, which may act as any job: for the
+            operator commands and for tests that play many jobs from one process).
     """
 
     def __init__(
@@ -274,26 +277,49 @@ class LocalCluster:
 
     @property
     def client_env(self) -> dict[str, str]:
-        """What a client of this cluster needs in its environment: TLS files, or plaintext
-        (which also blanks TLS files the environment may name, since files win over it)."""
-        if self._pki is None:
-            return {INSECURE_ENV: "1", CA_ENV: "", CERT_ENV: "", KEY_ENV: ""}
-        return {
-            CA_ENV: str(self._pki.ca),
-            CERT_ENV: str(self._pki.operator.cert),
-            KEY_ENV: str(self._pki.operator.key),
-        }
+        """What an operator's client of this cluster needs in its environment (``timeslice
+        groups``, ``status``, ``top``, ``members``): the CA and the operator certificate, or
+        plaintext (which also blanks TLS files the environment may name, since files win
+        over it). A job's clients take :meth:`job_env`."""
+        return self._env_of(None if self._pki is None else self._pki.operator)
 
     @property
     def client_tls(self) -> ClientTls:
-        """The same as keyword arguments of ``AsyncTimeSliceClient`` / ``TimeSliceClient``."""
+        """:attr:`client_env` as keyword arguments of ``AsyncTimeSliceClient`` /
+        ``TimeSliceClient``."""
+        return self._tls_of(None if self._pki is None else self._pki.operator)
+
+    def job_env(self, job: str) -> dict[str, str]:
+        """What the clients of job ``job`` need in their environment: the CA and the job's
+        own certificate (issued on first use; it may act as ``job`` only), or plaintext."""
+        return self._env_of(self._job_pair(job))
+
+    def job_tls(self, job: str) -> ClientTls:
+        """:meth:`job_env` as keyword arguments of ``AsyncTimeSliceClient`` /
+        ``TimeSliceClient``."""
+        return self._tls_of(self._job_pair(job))
+
+    def _job_pair(self, job: str) -> CertPair | None:
         if self._pki is None:
+            return None
+        try:
+            return self._pki.job(job)
+        except FileNotFoundError as exc:  # a --certs directory without the CA's key
+            raise ClusterError(
+                f"no certificate for job {job!r} in {self._pki.directory}, and no CA key there "
+                f"to issue one ({exc.filename}; a cluster's own CA is made when it starts): "
+                f"issue job-{job}.crt/.key from your CA"
+            ) from None
+
+    def _env_of(self, pair: CertPair | None) -> dict[str, str]:
+        if self._pki is None or pair is None:
+            return {INSECURE_ENV: "1", CA_ENV: "", CERT_ENV: "", KEY_ENV: ""}
+        return {CA_ENV: str(self._pki.ca), CERT_ENV: str(pair.cert), KEY_ENV: str(pair.key)}
+
+    def _tls_of(self, pair: CertPair | None) -> ClientTls:
+        if self._pki is None or pair is None:
             return ClientTls(insecure=True)
-        return ClientTls(
-            tls_ca=str(self._pki.ca),
-            tls_cert=str(self._pki.operator.cert),
-            tls_key=str(self._pki.operator.key),
-        )
+        return ClientTls(tls_ca=str(self._pki.ca), tls_cert=str(pair.cert), tls_key=str(pair.key))
 
     @property
     def etcd_tls(self) -> TlsFiles | None:

@@ -172,8 +172,6 @@ def _run_in(
     )
     try:
         cluster.start()
-        # The jobs (child processes and this one) find the certificates in the environment.
-        os.environ.update(cluster.client_env)
         _say(out, f"  cluster ready: orchestrator {cluster.target}, agent node-0 (sim)")
         _say(
             out,
@@ -236,12 +234,14 @@ def _run_setup(
 ) -> list[PhaseRecord]:
     """Run both jobs to completion on ``setup``'s groups and return their records."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
     procs: dict[str, subprocess.Popen[bytes]] = {}
     logs = {job.label: run_dir / f"{job.label}.log" for job in JOBS}
     try:
         for job in JOBS:
             argv = _job_argv(job, setup.groups[job.label], cluster, steps, profile, run_dir)
+            # Each job with its own certificate: it may act as itself only (the operator's
+            # is for operators), and has a bucket and a quota of groups of its own.
+            env = dict(os.environ, PYTHONUNBUFFERED="1", **cluster.job_env(job.job_id))
             procs[job.label] = _procs.spawn(argv, logs[job.label], env=env)
         # Both jobs import the SDK, connect and register first; then they start together.
         ready = [run_dir / f"{job.label}.ready" for job in JOBS]
@@ -448,7 +448,7 @@ def _run_steps(
             epoch=grant.epoch if grant else 0,
             restored=grant.restored if grant else False,
             switch_seconds=grant.switch_seconds if grant else 0.0,
-            previous_job=(grant.previous_job_id or "") if grant else "",
+            previous_job=_previous_job(grant, job_id) if grant else "",
         )
         out.write(rec.to_json() + "\n")
 
@@ -469,6 +469,16 @@ def _run_steps(
                 time.sleep(seconds)
                 record(phase, step, begin, time.time(), grant)
     out.flush()
+
+
+def _previous_job(grant: Grant, job_id: str) -> str:
+    """The job whose state a grant moved out. A job's certificate does not show other jobs'
+    ids (docs/security.md, "Reads"): of the demo's two jobs, the one hidden is the other."""
+    seen = grant.previous_job_id or ""
+    others = {job.job_id for job in JOBS} - {job_id}
+    if seen and seen != job_id and seen not in others and len(others) == 1:
+        return others.pop()
+    return seen
 
 
 def _wait_for_go(path: Path, timeout: float) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from timeslice_orchestrator.store.etcd import EtcdClient, Put, Txn, absent
 from timeslice_orchestrator.store.keys import Keyspace
+from timeslice_orchestrator.store.records import GroupMetaRecord
 
 
 class StoreBase:
@@ -13,7 +14,10 @@ class StoreBase:
         self.etcd = etcd
         self.keys = keys
 
-    def _create_group(self, group: str) -> Txn:
-        """A nested transaction that marks ``group`` as existing, unless it already does."""
+    def _create_group(self, group: str, job: str = "") -> Txn:
+        """A nested transaction that marks ``group`` as existing, unless it already does.
+
+        ``job``: the job creating it, whose quota of groups it counts against (recorded once,
+        by whoever creates the group; "" for an operator's)."""
         meta = self.keys.meta(group)
-        return Txn([absent(meta)], [Put(meta, b"{}")])
+        return Txn([absent(meta)], [Put(meta, GroupMetaRecord(job).encode())])

@@ -29,12 +29,13 @@ from timeslice_orchestrator.store.etcd import (
     WatchBatch,
 )
 from timeslice_orchestrator.store.keys import KeyRef, Keyspace, Kind, group_topic
-from timeslice_orchestrator.store.owners import OwnerIndex
+from timeslice_orchestrator.store.owners import OWNED, OwnerIndex
 from timeslice_orchestrator.store.records import (
     AgentRecord,
     CorruptRecord,
     FaultRecord,
     FeaturesRecord,
+    GroupMetaRecord,
     GroupStats,
     HolderRecord,
     MembersRecord,
@@ -134,8 +135,13 @@ class GroupView:
 
     def residency(self) -> ResidentRecord:
         """A copy of the residency record to edit (empty when there is none)."""
-        nodes = self.resident.record.nodes if self.resident else {}
-        return ResidentRecord({node: list(jobs) for node, jobs in nodes.items()})
+        if self.resident is None:
+            return ResidentRecord()
+        record = self.resident.record
+        return ResidentRecord(
+            {node: list(jobs) for node, jobs in record.nodes.items()},
+            {node: list(jobs) for node, jobs in record.parked.items()},
+        )
 
     @property
     def resident_revision(self) -> int:
@@ -157,10 +163,6 @@ _YIELD_EVERY = 4096
 
 def _by_key(item: tuple[KeyRef, KeyValue]) -> bytes:
     return item[1].key
-
-
-# Keys whose owner (a job, a session) counts against a quota.
-_OWNED = frozenset({Kind.SESSION, Kind.QUEUE, Kind.HOLDER})
 
 
 def _index(
@@ -245,6 +247,10 @@ class Mirror:
         """Queue entries and holds of the session, over every group."""
         return self._owners.entries_per_session.get(session_id, 0)
 
+    def groups_of(self, job: str) -> int:
+        """Groups whose first Acquire was ``job``'s, until the idle clean-up removes them."""
+        return self._owners.groups_per_job.get(job, 0)
+
     def group_revision(self, group: str) -> int:
         """The newest mod revision among the group's keys (0: no keys)."""
         keys = self._topics.get(group_topic(group), {})
@@ -312,6 +318,14 @@ class Mirror:
     def has_waiters(self, group: str) -> bool:
         """Whether anyone was last seen waiting for ``group`` (cheaper than a whole view)."""
         return any(ref.kind is Kind.QUEUE for ref in self._topics.get(group_topic(group), {}))
+
+    def mentions(self, group: str, needle: bytes) -> bool:
+        """Whether a key or a value of ``group`` contains ``needle``, nothing decoded: a cheap
+        test that a job (ids are plain ASCII, stored as is) has no record in the group."""
+        return any(
+            needle in kv.key or needle in kv.value
+            for kv in self._topics.get(group_topic(group), {}).values()
+        )
 
     def groups_resident_on(self, node: str) -> list[str]:
         """Groups whose residency lists ``node`` (cheap: most records are not even decoded)."""
@@ -499,7 +513,7 @@ class Mirror:
 
     def _store(self, ref: KeyRef, kv: KeyValue) -> None:
         _index(self._topics, self._groups, ref, kv)
-        if ref.kind in _OWNED:
+        if ref.kind in OWNED:
             self._owners.stored(ref, self._owner_of(ref, kv))
         if ref.kind is Kind.HOLDER:
             self._hold(ref.group, kv)
@@ -523,8 +537,12 @@ class Mirror:
 
     def _owner_of(self, ref: KeyRef, kv: KeyValue) -> str | None:
         """A session's job, or an entry's or a hold's session (decoded once per write, like
-        every record the mirror hands out); None when the record does not decode."""
+        every record the mirror hands out), or the job that created a group (its meta key);
+        None when the record does not decode."""
         try:
+            if ref.kind is Kind.META:
+                # Not kept decoded: nothing else reads it, and there is one per group.
+                return GroupMetaRecord.job_of(kv.value) or None
             if ref.kind is Kind.SESSION:
                 return self._decoded_record(ref, kv, SessionRecord).job
             if ref.kind is Kind.QUEUE:
@@ -806,7 +824,7 @@ class Mirror:
                         continue
                     if ref.kind is Kind.HOLDER:
                         holders.append((ref.group, kv))
-                    if ref.kind in _OWNED:
+                    if ref.kind in OWNED:
                         owned.append((ref, kv))
                     elif ref.kind is Kind.OPERATION:
                         operations[ref.name] = ref.group

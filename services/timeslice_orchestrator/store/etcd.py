@@ -8,7 +8,9 @@ streams that the caller resumes from the last revision it saw.
 With several endpoints (members of one etcd cluster) the client keeps one channel per member
 and sends every call to one current member; a member that fails (unreachable, no answer
 within the deadline, or no leader) is set aside for a while and the next one takes over.
-See :class:`EtcdClient`.
+A call left unanswered for a moment has its member asked for its status (:class:`MemberProbe`),
+so that a member that stopped answering, or that lost its leader with the call in flight, is
+found well before the call's deadline. See :class:`EtcdClient`.
 """
 
 from __future__ import annotations
@@ -19,19 +21,23 @@ import enum
 import logging
 import random
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from aetcd.rpc import rpc_pb2 as pb
 from aetcd.rpc import rpc_pb2_grpc as pb_grpc
 
+from timeslice.errors import InvalidArgument
 from timeslice.targets import parse_targets
+from timeslice.tasks import Supervisor
 from timeslice.tls import TlsFiles
 from timeslice_orchestrator.store.batch import TxnBatcher
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class StoreError(Exception):
@@ -219,6 +225,8 @@ def prefix_end(prefix: bytes) -> bytes:
 
 
 def _typed(exc: grpc.aio.AioRpcError, timeout: float) -> StoreError:
+    if isinstance(exc, _Abandoned):
+        return _EndedByProbe(f"etcd: {exc.code().name}: {exc.details()}")
     if exc.code() == grpc.StatusCode.OUT_OF_RANGE and "compacted" in (exc.details() or ""):
         return Compacted(0)  # etcd's error names no revision
     if exc.code() == grpc.StatusCode.NOT_FOUND and "lease" in (exc.details() or ""):
@@ -287,6 +295,11 @@ class _LeaseStream:
         self._turn = asyncio.Lock()
         self.used = False  # a refresh went through it: it may have broken since
 
+    @property
+    def call(self) -> Any:
+        """The gRPC stream (the member probe cancels it when its member stops serving)."""
+        return self._call
+
     async def refresh(self) -> int:
         """One refresh: the TTL etcd granted (0 or less: the lease is gone)."""
         async with self._turn:
@@ -302,8 +315,9 @@ class _LeaseStream:
             except asyncio.CancelledError:
                 task = asyncio.current_task()
                 if task is None or task.cancelling() == 0:
-                    # Cancelled from below, not by our caller: its channel was closed.
-                    raise _StreamBroken("the lease keepalive stream's channel closed") from None
+                    # Cancelled from below, not by our caller: its channel was closed, or the
+                    # member probe found its member silent or without a leader.
+                    raise _StreamBroken("the lease keepalive stream was cancelled") from None
                 raise
             if reply is grpc.aio.EOF:
                 raise _StreamBroken("etcd closed the lease keepalive stream")
@@ -369,13 +383,16 @@ MEMBER_PENALTY = 5.0
 # one, not back to the one that did not answer at all.
 ELECTION_PENALTY = 1.0
 # A watch that has heard nothing for this long asks its member, with a small read, whether
-# it still answers; one that does not within WATCH_PROBE_TIMEOUT is failed and the watch
-# moves on. gRPC's own keepalive cannot be relied on for this: it stops pinging a connection
-# that sends no data (a watch's, once created), so a paused member would keep the watch silent
-# for as long as the pause lasts. A member that answers is then asked, on the watch's own
-# stream, for a progress report: a stream that does not answer that either is stuck while its
-# member is well, and the watch starts again.
-WATCH_PROBE_AFTER = 2.0
+# it still answers; one that does not within the member probe's timeout (MemberProbe; with
+# probes off, WATCH_PROBE_TIMEOUT) is failed and the watch moves on. gRPC's own keepalive
+# cannot be relied on for this: it stops pinging a connection that sends no data (a watch's,
+# once created), so a paused member would keep the watch silent for as long as the pause
+# lasts. A member that answers is then asked, on the watch's own stream, for a progress
+# report: a stream that does not answer that either is stuck while its member is well, and
+# the watch starts again. Short, as a replica that only watches (its waiters' grants made
+# through another replica) learns of them no sooner than its watch moves; an idle watch
+# costs a one-key read and a progress request a second.
+WATCH_PROBE_AFTER = 1.0
 WATCH_PROBE_TIMEOUT = 2.0
 # The watch ID etcd gives the answer to a progress request: it belongs to no one watch.
 PROGRESS_ANSWER = -1
@@ -383,6 +400,12 @@ PROGRESS_ANSWER = -1
 FIRST_TRY_SHARE = 0.6
 # Pause before trying again when every member failed a moment ago (an election, say).
 ALL_FAILED_PAUSE = 0.1
+# How often a member with calls still unanswered is asked for its status again.
+PROBE_EVERY = 0.1
+# How long a call in flight across a change of leader still gets to be answered: a write the
+# new leader inherited is applied a heartbeat or two into its term (etcd's default heartbeat
+# is 100 ms), one lost with the old leader is never answered.
+TERM_GRACE = 0.2
 
 # Failures of one member rather than of the request: the call is sent elsewhere next time.
 _MEMBER_FAULTS = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -449,6 +472,72 @@ def _not_applied(exc: grpc.aio.AioRpcError) -> bool:
     return exc.code() == grpc.StatusCode.UNAVAILABLE and any(s in details for s in _NOT_APPLIED)
 
 
+@dataclass(frozen=True, slots=True)
+class MemberProbe:
+    """When a member with calls in flight is asked whether it still serves them.
+
+    A call's deadline is no way to find a member that stopped answering: a paused process
+    keeps its connections open, and a follower that forwarded a write to a leader that then
+    died holds the write until etcd's own request timeout (5 s and more), longer than any
+    deadline short enough to keep grants flowing. So once a call has waited ``after`` seconds,
+    its member is asked for its status (etcd's Maintenance Status: no raft round, no key
+    read), and again every :data:`PROBE_EVERY` while calls wait. The calls that were waiting
+    when it asked are ended, UNAVAILABLE, when the member
+
+    - does not answer within ``timeout`` (paused, overloaded past use): it is passed over for
+      :data:`MEMBER_PENALTY`;
+    - has no leader (it noticed the leader's loss and an election is under way);
+    - answers with a raft term past the call's, and still does :data:`TERM_GRACE` after the
+      first such answer, with the call unanswered (a new leader was elected while the call was
+      in flight: a write forwarded to the old leader that the new one did not inherit is
+      lost, and etcd would answer it only at its request timeout).
+
+    A read ended so goes to the next member within its deadline. A write may or may not have
+    been applied (as after any lost answer): it is not sent again here; its caller gets
+    StoreUnavailable and, as ever, retries behind compares. ``after`` 0 turns probing off.
+    """
+
+    after: float = 0.5
+    timeout: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.after < 0 or self.timeout <= 0:
+            raise InvalidArgument(
+                f"etcd member probe: after must be 0 or more and timeout positive, "
+                f"got after={self.after:g} timeout={self.timeout:g}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.after > 0
+
+
+class _Abandoned(grpc.aio.AioRpcError):  # type: ignore[misc]
+    """A call ended by the member probe (its outcome unknown; the member was dealt with)."""
+
+    def __init__(self, details: str) -> None:
+        super().__init__(
+            grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details
+        )
+
+
+class _EndedByProbe(StoreUnavailable):
+    """A stream step the member probe ended: its member was passed over already, or not at all
+    (it has a new leader), so the caller must not blame it again."""
+
+
+@dataclass(eq=False, slots=True)
+class _Pending:
+    """A call in flight to one member (a unary call, or a lease keepalive refresh on its
+    stream), as the member probe sees it."""
+
+    call: Any  # the gRPC call: the probe cancels it
+    started: float  # time.monotonic()
+    term: int  # the latest raft term the client had seen when it was sent (0: none yet)
+    newer_term_at: float = 0.0  # when a probe first found a later term (0: none yet)
+    abandoned: _Abandoned | None = None  # set when the probe ended it
+
+
 class _Member:
     """One etcd member: its channel, the stubs over it, and until when it is passed over."""
 
@@ -468,6 +557,10 @@ class _Member:
         self.kv = pb_grpc.KVStub(self.channel)
         self.lease = pb_grpc.LeaseStub(self.channel)
         self.watch = pb_grpc.WatchStub(self.channel)
+        self.maintenance = pb_grpc.MaintenanceStub(self.channel)
+        # Calls in flight to it, oldest first, and the task probing it while they wait.
+        self.pending: dict[_Pending, None] = {}
+        self.monitor: asyncio.Task[None] | None = None
         self.failed_until = 0.0  # time.monotonic() before which another member is preferred
         # Set (and replaced) when the member fails: its watches move at once, not when the
         # connection's keepalive gives up on it.
@@ -486,7 +579,10 @@ class EtcdClient:
     deadline: a paused process), that member is passed over for :data:`MEMBER_PENALTY`
     seconds and the next one becomes current. A read is tried again on the next member within
     the same deadline; a write only when the member surely did not carry it out (no leader,
-    no connection), since a write that timed out may have been applied. Watches and lease
+    no connection), since a write that timed out may have been applied. A call that waits
+    has its member probed (``probe``, :class:`MemberProbe`): one found silent or leaderless is
+    passed over at once, and the calls waiting on it end then, not at their deadline, with
+    the same rules for sending them again. Watches and lease
     keepalive streams move to the next member when theirs breaks: the caller resumes a watch
     from its last revision + 1, which every member serves alike (one revision history), and
     a lease outlives the loss of a member (etcd's leader keeps it; a new leader renews every
@@ -507,9 +603,19 @@ class EtcdClient:
         timeout: float = 5.0,
         max_receive_bytes: int = MAX_RECEIVE_BYTES,
         tls: TlsFiles | None = None,
+        probe: MemberProbe | None = None,
     ) -> None:
+        if timeout <= 0:
+            raise InvalidArgument(f"the etcd call timeout must be positive, got {timeout:g}")
         self._endpoints = parse_endpoints(endpoints)
         self._timeout = timeout
+        self._probe = probe if probe is not None else MemberProbe()
+        # The member probes (one task per member, while calls wait on it).
+        self._tasks = Supervisor("etcd client")
+        self.probes_sent = 0  # member status probes (tests)
+        # The latest raft term seen in any answer (a term is the cluster's, not a member's):
+        # a call in flight across a change of term may have been lost with the old leader.
+        self._term = 0
         self._max_receive_bytes = max_receive_bytes
         self._tls = tls
         self._tls_stamp = tls.stamp() if tls is not None else ()
@@ -527,10 +633,12 @@ class EtcdClient:
 
     def _open_channels(self, credentials: grpc.ChannelCredentials | None) -> None:
         options = [*_CHANNEL_OPTIONS, ("grpc.max_receive_message_length", self._max_receive_bytes)]
-        old = {m.endpoint: m.failed_until for m in self._members}
+        old = {m.endpoint: m for m in self._members}
         self._members = [_Member(e, credentials, options) for e in self._endpoints]
         for member in self._members:
-            member.failed_until = old.get(member.endpoint, 0.0)
+            previous = old.get(member.endpoint)
+            if previous is not None:
+                member.failed_until = previous.failed_until
 
     # The current member's channel and stubs (tests look at them).
     @property
@@ -641,8 +749,14 @@ class EtcdClient:
         """The deadline of each call, in seconds."""
         return self._timeout
 
+    @property
+    def probe(self) -> MemberProbe:
+        """When a member with calls waiting is probed (see :class:`MemberProbe`)."""
+        return self._probe
+
     async def close(self) -> None:
         await self._batcher.close()
+        await self._tasks.cancel_all(1.0)
         for stream in self._keepalives.values():
             stream.close()
         self._keepalives.clear()
@@ -681,22 +795,127 @@ class EtcdClient:
             may_retry = read and len(self._members) > 1
             per_try = remaining * FIRST_TRY_SHARE if may_retry else remaining
             try:
-                call = getattr(getattr(member, stub), method)
-                return await call(request, timeout=max(per_try, 0.001), metadata=REQUIRE_LEADER)
+                method_of = getattr(getattr(member, stub), method)
+                call = method_of(request, timeout=max(per_try, 0.001), metadata=REQUIRE_LEADER)
+                response = await self._probed(member, call, call)
+                self._term = max(self._term, int(response.header.raft_term))
+                return response
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in _MEMBER_FAULTS and not _server_timeout(exc):
                     raise
-                self._failed(
-                    member,
-                    f"{exc.code().name}: {exc.details()}",
-                    penalty=ELECTION_PENALTY if _in_election(exc) else MEMBER_PENALTY,
-                )
+                if not isinstance(exc, _Abandoned):  # the probe dealt with its member itself
+                    self._failed(
+                        member,
+                        f"{exc.code().name}: {exc.details()}",
+                        penalty=ELECTION_PENALTY if _in_election(exc) else MEMBER_PENALTY,
+                    )
                 if len(self._members) == 1 or not (read or _not_applied(exc)):
                     raise
                 if self._all_failed():
                     await asyncio.sleep(min(ALL_FAILED_PAUSE, deadline - time.monotonic()))
                 if deadline - time.monotonic() < 0.01:
                     raise
+
+    async def _probed(self, member: _Member, call: Any, work: Awaitable[T]) -> T:
+        """Await ``work``, which waits for an answer to ``call`` (a gRPC call to ``member``),
+        under the member probe: when the probe cancels the call (see :class:`MemberProbe`),
+        _Abandoned is raised (whatever ``work`` raised of it)."""
+        if not self._probe.enabled or len(self._members) == 1:
+            return await work  # nowhere else to go: the deadline alone bounds it
+        pending = _Pending(call, time.monotonic(), self._term)
+        member.pending[pending] = None
+        if member.monitor is None or member.monitor.done():
+            member.monitor = self._tasks.spawn(
+                self._monitor(member), f"etcd member probe {member.endpoint}", kind="etcd-probe"
+            )
+        try:
+            return await work
+        except BaseException as exc:
+            # A unary call ends with CancelledError, a stream step with its own error; a
+            # cancellation of the caller's own is passed on as it is.
+            task = asyncio.current_task()
+            caller = isinstance(exc, asyncio.CancelledError) and (
+                task is not None and task.cancelling() > 0
+            )
+            if pending.abandoned is not None and not caller:
+                raise pending.abandoned from None
+            raise
+        finally:
+            member.pending.pop(pending, None)
+
+    async def _monitor(self, member: _Member) -> None:
+        """Probe ``member`` while calls wait on it (see :class:`MemberProbe`); ends when none
+        does, and is started again by the next call."""
+        while member.pending:
+            oldest = next(iter(member.pending))
+            wait = oldest.started + self._probe.after - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+                continue
+            asked = time.monotonic()
+            status = await self._status(member)
+            waiting = [p for p in member.pending if p.started <= asked and p.abandoned is None]
+            self._judge(member, status, waiting)
+            if member.pending:
+                await asyncio.sleep(PROBE_EVERY)
+
+    async def _status(self, member: _Member) -> pb.StatusResponse | None:
+        """The member's status; None when it does not answer in time (or its connection is
+        gone). A refusal (an error of another kind) is an answer all the same: an empty one."""
+        self.probes_sent += 1
+        try:
+            status: pb.StatusResponse = await member.maintenance.Status(
+                pb.StatusRequest(), timeout=self._probe.timeout
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in _MEMBER_FAULTS:
+                return None
+            log.debug("etcd member %s refused a status probe: %s", member.endpoint, exc.code())
+            return pb.StatusResponse()
+        except grpc.aio.UsageError:
+            return pb.StatusResponse()  # its channel was retired (a TLS reload): no verdict
+        return status
+
+    def _judge(
+        self, member: _Member, status: pb.StatusResponse | None, waiting: list[_Pending]
+    ) -> None:
+        """End the calls of ``waiting`` that ``member``'s ``status`` says are lost."""
+        if status is None:
+            why = f"no answer to a status probe within {self._probe.timeout:g} s"
+            self._abandon(member, waiting, why)
+            self._failed(member, why)
+            return
+        term = int(status.raftTerm)
+        if not status.header.member_id:
+            return  # refused: alive, nothing more known
+        if not status.leader:
+            why = "it has lost its leader (an election is under way)"
+            self._abandon(member, waiting, why)
+            self._failed(member, why, penalty=ELECTION_PENALTY)
+        else:
+            lost = []
+            for pending in waiting:
+                if pending.term == 0:
+                    pending.term = term
+                elif term > pending.term:
+                    now = time.monotonic()
+                    if not pending.newer_term_at:
+                        pending.newer_term_at = now
+                    elif now - pending.newer_term_at >= TERM_GRACE:
+                        lost.append(pending)
+            # The member has a leader: the call sent again may go to it.
+            self._abandon(member, lost, f"a new leader was elected (term {term})")
+        self._term = max(self._term, term)
+
+    def _abandon(self, member: _Member, calls: list[_Pending], why: str) -> None:
+        for pending in calls:
+            error = _Abandoned(
+                f"etcd member {member.endpoint}: {why}; the call, in flight for "
+                f"{time.monotonic() - pending.started:.1f} s, may or may not have been applied"
+            )
+            if pending.call.cancel():
+                pending.abandoned = error
+            member.pending.pop(pending, None)
 
     async def _unary(self, stub: str, method: str, request: object, *, read: bool) -> Any:
         try:
@@ -870,7 +1089,11 @@ class EtcdClient:
                 stream = self._keepalives[lease_id] = _LeaseStream(self._pick(), lease_id)
             reused = stream.used
             try:
-                ttl = await self._call(stream.refresh(), timeout)
+                refresh = self._probed(stream.member, stream.call, stream.refresh())
+                ttl = await self._call(refresh, timeout)
+            except _EndedByProbe:
+                self._drop_stream(lease_id, stream)  # the probe dealt with its member
+                raise
             except _StreamBroken as exc:
                 self._drop_stream(lease_id, stream)
                 self._failed(stream.member, exc)
@@ -1005,7 +1228,8 @@ class EtcdClient:
         self, member: _Member, key: bytes, heard: _Heard, stream: _Stream
     ) -> None:
         """Fail ``member`` (which moves its watches) once a watch on it has been silent for
-        :data:`WATCH_PROBE_AFTER` and a small read to it then goes unanswered; end the watch's
+        :data:`WATCH_PROBE_AFTER` and a small read to it then goes unanswered (within the
+        member probe's timeout, see :class:`MemberProbe`); end the watch's
         ``stream`` alone when the member answers the read but the stream does not answer a
         progress request within :data:`WATCH_PROBE_TIMEOUT`.
 
@@ -1013,12 +1237,14 @@ class EtcdClient:
         read where etcd's auth limits it to the prefix), served by the member alone."""
         probe = pb.RangeRequest(key=key, count_only=True, serializable=True)
         progress = pb.WatchRequest(progress_request=pb.WatchProgressRequest())
+        probing = self._probe.enabled and len(self._members) > 1
+        answer_within = self._probe.timeout if probing else WATCH_PROBE_TIMEOUT
         while True:
             await asyncio.sleep(max(heard.at + WATCH_PROBE_AFTER - time.monotonic(), 0.05))
             if time.monotonic() - heard.at < WATCH_PROBE_AFTER:
                 continue
             try:
-                await member.kv.Range(probe, timeout=WATCH_PROBE_TIMEOUT, metadata=REQUIRE_LEADER)
+                await member.kv.Range(probe, timeout=answer_within, metadata=REQUIRE_LEADER)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in _MEMBER_FAULTS or _server_timeout(exc):
                     self._failed(member, f"a silent watch's probe failed: {exc.code().name}")

@@ -93,20 +93,55 @@ class MemberStore(StoreBase):
                 return False  # the group is gone: nothing to explain
         raise StoreUnavailable(f"stats of {group} kept changing: last_error not updated")
 
-    async def forget_residency(self, group: str, node: str, job: str) -> bool:
-        """Record that ``job``'s state is no longer on ``node``'s devices (an agent said so)."""
+    async def forget_residency(
+        self, group: str, node: str, job: str, *, parked: bool = False
+    ) -> bool:
+        """Record that ``job``'s state is no longer on ``node``'s devices (an agent said so).
+
+        ``parked``: it is parked on the node (the agent reports it off its devices); it is
+        then listed as parked there. Without it, nothing of the job is left on the node (its
+        workers there left): it is not listed as parked there either. Returns whether it wrote.
+        """
         key = self.keys.resident(group)
         current = await self.etcd.get(key)
         if current is None:
             return False
         record = ResidentRecord.decode(current.value)
-        if job not in record.nodes.get(node, []):
+        on_device = job in record.nodes.get(node, [])
+        listed = job in record.parked.get(node, [])
+        if not on_device and listed == parked:
             return False
-        record.remove(node, job)
+        if parked:
+            record.park(node, job)
+        else:
+            record.forget(node, job)
         result = await self.etcd.txn(
             Txn([modified_at(key, current.mod_revision)], [Put(key, record.encode())])
         )
         return result.succeeded
+
+    async def settle_parked(self, group: str, node: str, parked: Collection[str]) -> bool:
+        """Take an agent's word for the jobs of ``group`` parked on ``node`` (its hello): those
+        it reports off its devices, and no others (one it does not report, or reports on its
+        devices, has nothing parked there). Returns whether it wrote."""
+        key = self.keys.resident(group)
+        for _ in range(_RESIDENCY_ATTEMPTS):
+            current = await self.etcd.get(key)
+            if current is None:
+                return False  # never granted: the group parked nothing
+            record = ResidentRecord.decode(current.value)
+            want = [j for j in sorted(set(parked)) if j not in record.nodes.get(node, [])]
+            if sorted(record.parked.get(node, [])) == want:
+                return False
+            record.parked.pop(node, None)
+            if want:
+                record.parked[node] = want
+            result = await self.etcd.txn(
+                Txn([modified_at(key, current.mod_revision)], [Put(key, record.encode())])
+            )
+            if result.succeeded:
+                return True
+        raise StoreUnavailable(f"residency of {group} kept changing: {node} not settled")
 
     async def settle_unknown_residency(
         self, group: str, node: str, on_device: list[str], *, runs_here: Collection[str] = ()

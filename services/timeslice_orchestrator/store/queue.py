@@ -169,7 +169,7 @@ class QueueStore(StoreBase):
                 success=[
                     Put(k.queue_entry(group, job), value, lease=req.session.lease),
                     Delete(k.fault(group, job)),
-                    self._create_group(group),
+                    self._create_group(group, job),
                 ],
                 failure=[Get(k.queue_entry(group, job)), Get(k.session(req.session_id))],
             ),
@@ -228,7 +228,7 @@ class QueueStore(StoreBase):
                     Put(k.holder(group), holder.encode(), lease=request.session.lease),
                     Put(k.stats(group), free.stats.encode()),
                     Delete(k.fault(group, job)),
-                    self._create_group(group),
+                    self._create_group(group, job),
                     *(
                         []
                         if free.resident is None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Generic, Self, TypeVar
@@ -32,7 +33,7 @@ class _Record:
         try:
             data = json.loads(raw)
             return cls._from_dict(data)
-        except (ValueError, TypeError, KeyError) as exc:
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:  # (JSON not an object)
             raise CorruptRecord(f"{cls.__name__}: {exc}: {raw[:200]!r}") from exc
 
     @classmethod
@@ -58,6 +59,8 @@ def _plain(obj: object) -> object:
     return {name: getattr(obj, name) for name in names}
 
 
+# GroupMetaRecord as this version encodes it (a job id has no quote or backslash to escape).
+_META_JOB = re.compile(rb'\{"job":"([^"\\]*)"\}')
 _FIELDS: dict[type, tuple[str, ...]] = {}
 _FIELD_NAMES: dict[type, frozenset[str]] = {}
 _ENCODER = json.JSONEncoder(separators=(",", ":"), default=_plain)
@@ -72,6 +75,27 @@ class SessionRecord(_Record):
     # SHA-256 (hex) of the session's secret: never the secret itself, so reading etcd is not
     # enough to act on a session. "" (a record from before secrets): nothing matches it.
     secret_hash: str = ""
+
+
+@dataclass(slots=True)
+class GroupMetaRecord(_Record):
+    """A group's ``meta`` key: the group exists, and whose quota it counts against."""
+
+    # The job whose Acquire created the group (an operator acting as a job: that job). Its
+    # groups count against ``--max-groups-per-job`` until the idle clean-up removes them. ""
+    # for a group created by an operator's SetGroupMembers, or by a replica older than this
+    # field: counted in ``--max-groups`` only.
+    job: str = ""
+
+    @classmethod
+    def job_of(cls, raw: bytes) -> str:
+        """The ``job`` of an encoded record: what the mirror reads of every group's meta key
+        when it lists (100,000 of them), so the shape this version writes is matched without
+        a JSON decode; any other (an older or newer writer's) is decoded."""
+        if raw in (b"", b"{}"):
+            return ""  # no creator: an operator's group, or an older replica's
+        plain = _META_JOB.fullmatch(raw)
+        return plain.group(1).decode() if plain else cls.decode(raw).job
 
 
 @dataclass(slots=True)
@@ -121,26 +145,62 @@ class FeaturesRecord(_Record):
 
 @dataclass(slots=True)
 class ResidentRecord(_Record):
-    """Whose device state is on the devices of each node of the group.
+    """Whose device state is on the devices of each node of the group, and whose is parked.
 
     Per node, the jobs whose state is on the devices, least recently restored first: the last
     one is the job that ran last there. Several jobs share a node's devices when its backend
     reports the capacity for them (co-residency), else there is at most one.
+
+    ``parked``: per node, the jobs whose state a checkpoint took off that node's devices (for
+    the freeze backend: their processes there are stopped) and that no restore has brought
+    back, as the group's switches committed it or the node's agent reported it. Such a job is
+    not whole without that node; it is not granted while the node cannot restore it
+    (:func:`timeslice_orchestrator.switch_plan.stranded`). A job is never both on a node's
+    devices and parked there: :meth:`encode` drops it from ``parked``.
     """
 
     nodes: dict[str, list[str]] = field(default_factory=dict)
+    parked: dict[str, list[str]] = field(default_factory=dict)
 
     def remove(self, node: str, job: str) -> None:
-        jobs = self.nodes.get(node, [])
-        if job in jobs:
-            jobs.remove(job)
-        if not jobs:
-            self.nodes.pop(node, None)
+        """``job``'s state is no longer on ``node``'s devices (where it went is not said)."""
+        _drop(self.nodes, node, job)
 
     def place(self, node: str, job: str) -> None:
         """``job`` is now the most recently restored job on ``node``."""
         jobs = [j for j in self.nodes.get(node, []) if j != job]
         self.nodes[node] = [*jobs, job]
+        _drop(self.parked, node, job)
+
+    def park(self, node: str, job: str) -> None:
+        """``job``'s state was checkpointed off ``node``'s devices and stays on that node."""
+        _drop(self.nodes, node, job)
+        if job not in self.parked.get(node, []):
+            self.parked[node] = [*self.parked.get(node, []), job]
+
+    def forget(self, node: str, job: str) -> None:
+        """Nothing of ``job`` is on ``node`` any more (its workers there left)."""
+        _drop(self.nodes, node, job)
+        _drop(self.parked, node, job)
+
+    def encode(self) -> bytes:
+        # Whatever put a job on a node's devices (a hello's report, a grant) settles that it
+        # is not parked there.
+        for node, jobs in list(self.parked.items()):
+            kept = [j for j in jobs if j not in self.nodes.get(node, [])]
+            if kept:
+                self.parked[node] = kept
+            else:
+                del self.parked[node]
+        return _Record.encode(self)
+
+
+def _drop(where: dict[str, list[str]], node: str, job: str) -> None:
+    jobs = where.get(node, [])
+    if job in jobs:
+        jobs.remove(job)
+    if not jobs:
+        where.pop(node, None)
 
 
 class SwitchPhase(enum.Enum):

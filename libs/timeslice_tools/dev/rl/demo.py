@@ -151,12 +151,21 @@ def _job_argv(job: str, seed: int, steps: int, run_dir: Path, extra: Sequence[st
 
 
 def _run_jobs(
-    argvs: Mapping[str, list[str]], run_dir: Path, deadline: float, env: Mapping[str, str]
+    argvs: Mapping[str, list[str]],
+    run_dir: Path,
+    deadline: float,
+    env: Mapping[str, str],
+    job_env: Mapping[str, Mapping[str, str]] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Start every job at once and wait for all; returns their result files' contents."""
+    """Start every job at once and wait for all; returns their result files' contents.
+    ``job_env``: variables of one job's own (its certificate), by job."""
     run_dir.mkdir(parents=True, exist_ok=True)
     procs = {
-        job: _procs.spawn([*argv, "--barrier", str(run_dir)], run_dir / f"{job}.log", env=dict(env))
+        job: _procs.spawn(
+            [*argv, "--barrier", str(run_dir)],
+            run_dir / f"{job}.log",
+            env={**env, **(job_env or {}).get(job, {})},
+        )
         for job, argv in argvs.items()
     }
     try:
@@ -223,8 +232,9 @@ def run_demo(
     )
     try:
         cluster.start()
-        env.update(cluster.client_env)
         env["TIMESLICE_TARGET"] = cluster.target
+        # Each job with its own certificate (it may act as itself only).
+        certs = {job: cluster.job_env(job) for job, _ in JOBS}
         socket = str(cluster.agent_sockets["node-0"])
         say(f"  2. both jobs time-sliced on group {GROUP} (agent --backend app, {cluster.target})")
         argvs = {}
@@ -233,7 +243,7 @@ def run_demo(
             if corrupt is not None and corrupt[0] == job:
                 extra += ["--corrupt-step", str(corrupt[1])]
             argvs[job] = _job_argv(job, seed, steps, work / "sliced", extra)
-        sliced = _run_jobs(argvs, work / "sliced", deadline, env)
+        sliced = _run_jobs(argvs, work / "sliced", deadline, env, certs)
         moves = journal_moves(cluster.agent_journals["node-0"])
     finally:
         cluster.stop()
