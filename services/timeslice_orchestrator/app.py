@@ -199,7 +199,8 @@ class Orchestrator:
             self.store, self.mirror, self.metrics, co_residency=cfg.co_residency, tracer=tracer
         )
         self._server = strict_server([api, hub, compat, operations], cfg.limits.max_message_bytes)
-        # Per-connection token buckets: a flood from one client waits, or is refused, before
+        # Token buckets per client (its certificate's identity; per connection without TLS):
+        # a flood from one client waits, or is refused, before
         # its requests are read, and other clients keep their latency (admission.py).
         admission.install(self._server, admitter)
         if cfg.limits.idle_group_ttl > 0:

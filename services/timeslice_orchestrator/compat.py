@@ -221,8 +221,11 @@ class CompatService(TimeSliceOrchestratorServiceBase):
             pending = len(self._mirror.group(group).queue)
             if holder is not None:
                 if holder.record.job != job:
+                    # Named to those who may read it (operators, plaintext); a job reads
+                    # another tenant as such (visibility.py).
+                    holder_job = visibility.viewer_of(identity.current()).name(holder.record.job)
                     raise PermissionDenied(
-                        f"job {job} does not hold {group} (job {holder.record.job} does)"
+                        f"job {job} does not hold {group} (held by {holder_job})"
                     )
                 # v1alpha1 has no session secret: the operator path, by job and epoch, after
                 # the identity check above (a TLS job certificate must be this job's).

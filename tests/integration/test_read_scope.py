@@ -194,6 +194,12 @@ async def test_a_job_reads_its_own_groups_only_and_operators_read_all(
                 ErrorKind.NOT_FOUND,
                 compat_beta.get_group_status(v1alpha1.GetGroupStatusRequest(ALPHA_ONLY)),
             )
+            # A Yield of a group beta does not hold is refused without naming the holder.
+            not_mine = await refused(
+                ErrorKind.PERMISSION_DENIED,
+                compat_beta.yield_(v1alpha1.YieldRequest(BETA, SHARED)),
+            )
+            assert ALPHA not in not_mine and OTHER in not_mine, not_mine
             full_v1 = await compat_op.get_group_status(v1alpha1.GetGroupStatusRequest(SHARED))
             assert full_v1.group is not None and full_v1.group.locking_job == ALPHA
             every = (await compat_op.list_groups(v1alpha1.ListGroupsRequest())).group_ids
