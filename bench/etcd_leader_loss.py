@@ -65,18 +65,6 @@ async def _grants_after(grants: list[float], moment: float, count: int) -> None:
         await asyncio.sleep(0.02)
 
 
-def _elected(etcd: EtcdCluster, old: int, old_id: int, since: float) -> float:
-    others = [m for i, m in enumerate(etcd.members) if i != old]
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        for member in others:
-            answer = member.status(0.3)
-            if answer is not None and answer[1] not in (0, old_id):
-                return time.monotonic() - since
-        time.sleep(0.02)
-    raise RuntimeError("no new etcd leader within 30 s")
-
-
 async def _round(etcd: EtcdCluster, grants: list[float], mode: str, fault: str) -> Round:
     leader = await asyncio.to_thread(etcd.wait_for_leader)
     answer = await asyncio.to_thread(etcd.members[leader].status, 1.0)
@@ -89,7 +77,7 @@ async def _round(etcd: EtcdCluster, grants: list[float], mode: str, fault: str) 
     else:
         etcd.pause(leader)
     try:
-        election = await asyncio.to_thread(_elected, etcd, leader, answer[0], at)
+        election = await asyncio.to_thread(etcd.elected_since, leader, answer[0], at, 30)
         await _grants_after(grants, at + election, 10)
     finally:
         if fault == "kill":

@@ -114,7 +114,7 @@ async def test_a_write_through_a_follower_ends_soon_after_the_leader_is_lost(
         else:
             etcd3.pause(leader)
         writing = asyncio.ensure_future(_took(etcd.put(key, b"during")))
-        election = await asyncio.to_thread(_elected, etcd3, leader, leader_id, at)
+        election = await asyncio.to_thread(etcd3.elected_since, leader, leader_id, at)
         took, error = await writing
         print(
             f"\nleader {fault}: a write through a follower ended after {took:.2f} s "
@@ -227,20 +227,6 @@ async def _grants_after(load: _Load, moment: float, count: int, timeout: float) 
         await asyncio.sleep(0.02)
 
 
-def _elected(etcd: EtcdCluster, old: int, old_id: int, since: float) -> float:
-    """Seconds from ``since`` until a member other than ``old`` (whose member ID is
-    ``old_id``) reports a leader other than it (the live members, polled every 20 ms)."""
-    others = [m for i, m in enumerate(etcd.members) if i != old]
-    deadline = time.monotonic() + 15.0
-    while time.monotonic() < deadline:
-        for member in others:
-            answer = member.status(0.3)
-            if answer is not None and answer[1] not in (0, old_id):
-                return time.monotonic() - since
-        time.sleep(0.02)
-    raise AssertionError("no new etcd leader within 15 s")
-
-
 async def _lose_leader(etcd: EtcdCluster, load: _Load, fault: str) -> tuple[float, float]:
     """Lose the leader by ``fault`` ("kill" or "pause"); the longest grant gap around it and
     etcd's election time. The member is back (restarted or resumed) when this returns."""
@@ -255,7 +241,7 @@ async def _lose_leader(etcd: EtcdCluster, load: _Load, fault: str) -> tuple[floa
     else:
         etcd.pause(leader)
     try:
-        election = await asyncio.to_thread(_elected, etcd, leader, leader_id, at)
+        election = await asyncio.to_thread(etcd.elected_since, leader, leader_id, at)
         await _grants_after(load, at + election, 10, 30)
     finally:
         if fault == "kill":

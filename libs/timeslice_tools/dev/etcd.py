@@ -567,6 +567,20 @@ class EtcdCluster:
     def data_dir(self) -> Path:
         return self._dir
 
+    def elected_since(self, old: int, old_id: int, since: float, within: float = 15.0) -> float:
+        """Seconds from ``since`` (a :func:`time.monotonic` reading) until a member other than
+        ``members[old]`` (whose member id is ``old_id``) reports a leader other than it; the
+        live members are polled every 20 ms. Raises :class:`EtcdError` past ``within``."""
+        others = [m for i, m in enumerate(self.members) if i != old]
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            for member in others:
+                answer = member.status(0.3)
+                if answer is not None and answer[1] not in (0, old_id):
+                    return time.monotonic() - since
+            time.sleep(0.02)
+        raise EtcdError(f"no new etcd leader within {within:g} s")
+
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> EtcdCluster:
