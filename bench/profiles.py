@@ -62,7 +62,7 @@ STEP_SECONDS = 100.0
 class StepPhase(enum.Enum):
     """What a job is doing in one RL step; accelerator phases are the ones a duty cycle counts.
 
-    The modelled counterpart of :class:`timeslice_tools.dev.timeline.StepPhase` (demo runs),
+    The modelled counterpart of :class:`timeslice_tools.dev.timeline.DemoPhase` (demo runs),
     with async RL's phases too; the values differ, and both are written to result files.
     """
 

@@ -7,7 +7,7 @@
 both nodes sharing one group. Every 20-40 s one fault, in turn: a random replica is killed with
 SIGKILL and started again a second later; etcd is paused (SIGSTOP, then SIGCONT) for 0.5-1.5 s,
 well under every lease TTL; a random agent is paused for 1-3 s. At the end the recorded history
-is checked for the invariants of DESIGN.md section 5 (any violation fails the run) and a JSON
+is checked for the invariants of docs/design.md section 5 (any violation fails the run) and a JSON
 report is printed (and written with --out). etcd is paused only when the soak runs its own.
 A wait is bounded too: any acquire longer than ``--max-wait`` (20 s: a replica kill costs a
 lease TTL of 4 s and a reconnect), or longer than ``--max-quiet-wait`` (15 s) with no fault

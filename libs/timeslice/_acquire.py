@@ -12,7 +12,7 @@ moment; the stream is read in a task of its own (:class:`~timeslice._streams.Pre
 that such a grant is still seen, and the client gives it back. One that is still on the wire
 when the reset goes out is never seen (the server finished its stream before the reset
 arrived, so it keeps the grant): the client then looks the group up and gives back a hold of
-its own that it has no record of (``AsyncTimeSliceClient._sweep``).
+its own that it has no record of (:mod:`timeslice._sweep`).
 """
 
 from __future__ import annotations

@@ -79,10 +79,6 @@ class PendingRelease:
         self.outcome = ReleaseOutcome.PENDING
         self.error: TimeSliceError | None = None
         """What ended it, when that was not the orchestrator's confirmation."""
-        self.answered = False
-        """Whether the job has been told of it: a later ``acquire`` of the group began, a
-        ``yield_`` of it returned once it ended, or the hold was never the job's to yield
-        (a grant given back after its acquire was aborted)."""
 
     @property
     def finished(self) -> bool:

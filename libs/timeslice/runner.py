@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Coroutine
+from typing import Any, Protocol, TypeVar
 
 from timeslice._acquire import ProgressCallback
 from timeslice._loops import Undo, await_in_loop, call_in_loop, current_loop
@@ -29,18 +29,23 @@ from timeslice._validate import check_priority, check_seconds
 from timeslice.errors import InvalidArgument
 from timeslice.ids import validate_group_id
 
-__all__ = ["AcquireFunction", "ClientRunner", "ProgressCallback", "YieldFunction"]
+__all__ = ["ClientRunner", "GroupCalls", "ProgressCallback"]
 
 T = TypeVar("T")
 
 log = logging.getLogger("timeslice")
 
-AcquireFunction = Callable[
-    [str, float | None, int, ProgressCallback | None], Coroutine[Any, Any, Grant]
-]
-"""The client's acquire: ``(group_id, timeout, priority, on_progress)``, arguments checked."""
-YieldFunction = Callable[[str], Coroutine[Any, Any, None]]
-"""The client's yield: ``(group_id)``, checked."""
+
+class GroupCalls(Protocol):
+    """The acquire and yield a runner drives on the client's loop, arguments checked
+    (:class:`timeslice._core.ClientCore` has them)."""
+
+    async def acquire(
+        self, group: str, timeout: float | None, priority: int, on_progress: ProgressCallback | None
+    ) -> Grant: ...
+
+    async def yield_(self, group: str) -> None: ...
+
 
 # Slack on top of a call's own bound before a blocked caller gives up on the loop thread.
 _SLACK = 1.0
@@ -52,22 +57,13 @@ class ClientRunner:
     Args:
         job_id: the job the client acts for (for messages).
         call_timeout: the client's bound on unary calls; blocking waits add it as slack.
-        acquire: the client's acquire coroutine function (runs on the client's loop).
-        yield_: the client's yield coroutine function (runs on the client's loop).
+        calls: the client's acquire and yield (they run on the client's loop).
     """
 
-    def __init__(
-        self,
-        job_id: str,
-        *,
-        call_timeout: float,
-        acquire: AcquireFunction,
-        yield_: YieldFunction,
-    ) -> None:
+    def __init__(self, job_id: str, *, call_timeout: float, calls: GroupCalls) -> None:
         self._job_id = job_id
         self._call_timeout = call_timeout
-        self._acquire = acquire
-        self._yield = yield_
+        self._calls = calls
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -118,11 +114,11 @@ class ClientRunner:
     ) -> Grant:
         """Acquire ``group_id`` (see :meth:`AsyncTimeSliceClient.acquire`), awaiting here."""
         args = _acquire_args(group_id, timeout, priority, on_progress)
-        return await self.run(self._acquire(*args), undo=self._give_back)
+        return await self.run(self._calls.acquire(*args), undo=self._give_back)
 
     async def yield_(self, group_id: str) -> None:
         """Yield ``group_id`` (see :meth:`AsyncTimeSliceClient.yield_`), awaiting here."""
-        await self.run(self._yield(validate_group_id(group_id)))
+        await self.run(self._calls.yield_(validate_group_id(group_id)))
 
     # ------------------------------------------------------------------- blocking
 
@@ -176,7 +172,7 @@ class ClientRunner:
         """
         group, wait, prio, progress = _acquire_args(group_id, timeout, priority, on_progress)
         return self.run_blocking(
-            self._acquire(group, wait, prio, progress),
+            self._calls.acquire(group, wait, prio, progress),
             wait=None if wait is None else wait + self._call_timeout + _SLACK,
             what=f"acquire({group})",
             undo=self._give_back,
@@ -186,7 +182,7 @@ class ClientRunner:
         """Yield ``group_id``, blocking this thread until the orchestrator answered."""
         group = validate_group_id(group_id)
         self.run_blocking(
-            self._yield(group), wait=self._call_timeout + _SLACK, what=f"yield({group})"
+            self._calls.yield_(group), wait=self._call_timeout + _SLACK, what=f"yield({group})"
         )
 
     # ------------------------------------------------------------------- internal
@@ -194,7 +190,7 @@ class ClientRunner:
     async def _give_back(self, grant: Grant) -> None:
         """Yield a grant whose acquire's caller gave up as it arrived (on the client's loop)."""
         try:
-            await self._yield(grant.group_id)
+            await self._calls.yield_(grant.group_id)
         except Exception as exc:
             # The caller's own error (cancelled, interrupted, timed out) is what propagates.
             log.warning("could not give back %s after its caller left: %s", grant.group_id, exc)

@@ -1,4 +1,4 @@
-"""Recorded histories of a run and the invariant checks of DESIGN.md section 5.
+"""Recorded histories of a run and the invariant checks of docs/design.md section 5.
 
 Clients record every acquire they start, every grant and every yield (monotonic clock of the
 recording process); agents record every directive they finish in their journals. The checks
@@ -15,7 +15,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sized
 from dataclasses import dataclass, field
 
-from timeslice_agent.journal import JournalEntry
+from timeslice.agent_contract import JournalEntry
 
 EXECUTED = ("ok", "failed")  # the agent acted; stale_epoch and refused mean it did not
 

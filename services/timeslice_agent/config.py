@@ -8,7 +8,6 @@ message either way.
 
 from __future__ import annotations
 
-import argparse
 import enum
 import grp
 import math
@@ -18,7 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from timeslice.argv import OneLineParser
+from timeslice._options import EMULATION, ServiceOptions, argtype
+from timeslice.agent_contract import BackendKind as BackendKind
 from timeslice.errors import InvalidArgument
 from timeslice.ids import validate_node
 from timeslice.targets import parse_address
@@ -28,18 +28,6 @@ from timeslice.wire import DEFAULT_MAX_MESSAGE_BYTES
 ENV_PREFIX = "TIMESLICE_AGENT_"
 DEFAULT_WORKER_SOCKET = Path("/run/timeslice/agent.sock")
 GB = 1_000_000_000
-
-
-class BackendKind(enum.Enum):
-    """The data-movement backends this agent can run: the one list of them.
-
-    Each value names a module of :mod:`timeslice_agent.backends` that has a ``create``.
-    """
-
-    SIM = "sim"
-    FREEZE = "freeze"
-    CUDA = "cuda"
-    APP = "app"
 
 
 class CudaPath(enum.Enum):
@@ -163,19 +151,6 @@ def parse_endpoint(text: str, *, allow_port_zero: bool = False) -> Endpoint:
     return Endpoint(host, port)
 
 
-def _argtype(func: Callable[[str], object]) -> Callable[[str], object]:
-    """Adapt a parser raising InvalidArgument/ValueError into one argparse reports cleanly."""
-
-    def convert(text: str) -> object:
-        try:
-            return func(text)
-        except (InvalidArgument, ValueError) as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    convert.__name__ = getattr(func, "__name__", "value")
-    return convert
-
-
 def _targets(text: str) -> tuple[Endpoint, ...]:
     parts = [p for p in text.split(",") if p.strip()]
     if not parts:
@@ -232,199 +207,202 @@ def _choice(kind: type[enum.Enum], option: str) -> Callable[[str], enum.Enum]:
     return convert
 
 
-def _env_name(option: str) -> str:
-    return ENV_PREFIX + option.lstrip("-").replace("-", "_").upper()
-
-
-def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
-    """The argparse parser; defaults come from ``environ`` where set."""
-    parser = OneLineParser(
-        prog="timeslice agent",
-        description="timeslice snapshot agent (one per node). Every option may also be set "
-        f"with the environment variable {ENV_PREFIX}<OPTION_NAME>.",
+def build_parser(environ: Mapping[str, str]) -> ServiceOptions:
+    """The agent's options, in one group per concern; defaults come from ``environ``."""
+    o = ServiceOptions(
+        "timeslice agent", "timeslice snapshot agent (one per node).", ENV_PREFIX, environ
     )
-
-    def add(option: str, default: str | None, help_text: str, **kwargs: object) -> None:
-        env = _env_name(option)
-        parser.add_argument(
-            option,
-            default=environ.get(env, default),
-            help=f"{help_text} [env {env}]",
-            **kwargs,  # type: ignore[arg-type]
-        )
-
-    add(
+    node = o.group("node", "this node and the orchestrators it serves")
+    node.option(
         "--orchestrator",
         None,
-        "orchestrator targets HOST:PORT[,HOST:PORT...]; tried in turn on failure",
-        type=_argtype(_targets),
+        "orchestrator targets HOST:PORT[,HOST:PORT...]; tried in turn on failure (required)",
+        type=argtype(_targets),
         metavar="TARGETS",
     )
-    add("--node", None, "node name (default: the hostname)", metavar="NAME")
-    add(
-        "--backend",
-        "sim",
-        f"{' | '.join(k.value for k in BackendKind)} (default sim: an emulation that moves "
-        "nothing)",
-        type=_argtype(_backend),
-    )
-    add(
-        "--cuda-path",
-        "auto",
-        "cuda: driver (checkpoint API in-process) | cli (cuda-checkpoint binary) | auto",
-        type=_argtype(_choice(CudaPath, "--cuda-path")),
-    )
-    add(
-        "--cuda-lock-timeout-ms",
-        "10000",
-        "cuda: how long a lock waits for a process's in-flight CUDA work, in ms",
-        type=_argtype(_number(1, inclusive=True)),
-    )
-    add(
-        "--cuda-checkpoint-bin",
-        "cuda-checkpoint",
-        "cuda: the cuda-checkpoint binary for the cli path",
-        metavar="PATH",
-    )
-    add(
-        "--discover",
-        "auto",
-        "find job processes by TIMESLICE_JOB_ID/TIMESLICE_GROUP in their environment: "
-        "nvml | procfs | off | auto (nvml, else procfs, for backends that free device "
-        "memory, cuda and app; off otherwise)",
-        type=_argtype(_choice(Discovery, "--discover")),
-    )
-    add(
-        "--release-wait",
-        "10",
-        "cuda/app: seconds a checkpoint waits for NVML to show the job's memory freed",
-        type=_argtype(_number(0, inclusive=True)),
-    )
-    add(
-        "--app-residual-mib",
-        "2048",
-        "app: device memory a process may keep after its release (CUDA context), in MiB",
-        type=_argtype(_number(0, inclusive=True)),
-    )
-    add(
-        "--worker-socket",
-        str(DEFAULT_WORKER_SOCKET),
-        "unix socket for the WorkerLink service",
-        metavar="PATH",
-    )
-    add(
-        "--worker-socket-group",
-        None,
-        "group (name or gid) whose processes may register workers: the socket is created "
-        "with mode 0660 and this group (default: the agent's own group)",
-        type=_argtype(_group),
-        metavar="GROUP",
-    )
-    add(
+    node.option("--node", None, "node name (default: the hostname)", metavar="NAME")
+    node.option(
         "--state-file",
         None,
         "durable JSON state (default: agent-<node>.json next to the socket)",
         metavar="PATH",
     )
-    add(
-        "--http",
-        None,
-        "HOST:PORT for /healthz, /readyz and /metrics (port 0 picks one; default: off)",
-        type=_argtype(_http_endpoint),
-    )
-    add(
-        "--sim-capacity-gb",
-        "80",
-        "sim: device memory per node in GB",
-        type=_argtype(_number(0, inclusive=False)),
-    )
-    add(
-        "--sim-bandwidth-gbps",
-        "50",
-        "sim: host<->device bandwidth per direction in GB/s",
-        type=_argtype(_number(0, inclusive=False)),
-    )
-    add(
-        "--sim-state-gb",
-        "40",
-        "sim: device state of a job whose workers registered state_bytes=0, in GB",
-        type=_argtype(_number(0, inclusive=True)),
-    )
-    add(
-        "--sim-time-scale",
-        "1.0",
-        "sim: factor on modelled transfer time (0 = instantaneous)",
-        type=_argtype(_number(0, inclusive=True)),
-    )
-    add(
-        "--hook-timeout",
-        "60",
-        "seconds to wait for a worker's app callback",
-        type=_argtype(_number(0, inclusive=False)),
-    )
-    add("--log-level", "INFO", "logging level", metavar="LEVEL")
-    parser.add_argument(
-        "--sim-fault",
-        action="append",
-        default=[],
-        metavar="KIND:ACTION[:JOB]",
-        help="sim: inject a failure (checkpoint|restore : fail|hang [: job]); repeatable",
-    )
-    add(
-        "--host-reserve-gb",
-        "2",
-        "host memory kept free: a checkpoint that would eat into it is refused, in GB",
-        type=_argtype(_number(0, inclusive=True)),
-    )
-    add(
-        "--host-memory-gb",
-        "0",
-        "model a host of this size instead of reading MemAvailable (sim, tests), in GB",
-        type=_argtype(_number(0, inclusive=True)),
-    )
-    add(
+    node.option(
         "--journal",
         "",
         "append one JSON line per executed directive to this file (histories, audits)",
         metavar="PATH",
     )
-    add("--tls-ca", None, "CA of the orchestrators' server certificates (PEM)", metavar="PATH")
-    add(
-        "--tls-cert",
-        None,
-        "this node's client certificate (PEM; reloaded on change)",
+    node.log_level()
+
+    listen = o.group("listen", "where this agent serves its node's workers and scrapers")
+    listen.option(
+        "--worker-socket",
+        str(DEFAULT_WORKER_SOCKET),
+        "unix socket for the WorkerLink service",
         metavar="PATH",
     )
-    add("--tls-key", None, "its private key (PEM)", metavar="PATH")
-    parser.add_argument(
-        "--insecure",
-        action="store_true",
-        default=environ.get(_env_name("--insecure"), "").strip().lower()
-        in ("1", "true", "yes", "on"),
-        help="talk to the orchestrators in plaintext, unauthenticated (development only) "
-        f"[env {_env_name('--insecure')}]",
+    listen.option(
+        "--worker-socket-group",
+        None,
+        "group (name or gid) whose processes may register workers: the socket is created "
+        "with mode 0660 and this group (default: the agent's own group)",
+        type=argtype(_group),
+        metavar="GROUP",
     )
-    add(
-        "--max-message-bytes",
-        str(DEFAULT_MAX_MESSAGE_BYTES),
-        "largest gRPC message the worker socket accepts, in bytes (larger: RESOURCE_EXHAUSTED)",
-        type=_argtype(_number(1, inclusive=True)),
+    listen.option(
+        "--http",
+        None,
+        "HOST:PORT for /healthz, /readyz and /metrics (port 0 picks one; default: off)",
+        type=argtype(_http_endpoint),
+        metavar="HOST:PORT",
     )
-    add(
+    listen.option(
         "--llmd-port",
         None,
         "TCP port for the llm-d reference's snapshot_agent.v1alpha1 API and grpc.health.v1 "
         "(docs/llmd-agent.md; 0 picks one; default: off)",
-        type=_argtype(_port),
+        type=argtype(_port),
         metavar="PORT",
     )
-    add(
+    listen.option(
         "--llmd-host",
         "127.0.0.1",
         "address the llm-d API listens on (workloads register only over loopback)",
         metavar="HOST",
     )
-    return parser
+
+    timing = o.group("timing and limits")
+    timing.option(
+        "--hook-timeout",
+        "60",
+        "how long to wait for a worker's app callback",
+        type=argtype(_number(0, inclusive=False)),
+        metavar="SECONDS",
+    )
+    timing.option(
+        "--host-reserve-gb",
+        "2",
+        "host memory kept free: a checkpoint that would eat into it is refused",
+        type=argtype(_number(0, inclusive=True)),
+        metavar="GB",
+    )
+    timing.option(
+        "--max-message-bytes",
+        str(DEFAULT_MAX_MESSAGE_BYTES),
+        "largest gRPC message the worker socket accepts (larger: RESOURCE_EXHAUSTED)",
+        type=argtype(_number(1, inclusive=True)),
+        metavar="BYTES",
+    )
+
+    tls = o.group("TLS", "PEM files; the certificate and key are reloaded when they change")
+    tls.option("--tls-ca", None, "CA of the orchestrators' server certificates", metavar="PATH")
+    tls.option("--tls-cert", None, "this node's client certificate", metavar="PATH")
+    tls.option("--tls-key", None, "its private key", metavar="PATH")
+    tls.switch(
+        "--insecure",
+        "talk to the orchestrators in plaintext, unauthenticated (development only)",
+    )
+
+    backend = o.group("backend", "how a job's device state moves (docs/gpu.md)")
+    backend.option(
+        "--backend",
+        None,
+        f"{' | '.join(k.value for k in BackendKind)} (required: sim only emulates, it "
+        "moves nothing)",
+        type=argtype(_backend),
+        metavar="KIND",
+    )
+    backend.option(
+        "--discover",
+        "auto",
+        "find job processes by TIMESLICE_JOB_ID/TIMESLICE_GROUP in their environment: "
+        "nvml | procfs | off | auto (nvml, else procfs, for backends that free device "
+        "memory, cuda and app; off otherwise)",
+        type=argtype(_choice(Discovery, "--discover")),
+        metavar="HOW",
+    )
+    backend.option(
+        "--release-wait",
+        "10",
+        "cuda and app: how long a checkpoint waits for NVML to show the job's memory freed",
+        type=argtype(_number(0, inclusive=True)),
+        metavar="SECONDS",
+    )
+
+    cuda = o.group("cuda backend", "whole-process checkpoints through the driver")
+    cuda.option(
+        "--cuda-path",
+        "auto",
+        "driver (checkpoint API in-process) | cli (cuda-checkpoint binary) | auto",
+        type=argtype(_choice(CudaPath, "--cuda-path")),
+        metavar="HOW",
+    )
+    cuda.option(
+        "--cuda-lock-timeout-ms",
+        "10000",
+        "how long a lock waits for a process's in-flight CUDA work",
+        type=argtype(_number(1, inclusive=True)),
+        metavar="MS",
+    )
+    cuda.option(
+        "--cuda-checkpoint-bin",
+        "cuda-checkpoint",
+        "the cuda-checkpoint binary for the cli path",
+        metavar="PATH",
+    )
+
+    app = o.group("app backend", "the workload's own offload and restore hooks")
+    app.option(
+        "--app-residual-mib",
+        "2048",
+        "device memory a process may keep after its release (CUDA context)",
+        type=argtype(_number(0, inclusive=True)),
+        metavar="MIB",
+    )
+
+    sim = o.group(EMULATION, "the sim backend's model of a node, and failures to inject")
+    sim.option(
+        "--sim-capacity-gb",
+        "80",
+        "device memory per node",
+        type=argtype(_number(0, inclusive=False)),
+        metavar="GB",
+    )
+    sim.option(
+        "--sim-bandwidth-gbps",
+        "50",
+        "host<->device bandwidth per direction, in GB/s (bytes, not bits)",
+        type=argtype(_number(0, inclusive=False)),
+        metavar="GB_PER_S",
+    )
+    sim.option(
+        "--sim-state-gb",
+        "40",
+        "device state of a job whose workers registered state_bytes=0",
+        type=argtype(_number(0, inclusive=True)),
+        metavar="GB",
+    )
+    sim.option(
+        "--sim-time-scale",
+        "1.0",
+        "factor on modelled transfer time (0 = instantaneous)",
+        type=argtype(_number(0, inclusive=True)),
+        metavar="FACTOR",
+    )
+    sim.repeated(
+        "--sim-fault",
+        "inject a failure (checkpoint|restore : fail|hang [: job])",
+        metavar="KIND:ACTION[:JOB]",
+    )
+    sim.option(
+        "--host-memory-gb",
+        "0",
+        "model a host of this size instead of reading MemAvailable (0: read it)",
+        type=argtype(_number(0, inclusive=True)),
+        metavar="GB",
+    )
+    return o
 
 
 def _port(text: str) -> int:
@@ -437,7 +415,7 @@ def _port(text: str) -> int:
     return port
 
 
-def _faults(parser: argparse.ArgumentParser, texts: list[str]) -> list[InjectedFault]:
+def _faults(parser: ServiceOptions, texts: list[str]) -> list[InjectedFault]:
     try:
         return [InjectedFault.parse(t) for t in texts]
     except ValueError as exc:
@@ -450,17 +428,20 @@ def parse_config(
     """Parse and validate the options; exits with status 2 and a message on bad input."""
     env = os.environ if environ is None else environ
     parser = build_parser(env)
-    ns = parser.parse_args(argv)
+    ns = parser.parse(argv)
     if ns.orchestrator is None:
-        parser.error(f"--orchestrator (or {_env_name('--orchestrator')}) is required")
+        parser.error(f"--orchestrator (or {parser.env_name('--orchestrator')}) is required")
     node_text = ns.node if ns.node else socket.gethostname()
     try:
         node = validate_node(node_text)
     except InvalidArgument as exc:
         parser.error(str(exc))
-    level = str(ns.log_level).upper()
-    if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
-        parser.error(f"--log-level {ns.log_level!r} is not a logging level")
+    if ns.backend is None:
+        # No default: a GPU node started without it must not silently emulate.
+        parser.error(
+            f"--backend (or {parser.env_name('--backend')}) is required: one of "
+            f"{', '.join(k.value for k in BackendKind)} (sim only emulates)"
+        )
     worker_socket = Path(ns.worker_socket)
     state_file = (
         Path(ns.state_file) if ns.state_file else worker_socket.parent / f"agent-{node}.json"
@@ -491,7 +472,7 @@ def parse_config(
         http=ns.http,
         sim=sim,
         hook_timeout=ns.hook_timeout,
-        log_level=level,
+        log_level=ns.log_level,
         journal=Path(ns.journal) if ns.journal else None,
         host_reserve_gb=ns.host_reserve_gb,
         host_memory_gb=ns.host_memory_gb,

@@ -27,7 +27,7 @@ from timeslice_agent.backends import Backend, create_backend
 from timeslice_agent.config import AgentConfig, BackendKind, Discovery, Endpoint
 from timeslice_agent.devmem import MemoryCheck
 from timeslice_agent.discovery import Discovered, ProcessFinder
-from timeslice_agent.executor import DirectiveExecutor
+from timeslice_agent.executor import DirectiveExecutor, ExecutorSettings
 from timeslice_agent.hostmem import GB, HostMemory
 from timeslice_agent.http import HttpServer
 from timeslice_agent.jobs import JobState, Residency
@@ -162,20 +162,22 @@ class Agent:
             on_change=self._on_workers_changed, check=self._check_registration
         )
         self.executor = DirectiveExecutor(
-            node=config.node,
+            ExecutorSettings(
+                node=config.node,
+                state_file=config.state_file,
+                hook_timeout=config.hook_timeout,
+                host_memory=HostMemory(
+                    reserve_bytes=int(config.host_reserve_gb * GB),
+                    modelled_bytes=int(_modelled_host_gb(config) * GB),
+                ),
+            ),
             backend=self.backend,
             registry=self.registry,
             metrics=self.metrics,
             supervisor=self.supervisor,
-            state_file=config.state_file,
-            hook_timeout=config.hook_timeout,
             send_ack=self._send_ack,
             journal=DirectiveJournal(config.journal) if config.journal else None,
             tracer=tracer_for(self.tracing),
-            host_memory=HostMemory(
-                reserve_bytes=int(config.host_reserve_gb * GB),
-                modelled_bytes=int(_modelled_host_gb(config) * GB),
-            ),
             rescan=self._rescan,
         )
         self.link = OrchestratorLink(
@@ -190,8 +192,8 @@ class Agent:
             tls=config.tls,
         )
         self.executor.stalled = self.link.stalled
-        self.executor.on_unwritable = self.link.state_unwritable
-        self.executor.on_writable = self.link.state_writable
+        self.executor.durability.on_unwritable = self.link.state_unwritable
+        self.executor.durability.on_writable = self.link.state_writable
         self.devices: list[Device] = []
         self.memory: DeviceMemory | None = None
         self.finder: ProcessFinder | None = None

@@ -30,7 +30,7 @@ from typing import Any
 from timeslice.tasks import run_to_completion
 from timeslice_agent.jobs import Job, JobState, Residency
 from timeslice_agent.procs import ProcessIdentity
-from timeslice_proto.timeslice.v1 import AckStatus, DirectiveAck
+from timeslice_proto.timeslice.v1 import AckStatus, DirectiveAck, StaleCause
 from timeslice_proto.timeslice.v1 import JobState as ProtoJobState
 
 log = logging.getLogger(__name__)
@@ -128,6 +128,8 @@ def _ack_to_json(ack: DirectiveAck) -> dict[str, Any]:
         "emulated": ack.emulated,
         "started_at": ack.started_at,
         "finished_at": ack.finished_at,
+        # Which fence a STALE_EPOCH hit: a re-send answered after a restart says it again.
+        "stale_cause": ack.stale_cause.name,
     }
 
 
@@ -142,6 +144,9 @@ def _ack_from_json(raw: object) -> DirectiveAck:
     try:
         status = AckStatus[_expect(data["status"], str, "ack status")]
         job_state = ProtoJobState[_expect(data.get("job_state", "UNSPECIFIED"), str, "job_state")]
+        # Absent in files written before the cause was kept.
+        cause = _expect(data.get("stale_cause", "UNSPECIFIED"), str, "ack stale_cause")
+        stale_cause = StaleCause[cause]
     except KeyError as exc:
         raise CorruptStateFile(f"bad ack record: unknown or missing {exc}") from None
     return DirectiveAck(
@@ -158,6 +163,7 @@ def _ack_from_json(raw: object) -> DirectiveAck:
         emulated=_expect(data.get("emulated", False), bool, "ack emulated"),
         started_at=_number(data.get("started_at", 0.0), "ack started_at"),
         finished_at=_number(data.get("finished_at", 0.0), "ack finished_at"),
+        stale_cause=stale_cause,
     )
 
 

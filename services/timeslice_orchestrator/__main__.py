@@ -35,7 +35,7 @@ def main() -> None:
                 sys.exit(f"timeslice orchestrator: error: {exc.message}")
     gc.set_threshold(GC_YOUNG_THRESHOLD, 10, 10)
     logging.basicConfig(
-        level=logging.INFO,
+        level=config.log_level,
         format=f"%(asctime)s %(levelname)s [{config.replica_id}] %(name)s: %(message)s",
     )
     runner: object = asyncio.run

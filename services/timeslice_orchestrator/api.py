@@ -35,7 +35,9 @@ from timeslice_orchestrator.limits import Limits, Quotas
 from timeslice_orchestrator.locks import LockService, Progress
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.rpc import Call, encoded_off_loop, served
-from timeslice_orchestrator.store.cache import GroupView, Mirror, group_topic
+from timeslice_orchestrator.store.follower import Mirror
+from timeslice_orchestrator.store.keys import group_topic
+from timeslice_orchestrator.store.mirror import GroupView
 from timeslice_orchestrator.store.records import AgentRecord, hold_epoch
 from timeslice_orchestrator.visibility import Reach, Viewer
 from timeslice_proto.timeslice.v1 import (

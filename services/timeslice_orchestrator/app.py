@@ -46,18 +46,18 @@ from timeslice_orchestrator.group_metrics import GroupMetrics
 from timeslice_orchestrator.http import make_app
 from timeslice_orchestrator.hub import AgentHub
 from timeslice_orchestrator.limits import Quotas
+from timeslice_orchestrator.listener import TlsListener
 from timeslice_orchestrator.locks import LockService
 from timeslice_orchestrator.metrics import BatchMetrics, FeatureMetrics, Metrics
 from timeslice_orchestrator.operations import NodeOperationsService
 from timeslice_orchestrator.relay import DirectiveRouter
-from timeslice_orchestrator.store.cache import Mirror
 from timeslice_orchestrator.store.etcd import EtcdClient, LeaseKeeper, StoreUnavailable
+from timeslice_orchestrator.store.follower import Mirror
 from timeslice_orchestrator.store.groups import GroupStore
 from timeslice_orchestrator.store.handover import CURRENT_FEATURES
 from timeslice_orchestrator.store.idle import IdleStore
 from timeslice_orchestrator.store.keys import Keyspace
 from timeslice_orchestrator.store.relay import RelayStore
-from timeslice_orchestrator.tls import TlsListener
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -34,9 +34,10 @@ import time
 
 from timeslice_orchestrator.limits import Limits
 from timeslice_orchestrator.metrics import Metrics
-from timeslice_orchestrator.store.cache import GroupView, Mirror
 from timeslice_orchestrator.store.etcd import StoreUnavailable
+from timeslice_orchestrator.store.follower import Mirror
 from timeslice_orchestrator.store.idle import IdleStore
+from timeslice_orchestrator.store.mirror import GroupView
 from timeslice_orchestrator.store.records import CorruptRecord
 
 log = logging.getLogger(__name__)

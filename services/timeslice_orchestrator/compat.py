@@ -60,9 +60,10 @@ from timeslice_orchestrator.limits import Quotas
 from timeslice_orchestrator.locks import LockService, Progress
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.rpc import Call, encoded_off_loop, served
-from timeslice_orchestrator.store.cache import GroupView, Mirror
 from timeslice_orchestrator.store.etcd import StoreError
+from timeslice_orchestrator.store.follower import Mirror
 from timeslice_orchestrator.store.groups import GroupStore
+from timeslice_orchestrator.store.mirror import GroupView
 from timeslice_orchestrator.store.records import AgentRecord, HolderRecord, Stored, hold_epoch
 from timeslice_proto.timeslice_orchestrator.v1alpha1 import (
     AcquireRequest,

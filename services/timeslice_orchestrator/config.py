@@ -7,14 +7,13 @@ agent's options likewise as ``TIMESLICE_AGENT_SOME_NAME``); the command line win
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import socket
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from timeslice.argv import OneLineParser
+from timeslice._options import OptionGroup, ServiceOptions
 from timeslice.targets import HostPort, parse_address
 from timeslice.tls import TlsFiles
 from timeslice_orchestrator.dashboard import DashboardConfig
@@ -23,8 +22,6 @@ from timeslice_orchestrator.limits import Limits
 from timeslice_orchestrator.policy import Policy
 from timeslice_orchestrator.store.etcd import MemberProbe, parse_endpoints
 from timeslice_orchestrator.tls import ConnectionLimits
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,15 +71,17 @@ class OrchestratorConfig:
     """The deadline of each etcd call, in seconds."""
     etcd_probe: MemberProbe = field(default_factory=MemberProbe)
     """When an etcd member with calls waiting is asked whether it still serves them, and how
-    long it has to answer (store/etcd.py)."""
+    long it has to answer (store/etcd/members.py)."""
     dashboard: DashboardConfig = field(default_factory=DashboardConfig)
+    """Limits of the dashboard on the HTTP port (docs/dashboard.md)."""
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     """What one peer may hold on the gRPC port with TLS: pending handshakes, deadlines,
     connections per identity, idle connections (tls.py, docs/security.md)."""
-    """Limits of the dashboard on the HTTP port (docs/dashboard.md)."""
     compat_hold_ttl: int = 10
     """TTL of the implicit sessions of v1alpha1 (llm-d) clients: how long a hold outlives
     its client's connection at most (docs/migrating-from-llm-d.md)."""
+    log_level: str = "INFO"
+    """The least severe log records written (``--log-level``)."""
 
 
 ENV_PREFIX = "TIMESLICE_ORCHESTRATOR_"
@@ -91,201 +90,211 @@ ENV_PREFIX = "TIMESLICE_ORCHESTRATOR_"
 _LEGACY_PREFIX = "TIMESLICE_"
 
 
-def _env(name: str, default: str, *, legacy_name: bool = True) -> str:
-    value = os.environ.get(ENV_PREFIX + name)
-    if value is not None:
-        return value
-    if not legacy_name:
-        # Options newer than the scheme have no old name; TIMESLICE_TLS_* are the SDK's.
-        return default
-    legacy = os.environ.get(_LEGACY_PREFIX + name)
-    if legacy is not None:
-        log.warning("%s%s is deprecated: use %s%s", _LEGACY_PREFIX, name, ENV_PREFIX, name)
-        return legacy
-    return default
-
-
-def _env_flag(name: str, *, legacy_name: bool = True) -> bool:
-    value = _env(name, "false", legacy_name=legacy_name)
-    return value.strip().lower() in ("1", "true", "yes", "on")
-
-
-def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
-    p = OneLineParser(prog="timeslice orchestrator", description=__doc__)
-    p.add_argument("--listen", default=_env("LISTEN", "0.0.0.0:50051"), help="gRPC HOST:PORT")
-    p.add_argument(
+def build_parser(environ: Mapping[str, str] | None = None) -> ServiceOptions:
+    """The orchestrator's options, in one group per concern; defaults from ``environ``."""
+    o = ServiceOptions(
+        "timeslice orchestrator",
+        "One orchestrator replica of timeslice (run several on one etcd).",
+        ENV_PREFIX,
+        os.environ if environ is None else environ,
+        legacy_prefix=_LEGACY_PREFIX,
+    )
+    # Options older than the one naming scheme also read TIMESLICE_<OPTION> (legacy_env).
+    listen = o.group("listen", "where this replica serves")
+    listen.option("--listen", "0.0.0.0:50051", "gRPC HOST:PORT", legacy_env=True)
+    listen.option(
         "--http",
-        default=_env("HTTP", "0.0.0.0:8080"),
-        help="health, metrics and dashboard HOST:PORT (plaintext, unauthenticated: bind it to "
-        "a trusted network)",
+        "0.0.0.0:8080",
+        "health, metrics and dashboard HOST:PORT (plaintext, unauthenticated: bind it to a "
+        "trusted network)",
+        legacy_env=True,
     )
-    p.add_argument(
-        "--dashboard-max-streams",
-        type=int,
-        default=_env("DASHBOARD_MAX_STREAMS", "256", legacy_name=False),
-        help="dashboard event streams open at once; more get 503 (0: the page cannot stream)",
-    )
-    p.add_argument(
-        "--dashboard-stuck-seconds",
-        type=float,
-        default=_env("DASHBOARD_STUCK_SECONDS", "10", legacy_name=False),
-        help="a dashboard stream whose write takes longer (its browser stopped reading) is dropped",
-    )
-    p.add_argument(
-        "--etcd",
-        default=_env("ETCD", "127.0.0.1:2379"),
-        help="comma-separated etcd HOST:PORT endpoints",
-    )
-    p.add_argument(
-        "--prefix",
-        default=_env("PREFIX", "/timeslice/default"),
-        help="etcd key prefix of this deployment",
-    )
-    p.add_argument(
+    listen.option(
         "--replica-id",
-        default=_env("REPLICA_ID", ""),
-        help="unique name of this replica (default: host-random)",
+        "",
+        "unique name of this replica (default: host-random)",
+        legacy_env=True,
     )
-    p.add_argument(
-        "--session-ttl",
-        type=int,
-        default=_env("SESSION_TTL", "10"),
-        help="default client session lease TTL, seconds",
+    listen.log_level()
+
+    etcd = o.group("etcd", "where the deployment's state lives (docs/operations.md)")
+    etcd.option(
+        "--etcd", "127.0.0.1:2379", "comma-separated etcd HOST:PORT endpoints", legacy_env=True
     )
-    p.add_argument(
-        "--start-timeout",
-        type=float,
-        default=_env("START_TIMEOUT", "30", legacy_name=False),
-        help="seconds start-up waits for etcd before giving up (default 30)",
+    etcd.option(
+        "--prefix", "/timeslice/default", "etcd key prefix of this deployment", legacy_env=True
     )
-    p.add_argument(
-        "--etcd-timeout",
-        type=float,
-        default=_env("ETCD_TIMEOUT", "5", legacy_name=False),
-        help="deadline of each etcd call, seconds (default 5)",
+    etcd.option(
+        "--start-timeout", "30", "how long start-up waits for etcd before giving up", type=float
     )
-    p.add_argument(
+    etcd.option("--etcd-timeout", "5", "deadline of each etcd call", type=float)
+    etcd.option(
         "--etcd-probe-after",
-        type=float,
-        default=_env("ETCD_PROBE_AFTER", "0.5", legacy_name=False),
-        help="an etcd call unanswered this long has its member asked for its status; a member "
+        "0.5",
+        "an etcd call unanswered this long has its member asked for its status; a member "
         "that does not answer, or has lost its leader, is left and its calls end at once "
-        "(seconds, default 0.5; 0: off, calls wait for their deadline)",
+        "(0: off, calls wait for their deadline)",
+        type=float,
     )
-    p.add_argument(
+    etcd.option(
         "--etcd-probe-timeout",
+        "0.5",
+        "how long an etcd member has to answer that probe",
         type=float,
-        default=_env("ETCD_PROBE_TIMEOUT", "0.5", legacy_name=False),
-        help="seconds an etcd member has to answer that status probe (default 0.5)",
     )
-    p.add_argument(
-        "--compat-hold-ttl",
-        type=int,
-        default=_env("COMPAT_HOLD_TTL", "10", legacy_name=False),
-        help="v1alpha1 (llm-d) clients: a hold lapses at most this many seconds after its "
-        "client's connection closes",
+
+    timing = o.group("timing", "leases and deadlines")
+    timing.option(
+        "--session-ttl", "10", "default client session lease TTL", type=int, legacy_env=True
     )
-    p.add_argument(
+    timing.option(
         "--replica-ttl",
+        "5",
+        "this replica's lease TTL: how fast others take over its groups",
         type=int,
-        default=_env("REPLICA_TTL", "5"),
-        help="this replica's lease TTL: how fast others take over its groups",
+        legacy_env=True,
     )
-    p.add_argument(
+    timing.option(
         "--agent-ttl",
+        "10",
+        "how long a node stays in its groups after its agent's stream drops",
         type=int,
-        default=_env("AGENT_TTL", "10"),
-        help="how long a node stays in its groups after its agent's stream drops, seconds",
+        legacy_env=True,
     )
-    p.add_argument(
+    timing.option(
         "--directive-timeout",
+        "30",
+        "deadline of one checkpoint/restore directive on a node",
         type=float,
-        default=_env("DIRECTIVE_TIMEOUT", "30"),
-        help="deadline of one checkpoint/restore directive on a node, seconds",
+        legacy_env=True,
     )
-    p.add_argument(
+    timing.option(
         "--agent-liveness-timeout",
+        "4",
+        "an agent silent this long (no heartbeat) is fenced out of its groups; 0 turns "
+        "heartbeats off (then only a missed directive deadline fences a node)",
         type=float,
-        default=_env("AGENT_LIVENESS_TIMEOUT", "4"),
-        help="an agent silent this long (no heartbeat) is fenced out of its groups, seconds; "
-        "0 turns heartbeats off (then only a missed directive deadline fences a node)",
+        legacy_env=True,
     )
-    p.add_argument(
-        "--co-residency",
-        action=argparse.BooleanOptionalAction,
-        default=_env_flag("CO_RESIDENCY"),
-        help="keep an idle job's state on the devices while the next job fits next to it "
-        "(needs honest state_bytes that include each job's peak working memory)",
+    timing.option(
+        "--compat-hold-ttl",
+        "10",
+        "v1alpha1 (llm-d) clients: a hold lapses at most this long after its client's "
+        "connection closes",
+        type=int,
     )
-    p.add_argument(
-        "--prefetch",
-        action=argparse.BooleanOptionalAction,
-        default=_env_flag("PREFETCH"),
-        help="restore the next waiter's state while the holder still runs, when it fits "
-        "beside it (device capacity reported by the agents)",
-    )
-    p.add_argument(
+
+    scheduling = o.group("scheduling", "which waiter a group serves, and when")
+    scheduling.option(
         "--policy",
+        "fifo",
+        "which waiter a group serves next",
         choices=[x.value for x in Policy],
-        default=_env("POLICY", "fifo"),
-        help="which waiter a group serves next",
+        legacy_env=True,
     )
-    p.add_argument(
+    scheduling.option(
         "--max-hold",
-        type=float,
-        default=_env("MAX_HOLD", "0"),
-        help="seconds after which a holder is asked (co-operatively) to yield when others "
+        "0",
+        "how long a holder holds before it is asked (co-operatively) to yield when others "
         "wait; 0 = never",
+        type=float,
+        legacy_env=True,
     )
-    p.add_argument(
-        "--operator-token-file",
-        default=_env("OPERATOR_TOKEN_FILE", ""),
-        help="file with the operator token: SetGroupMembers and the operator yield need it "
-        "as gRPC metadata 'authorization: Bearer <token>', or an operator certificate",
+    scheduling.switch(
+        "--co-residency",
+        "keep an idle job's state on the devices while the next job fits next to it "
+        "(needs honest state_bytes that include each job's peak working memory)",
+        negatable=True,
+        legacy_env=True,
     )
-    tls = p.add_argument_group(
-        "TLS", "certificates are PEM files, reloaded when they change (new connections use them)"
+    scheduling.switch(
+        "--prefetch",
+        "restore the next waiter's state while the holder still runs, when it fits beside it "
+        "(device capacity reported by the agents)",
+        negatable=True,
+        legacy_env=True,
     )
-    for flag, name, what in (
-        ("--tls-cert", "TLS_CERT", "this replica's server certificate (chain)"),
-        ("--tls-key", "TLS_KEY", "its private key"),
-        ("--tls-ca", "TLS_CA", "the CA that signs clients' and agents' certificates"),
-        ("--etcd-ca", "ETCD_CA", "the CA of etcd's server certificate (turns etcd TLS on)"),
-        ("--etcd-cert", "ETCD_CERT", "our client certificate towards etcd (its CN: the user)"),
-        ("--etcd-key", "ETCD_KEY", "its private key"),
+
+    _add_quotas(o.group("limits", "quotas; past one a call is refused with RESOURCE_EXHAUSTED"),
+                _LIMIT_OPTIONS)  # fmt: skip
+    _add_quotas(
+        o.group("admission", "token buckets per client, before any call reaches etcd"),
+        _ADMISSION_OPTIONS,
+    )
+    _add_connection_limits(
+        o.group("connections", "what one peer may hold on the gRPC port with TLS (tls.py)")
+    )
+
+    tls = o.group(
+        "TLS and operators",
+        "certificates are PEM files, reloaded when they change (new connections use them)",
+    )
+    for flag, what in (
+        ("--tls-cert", "this replica's server certificate (chain)"),
+        ("--tls-key", "its private key"),
+        ("--tls-ca", "the CA that signs clients' and agents' certificates"),
+        ("--etcd-ca", "the CA of etcd's server certificate (turns etcd TLS on)"),
+        ("--etcd-cert", "our client certificate towards etcd (its CN: the user)"),
+        ("--etcd-key", "its private key"),
     ):
-        tls.add_argument(flag, default=_env(name, "", legacy_name=False) or None, help=what)
-    tls.add_argument(
+        tls.option(flag, None, what, metavar="PATH")
+    tls.option(
         "--tls-job-identity",
+        "uri",
+        "where a job's client certificate names its job: SAN URI timeslice://job/<id>, the "
+        "first DNS SAN, or the subject CN",
         choices=[x.value for x in JobSource],
-        default=_env("TLS_JOB_IDENTITY", "uri", legacy_name=False),
-        help="where a job's client certificate names its job: SAN URI timeslice://job/<id>, "
-        "the first DNS SAN, or the subject CN",
     )
-    tls.add_argument(
+    tls.option(
         "--tls-operator-ou",
-        default=_env("TLS_OPERATOR_OU", "", legacy_name=False),
-        metavar="OU",
-        help="make a client certificate with this subject OU an operator (besides SAN URI "
+        "",
+        "make a client certificate with this subject OU an operator (besides SAN URI "
         "timeslice://operator); off unless given: whoever may issue a job certificate with "
         "that OU would otherwise issue an operator",
+        metavar="OU",
     )
-    tls.add_argument(
+    tls.option(
         "--tls-reserved-names",
-        default=_env("TLS_RESERVED_NAMES", "", legacy_name=False),
+        "",
+        "etcd users besides root and timeslice (always reserved): a client certificate whose "
+        "CN, job or node is one of them is refused every call",
         metavar="NAME[,NAME]",
-        help="etcd users besides root and timeslice (always reserved): a client certificate "
-        "whose CN, job or node is one of them is refused every call",
     )
-    tls.add_argument(
+    tls.option(
+        "--operator-token-file",
+        "",
+        "file with the operator token: SetGroupMembers and the operator yield need it as "
+        "gRPC metadata 'authorization: Bearer <token>', or an operator certificate",
+        metavar="PATH",
+        legacy_env=True,
+    )
+    tls.switch(
         "--insecure",
-        action="store_true",
-        default=_env_flag("INSECURE", legacy_name=False),
-        help="allow plaintext where no certificate is given (gRPC port, etcd): development only",
+        "allow plaintext where no certificate is given (gRPC port, etcd): development only",
     )
-    _add_connection_limits(p)
-    _add_limits(p)
-    a = p.parse_args(argv)
+
+    dashboard = o.group("dashboard", "the page on the HTTP port (docs/dashboard.md)")
+    dashboard.option(
+        "--dashboard-max-streams",
+        "256",
+        "dashboard event streams open at once; more get 503 (0: the page cannot stream)",
+        type=int,
+    )
+    dashboard.option(
+        "--dashboard-stuck-seconds",
+        "10",
+        "a dashboard stream whose write takes longer (its browser stopped reading) is dropped",
+        type=float,
+    )
+    return o
+
+
+def parse_args(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> OrchestratorConfig:
+    """Parse and validate the options; exits with status 2 and one line on bad input."""
+    p = build_parser(environ)
+    a = p.parse(argv)
     try:
         listen, http = Address.parse(a.listen), Address.parse(a.http)
     except ValueError as exc:
@@ -317,6 +326,8 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         )
     if a.agent_liveness_timeout < 0 or a.agent_liveness_timeout > 3600:
         p.error("--agent-liveness-timeout must be between 0 and 3600 seconds")
+    for name in ("tls_cert", "tls_key", "tls_ca", "etcd_ca", "etcd_cert", "etcd_key"):
+        setattr(a, name, getattr(a, name) or None)  # an empty variable gives no file
     try:
         server_tls = (
             None if a.tls_cert is None and a.tls_key is None and a.tls_ca is None
@@ -370,6 +381,7 @@ def parse_args(argv: Sequence[str] | None = None) -> OrchestratorConfig:
         etcd_probe=etcd_probe,
         dashboard=dashboard,
         connections=_connection_limits(p, a),
+        log_level=a.log_level,
     )
 
 
@@ -412,22 +424,20 @@ _CONNECTION_OPTIONS: tuple[tuple[str, str, type, str], ...] = (
 )
 
 
-def _add_connection_limits(p: argparse.ArgumentParser) -> None:
+def _add_connection_limits(group: OptionGroup) -> None:
     defaults = ConnectionLimits()
-    group = p.add_argument_group("connections", "limits on the gRPC port's connections (TLS)")
     for flag, name, kind, text in _CONNECTION_OPTIONS:
-        group.add_argument(
+        group.option(
             "--" + flag,
+            str(getattr(defaults, name)),
+            text,
             dest="conn_" + name,
             type=kind,
-            default=_env(
-                flag.upper().replace("-", "_"), str(getattr(defaults, name)), legacy_name=False
-            ),
-            help=text,
+            metavar=flag.upper().replace("-", "_"),
         )
 
 
-def _connection_limits(p: argparse.ArgumentParser, a: argparse.Namespace) -> ConnectionLimits:
+def _connection_limits(p: ServiceOptions, a: argparse.Namespace) -> ConnectionLimits:
     try:
         return ConnectionLimits(
             **{name: getattr(a, "conn_" + name) for _, name, _, _ in _CONNECTION_OPTIONS}
@@ -454,8 +464,11 @@ _LIMIT_OPTIONS: tuple[tuple[str, type, str], ...] = (
     ("max_id_length", int, "longest job, group or node id accepted (at most 253)"),
     ("max_members", int, "nodes an operator may pin to one group"),
     ("max_message_bytes", int, "largest gRPC message accepted, in bytes"),
-    ("idle_group_ttl", float, "seconds a group stays idle before it is removed; 0 = never"),
+    ("idle_group_ttl", float, "how long a group stays idle before it is removed; 0 = never"),
     ("cleanup_batch", int, "groups one clean-up pass removes at most"),
+)
+# Admission control (admission.py), also Limits fields.
+_ADMISSION_OPTIONS: tuple[tuple[str, type, str], ...] = (
     (
         "client_rate",
         float,
@@ -465,23 +478,21 @@ _LIMIT_OPTIONS: tuple[tuple[str, type, str], ...] = (
     ),
     ("client_burst", int, "tokens a client may spend at once"),
     ("client_max_waiting", int, "calls of one client that may wait for tokens"),
-    ("client_max_wait", float, "seconds a call may wait for tokens before it is refused"),
+    ("client_max_wait", float, "how long a call may wait for tokens before it is refused"),
 )
 
 
-def _add_limits(p: argparse.ArgumentParser) -> None:
+def _add_quotas(group: OptionGroup, options: tuple[tuple[str, type, str], ...]) -> None:
     defaults = Limits()
-    for name, kind, text in _LIMIT_OPTIONS:
-        p.add_argument(
-            "--" + name.replace("_", "-"),
-            type=kind,
-            default=_env(name.upper(), str(getattr(defaults, name))),
-            help=text,
-        )
+    for name, kind, text in options:
+        flag = "--" + name.replace("_", "-")
+        group.option(flag, str(getattr(defaults, name)), text, type=kind, legacy_env=True)
 
 
-def _limits(p: argparse.ArgumentParser, a: argparse.Namespace) -> Limits:
+def _limits(p: ServiceOptions, a: argparse.Namespace) -> Limits:
     try:
-        return Limits(**{name: getattr(a, name) for name, _, _ in _LIMIT_OPTIONS})
+        return Limits(
+            **{name: getattr(a, name) for name, _, _ in _LIMIT_OPTIONS + _ADMISSION_OPTIONS}
+        )
     except ValueError as exc:
         p.error(str(exc))

@@ -39,7 +39,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from timeslice_orchestrator.holds import HoldTracker
-from timeslice_orchestrator.store.cache import GroupView, RelayPost
+from timeslice_orchestrator.store.mirror import GroupView, RelayPost
 from timeslice_orchestrator.store.records import (
     AgentRecord,
     CorruptRecord,
@@ -74,7 +74,7 @@ _GROUP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,252}")
 
 
 class MirrorView(Protocol):
-    """What the dashboard reads of the replica's :class:`~.store.cache.Mirror`."""
+    """What the dashboard reads of the replica's :class:`~.store.follower.Mirror`."""
 
     revision: int
 

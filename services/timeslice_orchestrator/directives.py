@@ -21,13 +21,16 @@ from timeslice.tracing import carrier_of
 from timeslice_orchestrator.hub import AgentFenced, AgentGone, AgentTimeout, AgentUnavailable
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.relay import DirectiveRouter
-from timeslice_orchestrator.store.cache import Mirror
 from timeslice_orchestrator.store.etcd import StoreUnavailable
+from timeslice_orchestrator.store.follower import Mirror
 from timeslice_orchestrator.store.records import NodeStep, Stored, SwitchRecord
-from timeslice_proto.timeslice.v1 import AckStatus, Directive, DirectiveAck, DirectiveKind
-
-# How an agent words a refusal below its fence revision (timeslice_agent.executor).
-FENCE_REFUSAL = "this node was fenced out at revision"
+from timeslice_proto.timeslice.v1 import (
+    AckStatus,
+    Directive,
+    DirectiveAck,
+    DirectiveKind,
+    StaleCause,
+)
 
 # Purposes whose directive acts on the step's evicted job (the others act on the restored one).
 _ON_EVICTED = ("evict", "rollback")
@@ -210,9 +213,10 @@ class DirectiveSender:
         self._observe(node, label, time.monotonic() - started, ack)
         ok = ack.status == AckStatus.OK
         error = "" if ok else f"{ack.status.name.lower()}: {ack.error}"
-        if ack.status == AckStatus.STALE_EPOCH and FENCE_REFUSAL in ack.error:
+        if ack.status == AckStatus.STALE_EPOCH and ack.stale_cause == StaleCause.NODE_FENCED:
             # The node was fenced out since this switch began (by another replica, say):
-            # nothing of this switch may act there; go on without it.
+            # nothing of this switch may act there; go on without it. Read from the typed
+            # cause only: the error text is for people and may be worded any way.
             return NodeResult(node, False, error, 0, ack.elapsed_seconds, gone=True, fenced=True)
         moved = ok and (ack.moved or ack.bytes_moved > 0)
         refused = ack.status == AckStatus.REFUSED

@@ -74,21 +74,17 @@ from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.policy import Policy, order
 from timeslice_orchestrator.relay import DirectiveRouter
 from timeslice_orchestrator.retries import Retry, RetryLedger
-from timeslice_orchestrator.store.cache import (
-    AGENTS_TOPIC,
-    MIRROR_LAG_TIMEOUT,
-    GroupView,
-    Mirror,
-    QueuedJob,
-)
 from timeslice_orchestrator.store.etcd import StoreUnavailable
+from timeslice_orchestrator.store.follower import MIRROR_LAG_TIMEOUT, Mirror
 from timeslice_orchestrator.store.groups import Authority, Fault, Grant, GroupStore, new_switch_id
+from timeslice_orchestrator.store.mirror import AGENTS_TOPIC, GroupView
 from timeslice_orchestrator.store.records import (
     AgentRecord,
     NodeStep,
     OperationKind,
     OperationRecord,
     OperationState,
+    QueuedJob,
     ResidentRecord,
     Stored,
     SwitchPhase,

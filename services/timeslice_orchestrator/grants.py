@@ -19,8 +19,13 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 
-from timeslice_orchestrator.store.cache import GroupView, QueuedJob
-from timeslice_orchestrator.store.records import AgentRecord, HolderRecord, ResidentRecord
+from timeslice_orchestrator.store.mirror import GroupView
+from timeslice_orchestrator.store.records import (
+    AgentRecord,
+    HolderRecord,
+    QueuedJob,
+    ResidentRecord,
+)
 from timeslice_orchestrator.switch_plan import stranded
 
 

@@ -21,7 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from timeslice_orchestrator.holds import HoldTracker
-from timeslice_orchestrator.store.cache import Mirror
+from timeslice_orchestrator.store.follower import Mirror
 
 DEFAULT_MAX_GROUPS = 1000
 _GROUP_PREFIX = "group:"

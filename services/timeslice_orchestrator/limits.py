@@ -31,7 +31,7 @@ from timeslice.ids import MAX_ID_LENGTH, validate_group_id, validate_job_id, val
 from timeslice.wire import DEFAULT_MAX_MESSAGE_BYTES
 
 if TYPE_CHECKING:
-    from timeslice_orchestrator.store.cache import Mirror
+    from timeslice_orchestrator.store.follower import Mirror
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,8 +41,8 @@ from timeslice_orchestrator.grants import (
 )
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.policy import Policy, order
-from timeslice_orchestrator.store.cache import MIRROR_LAG_TIMEOUT, GroupView, Mirror, group_topic
 from timeslice_orchestrator.store.etcd import StoreUnavailable
+from timeslice_orchestrator.store.follower import MIRROR_LAG_TIMEOUT, Mirror
 from timeslice_orchestrator.store.groups import (
     Enqueued,
     EnqueueRequest,
@@ -52,6 +52,8 @@ from timeslice_orchestrator.store.groups import (
     Hold,
     lease_of,
 )
+from timeslice_orchestrator.store.keys import group_topic
+from timeslice_orchestrator.store.mirror import GroupView
 from timeslice_orchestrator.store.records import Hint, SessionRecord, Stored, hold_epoch
 
 log = logging.getLogger(__name__)

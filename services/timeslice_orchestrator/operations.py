@@ -34,7 +34,7 @@ from timeslice.ids import validate_group_id, validate_job_id, validate_node
 from timeslice_orchestrator import identity
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.rpc import Call, served
-from timeslice_orchestrator.store.cache import MIRROR_LAG_TIMEOUT, Mirror
+from timeslice_orchestrator.store.follower import MIRROR_LAG_TIMEOUT, Mirror
 from timeslice_orchestrator.store.groups import GroupStore, new_operation_id, operation_id_for
 from timeslice_orchestrator.store.records import (
     OperationKind,

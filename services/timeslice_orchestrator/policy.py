@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import enum
 
-from timeslice_orchestrator.store.cache import GroupView, QueuedJob
+from timeslice_orchestrator.store.mirror import GroupView
+from timeslice_orchestrator.store.records import QueuedJob
 
 
 class Policy(enum.Enum):

@@ -18,8 +18,9 @@ import logging
 
 from timeslice.backoff import Backoff
 from timeslice_orchestrator.hub import AgentGone, AgentHub, AgentTimeout, AgentUnavailable
-from timeslice_orchestrator.store.cache import RELAY_TOPIC, Mirror
 from timeslice_orchestrator.store.etcd import StoreUnavailable
+from timeslice_orchestrator.store.follower import Mirror
+from timeslice_orchestrator.store.mirror import RELAY_TOPIC
 from timeslice_orchestrator.store.records import RelayRecord
 from timeslice_orchestrator.store.relay import RelayStore
 from timeslice_proto.timeslice.v1 import Directive, DirectiveAck

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from timeslice_orchestrator.store.cache import GroupView
+from timeslice_orchestrator.store.mirror import GroupView
 from timeslice_orchestrator.store.records import (
     AgentRecord,
     NodeStep,

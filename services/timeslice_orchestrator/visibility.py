@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from timeslice.errors import NotFound, PermissionDenied
 from timeslice_orchestrator.identity import Identity
-from timeslice_orchestrator.store.cache import GroupView
+from timeslice_orchestrator.store.mirror import GroupView
 from timeslice_orchestrator.store.records import AgentRecord
 from timeslice_proto.timeslice.v1 import (
     FaultedJob,

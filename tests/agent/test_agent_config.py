@@ -10,9 +10,11 @@ from timeslice_agent.config import GB, BackendKind, Endpoint, parse_config, pars
 
 
 def test_defaults_and_derived_paths() -> None:
-    cfg = parse_config(["--orchestrator", "a:1,[::1]:2", "--node", "n1", "--insecure"], environ={})
+    argv = ["--orchestrator", "a:1,[::1]:2", "--node", "n1", "--backend", "sim", "--insecure"]
+    cfg = parse_config(argv, environ={})
     assert cfg.orchestrators == (Endpoint("a", 1), Endpoint("::1", 2))
     assert cfg.backend is BackendKind.SIM
+    assert cfg.log_level == "INFO"
     assert cfg.worker_socket == Path("/run/timeslice/agent.sock")
     assert cfg.state_file == Path("/run/timeslice/agent-n1.json")
     assert cfg.http is None
@@ -43,30 +45,56 @@ def test_environment_variables_and_command_line_precedence() -> None:
     assert cfg.hook_timeout == 5.0
 
 
+OK = ["--orchestrator", "h:1", "--backend", "sim", "--insecure"]
+
+
 @pytest.mark.parametrize(
-    "argv",
+    ("argv", "needle"),
     [
-        [],
-        ["--orchestrator", "nohostport"],
-        ["--orchestrator", "h:0"],
-        ["--orchestrator", "h:1", "--node", "../etc"],
-        ["--orchestrator", "h:1", "--backend", "cuda-magic"],
-        ["--orchestrator", "h:1", "--sim-capacity-gb", "0"],
-        ["--orchestrator", "h:1", "--sim-time-scale", "-1"],
-        ["--orchestrator", "h:1", "--hook-timeout", "nan"],
-        ["--orchestrator", "h:1", "--http", "h:99999"],
+        ([], "--orchestrator"),
+        (["--orchestrator", "nohostport", "--backend", "sim"], "nohostport"),
+        (["--orchestrator", "h:0", "--backend", "sim"], "h:0"),
+        ([*OK, "--node", "../etc"], "../etc"),
+        (["--orchestrator", "h:1", "--backend", "cuda-magic"], "cuda-magic"),
+        ([*OK, "--sim-capacity-gb", "0"], "--sim-capacity-gb"),
+        ([*OK, "--sim-time-scale", "-1"], "--sim-time-scale"),
+        ([*OK, "--hook-timeout", "nan"], "--hook-timeout"),
+        ([*OK, "--http", "h:99999"], "h:99999"),
+        ([*OK, "--log-level", "chatty"], "--log-level 'chatty' is not one of DEBUG, INFO"),
+        (["--orchestrator", "h:1", "--insecure"], "--backend"),
     ],
 )
-def test_bad_options_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_options_exit_2(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as info:
         parse_config(argv, environ={})
     assert info.value.code == 2
-    assert capsys.readouterr().err.strip()
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_no_backend_is_refused_naming_the_choices(capsys: pytest.CaptureFixture[str]) -> None:
+    # No default: a GPU node started without --backend must not silently emulate.
+    with pytest.raises(SystemExit) as info:
+        parse_config(["--orchestrator", "h:1", "--insecure"], environ={})
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("timeslice agent: error: --backend (or TIMESLICE_AGENT_BACKEND) is")
+    assert all(kind.value in err for kind in BackendKind), err
+    env = {"TIMESLICE_AGENT_BACKEND": "cuda"}
+    assert parse_config(["--orchestrator", "h:1", "--insecure"], env).backend is BackendKind.CUDA
+
+
+def test_log_level_any_case_from_flag_or_environment() -> None:
+    assert parse_config([*OK, "--log-level", "debug"], environ={}).log_level == "DEBUG"
+    env = {"TIMESLICE_AGENT_LOG_LEVEL": "warning"}
+    assert parse_config(OK, environ=env).log_level == "WARNING"
 
 
 def test_bad_environment_value_is_reported() -> None:
     with pytest.raises(SystemExit):
-        parse_config(["--orchestrator", "h:1"], environ={"TIMESLICE_AGENT_SIM_BANDWIDTH_GBPS": "x"})
+        parse_config(OK, environ={"TIMESLICE_AGENT_SIM_BANDWIDTH_GBPS": "x"})
 
 
 def test_parse_endpoint_port_zero_only_when_allowed() -> None:

@@ -19,7 +19,7 @@ from timeslice.errors import InvalidArgument
 from timeslice_agent.backends import Backend, SimBackend
 from timeslice_agent.backends.base import JobContext, Transfer
 from timeslice_agent.config import GB, SimSettings
-from timeslice_agent.executor import DirectiveExecutor
+from timeslice_agent.executor import DirectiveExecutor, ExecutorSettings
 from timeslice_agent.jobs import Job, JobState, Residency
 from timeslice_agent.metrics import AgentMetrics
 from timeslice_agent.statefile import AgentState, StateStore, StateWriteError, load_state
@@ -32,6 +32,7 @@ from timeslice_proto.timeslice.v1 import (
     DirectiveAck,
     DirectiveKind,
     HookKind,
+    StaleCause,
     WorkerInfo,
 )
 from timeslice_proto.timeslice.v1 import JobState as ProtoJobState
@@ -70,13 +71,11 @@ class Rig:
             check=lambda info: self.executor.check_registration(info),
         )
         self.executor = DirectiveExecutor(
-            node="n1",
+            ExecutorSettings(node="n1", state_file=self.state_file, hook_timeout=0.5),
             backend=self.backend,
             registry=self.registry,
             metrics=self.metrics,
             supervisor=self.supervisor,
-            state_file=self.state_file,
-            hook_timeout=0.5,
             send_ack=self.acks.put_nowait,
             rescan=rescan,
         )
@@ -173,9 +172,11 @@ async def test_fencing_refuses_older_epochs_and_accepts_equal(rig: Rig) -> None:
     stale = await rig.run("d2", REST, "j1", 4)
     assert stale.status == AckStatus.STALE_EPOCH
     assert "stale epoch 4" in stale.error and "epoch 5" in stale.error
+    assert stale.stale_cause == StaleCause.GROUP_EPOCH  # the group's own fence, not the node's
     assert stale.job_state == ProtoJobState.SAVED  # nothing happened
     assert rig.count("timeslice_agent_directives_refused_total", reason="stale_epoch") == 1
-    assert (await rig.run("d3", REST, "j1", 5)).status == AckStatus.OK
+    accepted = await rig.run("d3", REST, "j1", 5)
+    assert accepted.status == AckStatus.OK and accepted.stale_cause == StaleCause.UNSPECIFIED
     # Epochs are per group: another group starts from scratch.
     rig.worker("k1", group="g2", gb=0.01)
     assert (await rig.run("d4", CKPT, "k1", 1, group="g2")).status == AckStatus.OK
@@ -440,9 +441,12 @@ async def test_fence_revision_refuses_older_epochs_of_every_group_and_persists(
     stale = await first.run("d2", REST, "j1", 9)
     assert stale.status == AckStatus.STALE_EPOCH
     assert "fenced out at revision 10" in stale.error
+    # The orchestrator reads this, not the text: the switch goes on without this node.
+    assert stale.stale_cause == StaleCause.NODE_FENCED
     assert stale.job_state == ProtoJobState.SAVED
     other = await first.run("d3", CKPT, "k1", 8, group="g2")
     assert other.status == AckStatus.STALE_EPOCH
+    assert other.stale_cause == StaleCause.NODE_FENCED
     assert first.executor.jobs["k1"].state is JobState.IDLE
     # Above it: accepted.
     assert (await first.run("d4", REST, "j1", 11)).status == AckStatus.OK
@@ -452,7 +456,11 @@ async def test_fence_revision_refuses_older_epochs_of_every_group_and_persists(
     await second.executor.adopt(load_state(first.state_file, "n1"))
     assert second.executor.fence_revision == 10
     second.worker("k1", group="g2", gb=0.01)
-    assert (await second.run("d5", CKPT, "k1", 9, group="g2")).status == AckStatus.STALE_EPOCH
+    after = await second.run("d5", CKPT, "k1", 9, group="g2")
+    assert after.status == AckStatus.STALE_EPOCH and after.stale_cause == StaleCause.NODE_FENCED
+    # A re-send of a fenced refusal after the restart is answered from the state file, cause
+    # and all.
+    assert (await second.run("d2", REST, "j1", 9)).stale_cause == StaleCause.NODE_FENCED
     await second.close()
 
 
@@ -526,7 +534,7 @@ async def fill_disk(rig: Rig, good: int, bad: int | None) -> FillingDisk:
         await asyncio.wait(pending)
     assert await rig.executor.persist()
     disk = FillingDisk(rig.state_file, rig.executor.snapshot, good, bad)
-    rig.executor.store = disk
+    rig.executor.durability.store = disk
     return disk
 
 
@@ -536,8 +544,9 @@ class DiskWatch:
     def __init__(self, rig: Rig) -> None:
         self.events: list[str] = []
         self.writable = asyncio.Event()
-        rig.executor.on_unwritable = lambda reason: self.events.append(f"unwritable: {reason}")
-        rig.executor.on_writable = self._writable
+        durability = rig.executor.durability
+        durability.on_unwritable = lambda reason: self.events.append(f"unwritable: {reason}")
+        durability.on_writable = self._writable
 
     def _writable(self) -> None:
         self.events.append("writable")
@@ -695,7 +704,7 @@ async def test_a_process_whose_environment_cannot_be_read_is_refused_within_the_
         unblock.wait(10)  # a read of /proc/<pid>/environ blocked on the process's mmap lock
         return []
 
-    monkeypatch.setattr("timeslice_agent.executor.foreign_pids", stuck_read)
+    monkeypatch.setattr("timeslice_agent.procedures.foreign_pids", stuck_read)
     try:
         rig.worker("j1", gb=1.0)
         rig.send("d1", CKPT, "j1", 5, deadline_ms=500)
@@ -760,7 +769,7 @@ async def test_host_admission_does_not_ask_again_for_a_kept_host_copy(rig: Rig) 
     another job asks."""
     from timeslice_agent.hostmem import HostMemory
 
-    rig.executor._host_memory = HostMemory(reserve_bytes=0, modelled_bytes=int(1.5 * GB))
+    rig.executor.parts.host_memory = HostMemory(reserve_bytes=0, modelled_bytes=int(1.5 * GB))
     keeper = rig.worker("j1", gb=1.0, app_callbacks=True)
     other = rig.worker("j2", group="g2", gb=1.0)
     hook = asyncio.create_task(
@@ -777,10 +786,10 @@ async def test_host_admission_does_not_ask_again_for_a_kept_host_copy(rig: Rig) 
     refused = await rig.run("d3", CKPT, "j2", 1, group="g2")
     assert refused.status == AckStatus.REFUSED and "host memory admission" in refused.error
     assert other.commands.empty()
-    rig.executor._host_memory = HostMemory(reserve_bytes=0, modelled_bytes=int(2.5 * GB))
+    rig.executor.parts.host_memory = HostMemory(reserve_bytes=0, modelled_bytes=int(2.5 * GB))
     assert (await rig.run("d4", CKPT, "j2", 2, group="g2")).status == AckStatus.OK
     # j2 parked (1 GB), 0.8 GB left: j1's 1 GB fits only because it fills the copy it keeps.
-    rig.executor._host_memory = HostMemory(reserve_bytes=0, modelled_bytes=int(1.8 * GB))
+    rig.executor.parts.host_memory = HostMemory(reserve_bytes=0, modelled_bytes=int(1.8 * GB))
     hook = asyncio.create_task(
         _answer_with(keeper, rig, HookKind.BEFORE_CHECKPOINT, "j1", bytes_moved=GB)
     )

@@ -22,7 +22,7 @@ from timeslice_agent.statefile import (
     load_state,
     write_atomic,
 )
-from timeslice_proto.timeslice.v1 import AckStatus, DirectiveAck
+from timeslice_proto.timeslice.v1 import AckStatus, DirectiveAck, StaleCause
 from timeslice_proto.timeslice.v1 import JobState as ProtoJobState
 
 
@@ -54,7 +54,13 @@ def _state() -> AgentState:
                 started_at=1.5,
                 finished_at=1.6,
             ),
-            DirectiveAck(directive_id="d0", group_id="g1", epoch=6, status=AckStatus.STALE_EPOCH),
+            DirectiveAck(
+                directive_id="d0",
+                group_id="g1",
+                epoch=6,
+                status=AckStatus.STALE_EPOCH,
+                stale_cause=StaleCause.NODE_FENCED,
+            ),
         ],
     )
 

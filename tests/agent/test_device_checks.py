@@ -357,7 +357,7 @@ async def test_host_admission_counts_what_nvml_measured_not_what_was_announced(
 
     # The worker announced 1 GB, but NVML sees 6 GiB on the device: that is what the host
     # would have to take, and a 4 GB host cannot.
-    app_rig.executor._host_memory = HostMemory(reserve_bytes=0, modelled_bytes=4_000_000_000)
+    app_rig.executor.parts.host_memory = HostMemory(reserve_bytes=0, modelled_bytes=4_000_000_000)
     reg = app_rig.worker("j1", gb=1.0, app_callbacks=True)
     ack = await app_rig.run("d1", CKPT, "j1", 1)
     assert ack.status == AckStatus.REFUSED and "host memory admission" in ack.error

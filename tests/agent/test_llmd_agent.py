@@ -415,7 +415,7 @@ async def test_workload_results_complete_the_hooks_in_process() -> None:
 def test_llmd_flags() -> None:
     from timeslice_agent.config import parse_config
 
-    base = ["--orchestrator", "127.0.0.1:1", "--insecure", "--node", "n1"]
+    base = ["--orchestrator", "127.0.0.1:1", "--insecure", "--node", "n1", "--backend", "sim"]
     config = parse_config(base, environ={})
     assert config.llmd_port is None and config.llmd_host == "127.0.0.1"
     config = parse_config([*base, "--llmd-port", "9001", "--llmd-host", "::1"], environ={})

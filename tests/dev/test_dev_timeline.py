@@ -8,9 +8,9 @@ import pytest
 
 from timeslice_tools.dev import demo
 from timeslice_tools.dev.timeline import (
+    DemoPhase,
     Interval,
     PhaseRecord,
-    StepPhase,
     SwitchEvent,
     accelerator_intervals,
     covered_seconds,
@@ -28,7 +28,7 @@ from timeslice_tools.dev.timeline import (
 
 def rec(
     job: str,
-    phase: StepPhase,
+    phase: DemoPhase,
     step: int,
     start: float,
     end: float,
@@ -110,20 +110,20 @@ def test_render_timeline_rejects_multi_character_labels() -> None:
 def shared_run() -> list[PhaseRecord]:
     """Two jobs time-slicing group g: A steps 0-1, B steps 0-1, with switches A->B, B->A."""
     return [
-        rec("a", StepPhase.REWARD, 0, 0.0, 1.0),
-        rec("a", StepPhase.WAIT, 0, 1.0, 1.0, epoch=10),
-        rec("a", StepPhase.ROLLOUT, 0, 1.0, 1.5, epoch=10),
-        rec("a", StepPhase.TRAIN, 0, 1.5, 2.0, epoch=10),
-        rec("b", StepPhase.REWARD, 0, 0.0, 1.0),
-        rec("b", StepPhase.WAIT, 0, 1.0, 2.25, epoch=11, restored=True, previous="a", switch=0.25),
+        rec("a", DemoPhase.REWARD, 0, 0.0, 1.0),
+        rec("a", DemoPhase.WAIT, 0, 1.0, 1.0, epoch=10),
+        rec("a", DemoPhase.ROLLOUT, 0, 1.0, 1.5, epoch=10),
+        rec("a", DemoPhase.TRAIN, 0, 1.5, 2.0, epoch=10),
+        rec("b", DemoPhase.REWARD, 0, 0.0, 1.0),
+        rec("b", DemoPhase.WAIT, 0, 1.0, 2.25, epoch=11, restored=True, previous="a", switch=0.25),
         rec(
-            "b", StepPhase.ROLLOUT, 0, 2.25, 3.0, epoch=11, restored=True, previous="a", switch=0.25
+            "b", DemoPhase.ROLLOUT, 0, 2.25, 3.0, epoch=11, restored=True, previous="a", switch=0.25
         ),
-        rec("b", StepPhase.SYNC, 0, 3.0, 3.25, epoch=11, restored=True, previous="a", switch=0.25),
-        rec("a", StepPhase.REWARD, 1, 2.0, 3.0),
-        rec("a", StepPhase.WAIT, 1, 3.0, 3.5, epoch=12, restored=True, previous="b", switch=0.25),
+        rec("b", DemoPhase.SYNC, 0, 3.0, 3.25, epoch=11, restored=True, previous="a", switch=0.25),
+        rec("a", DemoPhase.REWARD, 1, 2.0, 3.0),
+        rec("a", DemoPhase.WAIT, 1, 3.0, 3.5, epoch=12, restored=True, previous="b", switch=0.25),
         rec(
-            "a", StepPhase.ROLLOUT, 1, 3.5, 4.0, epoch=12, restored=True, previous="b", switch=0.25
+            "a", DemoPhase.ROLLOUT, 1, 3.5, 4.0, epoch=12, restored=True, previous="b", switch=0.25
         ),
     ]
 
@@ -155,7 +155,7 @@ def test_switch_events_one_per_grant() -> None:
 
 
 def test_first_restore_from_nothing_counts_without_a_previous_job() -> None:
-    records = [rec("a", StepPhase.ROLLOUT, 0, 1.0, 2.0, restored=True, switch=0.5)]
+    records = [rec("a", DemoPhase.ROLLOUT, 0, 1.0, 2.0, restored=True, switch=0.5)]
     assert switch_events(records) == [SwitchEvent("g", 1.0, "", "a", 0.5)]
 
 
@@ -189,7 +189,7 @@ def test_bad_record_line_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="not a phase record"):
         PhaseRecord.from_json("not json")
     with pytest.raises(ValueError):
-        PhaseRecord.from_json(rec("a", StepPhase.TRAIN, 0, 0, 1).to_json().replace("train", "nap"))
+        PhaseRecord.from_json(rec("a", DemoPhase.TRAIN, 0, 0, 1).to_json().replace("train", "nap"))
 
 
 def test_demo_profile_is_forty_percent_accelerator() -> None:
@@ -208,16 +208,16 @@ def test_demo_report_from_synthetic_records() -> None:
     for step in range(2):
         t = float(step)
         dedicated += [
-            rec(a, StepPhase.REWARD, step, t, t + 0.5, group=ga),
-            rec(a, StepPhase.TRAIN, step, t + 0.5, t + 1.0, group=ga),
-            rec(b, StepPhase.REWARD, step, t, t + 0.75, group=gb),
-            rec(b, StepPhase.TRAIN, step, t + 0.75, t + 1.0, group=gb),
+            rec(a, DemoPhase.REWARD, step, t, t + 0.5, group=ga),
+            rec(a, DemoPhase.TRAIN, step, t + 0.5, t + 1.0, group=ga),
+            rec(b, DemoPhase.REWARD, step, t, t + 0.75, group=gb),
+            rec(b, DemoPhase.TRAIN, step, t + 0.75, t + 1.0, group=gb),
         ]
         shared += [
-            rec(a, StepPhase.REWARD, step, 2 * t, 2 * t + 0.5, group=gs),
+            rec(a, DemoPhase.REWARD, step, 2 * t, 2 * t + 0.5, group=gs),
             rec(
                 a,
-                StepPhase.TRAIN,
+                DemoPhase.TRAIN,
                 step,
                 2 * t + 0.5,
                 2 * t + 1.0,
@@ -226,10 +226,10 @@ def test_demo_report_from_synthetic_records() -> None:
                 restored=step > 0,
                 switch=0.125,
             ),
-            rec(b, StepPhase.REWARD, step, 2 * t, 2 * t + 1.0, group=gs),
+            rec(b, DemoPhase.REWARD, step, 2 * t, 2 * t + 1.0, group=gs),
             rec(
                 b,
-                StepPhase.TRAIN,
+                DemoPhase.TRAIN,
                 step,
                 2 * t + 1.0,
                 2 * t + 2.0,

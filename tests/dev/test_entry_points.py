@@ -3,6 +3,7 @@ address, a certificate path or a flag is wrong; none retries for ever in silence
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -96,6 +97,30 @@ def test_orchestrator_gives_up_on_an_unreachable_etcd_in_one_line(tmp_path: Path
     one_line(lines, "timeslice orchestrator: error: cannot start:", f"127.0.0.1:{dead}")
 
 
+def test_orchestrator_log_level_is_honoured(tmp_path: Path) -> None:
+    # The same start as above, at --log-level error: the warnings while it waits are not
+    # written, the line saying why it gave up is.
+    (dead,) = free_ports(1)
+    extra = ["--etcd", f"127.0.0.1:{dead}", "--start-timeout", "2", "--log-level", "error"]
+    code, lines = run(orchestrator_args(tmp_path, "--insecure", *extra))
+    assert code == 1
+    assert not any("waiting for etcd" in line for line in lines), lines
+    one_line(lines, "timeslice orchestrator: error: cannot start:", f"127.0.0.1:{dead}")
+
+
+def test_agent_without_a_backend_refuses_to_start_in_one_line(tmp_path: Path) -> None:
+    # No default backend: a GPU node started without one must not silently emulate.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIMESLICE_")}
+    args = [*AGENT, "--orchestrator", "127.0.0.1:1", "--insecure"]
+    args += ["--worker-socket", str(tmp_path / "w.sock")]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=60, check=False, env=env)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2, lines
+    line = one_line(lines, "timeslice agent: error: --backend", "TIMESLICE_AGENT_BACKEND")
+    assert all(kind in line for kind in ("sim", "freeze", "cuda", "app")), line
+    assert not (tmp_path / "w.sock").exists()
+
+
 @pytest.mark.parametrize(
     ("extra", "needles"),
     [
@@ -108,7 +133,7 @@ def test_orchestrator_gives_up_on_an_unreachable_etcd_in_one_line(tmp_path: Path
 def test_agent_refuses_bad_flags_in_one_line(
     extra: list[str], needles: list[str], tmp_path: Path
 ) -> None:
-    args = [*AGENT, "--orchestrator", "127.0.0.1:1", "--insecure"]
+    args = [*AGENT, "--orchestrator", "127.0.0.1:1", "--backend", "sim", "--insecure"]
     args += ["--worker-socket", str(tmp_path / "w.sock"), *extra]
     code, lines = run(args)
     assert code == 2
@@ -118,7 +143,7 @@ def test_agent_refuses_bad_flags_in_one_line(
 def test_agent_refuses_missing_certificate_files(tmp_path: Path, session_pki: Pki) -> None:
     node = session_pki.node("entry")
     missing = tmp_path / "gone.crt"
-    args = [*AGENT, "--orchestrator", "127.0.0.1:1", "--node", "entry"]
+    args = [*AGENT, "--orchestrator", "127.0.0.1:1", "--node", "entry", "--backend", "sim"]
     args += ["--worker-socket", str(tmp_path / "w.sock"), "--tls-ca", str(session_pki.ca)]
     code, lines = run([*args, "--tls-cert", str(missing), "--tls-key", str(node.key)])
     assert code == 2

@@ -60,6 +60,7 @@ async def test_agent_sdk_and_cli_reach_replicas_by_name_and_fail_over(
             sys.executable, "-m", "timeslice_agent",
             "--orchestrator", ",".join(names),
             "--node", NODE,
+            "--backend", "sim",
             "--worker-socket", str(socket),
             "--http", http,
             "--sim-state-gb", "0.1",

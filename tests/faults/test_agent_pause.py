@@ -35,14 +35,22 @@ from timeslice_tools.history import (
     check_two_phase,
 )
 
-# 2 GB at 2 GB/s: every checkpoint and restore takes about 1 s.
-SLOW_SIM = ["--sim-bandwidth-gbps", "2", "--sim-state-gb", "2"]
-SWITCH_SECONDS = 2.0  # a checkpoint then a restore
+# 1 GB at 2 GB/s: every checkpoint and restore takes about 0.5 s, long enough to pause an
+# agent in the middle of one (its state file says so within milliseconds).
+SLOW_SIM = ["--sim-bandwidth-gbps", "2", "--sim-state-gb", "1"]
+SWITCH_SECONDS = 1.0  # a checkpoint then a restore
 LIVENESS = 1.5  # --agent-liveness-timeout
-DIRECTIVE_TIMEOUT = 10.0  # short, but the liveness timeout must fence first
-PAUSE = 25.0  # far longer than both: without fencing, nothing would be granted meanwhile
+# Short, but above STALL_BOUND: a grant within the bound can only come from the fence, never
+# from the directive's deadline.
+DIRECTIVE_TIMEOUT = 8.0
+# Longer than both, so that without fencing nothing would be granted meanwhile and the
+# directive's deadline passes during the pause. It was 25 s with 1 s moves; the work done
+# during the pause (the fence, then three holds on the other node) takes about 6 s here, so
+# 15 s still leaves room on a loaded machine (the test fails, not passes, when it is too slow).
+PAUSE = 15.0
 # Grants must resume within the liveness timeout plus a switch, plus slack for a busy machine.
 STALL_BOUND = LIVENESS + SWITCH_SECONDS + 4.0
+assert STALL_BOUND < DIRECTIVE_TIMEOUT < PAUSE
 
 pytestmark = pytest.mark.slow
 
@@ -175,7 +183,7 @@ async def test_paused_agent_is_fenced_out(cluster_factory: ClusterFactory, when:
             # The group keeps serving on node-0 while node-1 stays paused.
             for client in (a, b, a):
                 waited = await _hold_once(client, recorder, 15)
-                assert waited < SWITCH_SECONDS + 3.0, f"{client.job_id} waited {waited:.1f} s"
+                assert waited < SWITCH_SECONDS + 4.0, f"{client.job_id} waited {waited:.1f} s"
             assert time.monotonic() - paused < PAUSE, "the test is too slow to prove anything"
 
             await asyncio.sleep(max(0.0, PAUSE - (time.monotonic() - paused)))

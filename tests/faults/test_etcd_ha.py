@@ -31,7 +31,6 @@ from tests.faults.harness import check_switches, describe, report_recovery
 from timeslice import AsyncTimeSliceClient, Grant, register
 from timeslice.errors import Timeout, TimeSliceError, Unavailable
 from timeslice.tls import TlsFiles
-from timeslice_orchestrator.store.cache import WATCH_STUCK_AFTER
 from timeslice_orchestrator.store.etcd import (
     EtcdClient,
     LeaseKeeper,
@@ -39,6 +38,7 @@ from timeslice_orchestrator.store.etcd import (
     WatchBatch,
     parse_endpoints,
 )
+from timeslice_orchestrator.store.follower import WATCH_STUCK_AFTER
 from timeslice_tools.dev.certs import Pki
 from timeslice_tools.dev.etcd import EtcdCluster
 from timeslice_tools.history import (
@@ -259,7 +259,7 @@ async def test_client_fails_over_by_dns_name(etcd3: EtcdCluster) -> None:
                     heard, moving_since = len(watched.revisions), time.monotonic()
                 elif time.monotonic() - moving_since >= WATCH_STUCK_AFTER:
                     # As the replica's mirror does with a watch that brings back none of its
-                    # own writes (store/cache.py): its member is passed over and the watch
+                    # own writes (store/follower.py): its member is passed over and the watch
                     # resumes on another. A resumed watch that answers progress requests but
                     # delivers no events was seen twice under load (run 10 of a clean-clone
                     # series on 8680b09 here: nothing after revision 40 for 30 s).

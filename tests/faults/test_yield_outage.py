@@ -16,6 +16,7 @@ import pytest
 from tests.conftest import ClusterFactory
 from tests.faults.harness import wait_for_status
 from timeslice import AcquireProgress, AcquireStage, AsyncTimeSliceClient, register
+from timeslice._tenure import TenureState
 from timeslice.errors import NotHolder, Timeout, Unavailable
 from timeslice_proto.timeslice.v1 import GroupStatus
 from timeslice_tools.dev.cluster import LocalCluster
@@ -100,7 +101,7 @@ async def test_yield_again_after_a_yield_that_failed(
                 # The server shows the hold gone; the client may still be waiting out a pause
                 # before the try that hears so (internal state: nothing public shows it).
                 async with asyncio.timeout(MIRROR_CATCH_UP):
-                    while "g" in a._releasing and not a._releasing["g"].finished:
+                    while a._core.tenures.state_of("g") is TenureState.RELEASING:
                         await asyncio.sleep(0.05)
             await a.yield_("g")
             assert a.grants() == {}

@@ -23,7 +23,7 @@ from tests.integration.groupstore import holder, snapshot
 from timeslice import AcquireStage
 from timeslice_orchestrator.locks import LockService, Progress
 from timeslice_orchestrator.metrics import Metrics
-from timeslice_orchestrator.store.cache import Mirror
+from timeslice_orchestrator.store.follower import Mirror
 from timeslice_orchestrator.store.groups import GroupStore
 
 

@@ -22,9 +22,10 @@ import pytest
 from tests.integration.polling import until
 from timeslice_orchestrator.hub import AgentHub
 from timeslice_orchestrator.metrics import Metrics
-from timeslice_orchestrator.store.cache import AGENTS_TOPIC, Mirror
 from timeslice_orchestrator.store.etcd import EtcdClient, LeaseExpired, StoreUnavailable
+from timeslice_orchestrator.store.follower import Mirror
 from timeslice_orchestrator.store.groups import GroupStore
+from timeslice_orchestrator.store.mirror import AGENTS_TOPIC
 from timeslice_orchestrator.store.records import ResidentRecord
 from timeslice_proto.timeslice.v1 import (
     AgentHello,

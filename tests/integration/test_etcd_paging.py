@@ -13,7 +13,6 @@ import uuid
 
 import pytest
 
-from timeslice_orchestrator.store.cache import Mirror
 from timeslice_orchestrator.store.etcd import (
     Compacted,
     EtcdClient,
@@ -24,6 +23,7 @@ from timeslice_orchestrator.store.etcd import (
     WatchBatch,
     WatchTooLarge,
 )
+from timeslice_orchestrator.store.follower import Mirror
 from timeslice_orchestrator.store.keys import Keyspace
 from timeslice_orchestrator.store.records import HolderRecord, QueueRecord
 from timeslice_tools.dev.etcd import EtcdServer

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from timeslice_orchestrator.store import cache
-from timeslice_orchestrator.store.cache import Mirror
+from timeslice_orchestrator.store import follower
 from timeslice_orchestrator.store.etcd import EtcdClient, StoreUnavailable
+from timeslice_orchestrator.store.follower import Mirror
 from timeslice_orchestrator.store.keys import Keyspace
 from timeslice_tools.dev.etcd import EtcdServer
 
@@ -159,7 +159,7 @@ async def test_a_beacon_written_below_the_mirror_lists_again(
         return None
 
     monkeypatch.setattr(Mirror, "_check_not_rewound", unchecked)
-    monkeypatch.setattr(cache, "WATCH_QUIET_AFTER", 0.5)
+    monkeypatch.setattr(follower, "WATCH_QUIET_AFTER", 0.5)
     scene = await _mirror_after_lost_writes(restorable)
     mirror = scene.mirror
     try:

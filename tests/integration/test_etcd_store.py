@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 
-from timeslice_orchestrator.store import etcd as etcd_module
 from timeslice_orchestrator.store.etcd import (
     Delete,
     EtcdClient,
@@ -24,6 +23,7 @@ from timeslice_orchestrator.store.etcd import (
     absent,
     prefix_end,
 )
+from timeslice_orchestrator.store.etcd import watch as etcd_watch
 from timeslice_tools.dev.etcd import EtcdServer
 
 
@@ -101,8 +101,8 @@ async def test_watch_resumes_from_revision_and_reports_compaction(etcd: EtcdClie
 
 
 async def test_a_lagging_mirror_is_a_typed_unavailable(etcd: EtcdClient) -> None:
-    from timeslice_orchestrator.store.cache import Mirror
     from timeslice_orchestrator.store.etcd import StoreUnavailable
+    from timeslice_orchestrator.store.follower import Mirror
     from timeslice_orchestrator.store.keys import Keyspace
 
     mirror = Mirror(etcd, Keyspace(f"/test/{uuid.uuid4().hex}"))  # never started: never catches up
@@ -125,7 +125,7 @@ class _FirstWatchSilent(EtcdClient):
 
 
 async def test_a_stuck_watch_is_started_again(etcd_server: EtcdServer) -> None:
-    from timeslice_orchestrator.store.cache import WATCH_STUCK_AFTER, Mirror
+    from timeslice_orchestrator.store.follower import WATCH_STUCK_AFTER, Mirror
     from timeslice_orchestrator.store.keys import Keyspace
 
     client = _FirstWatchSilent([etcd_server.endpoint])
@@ -149,9 +149,9 @@ async def test_a_stuck_watch_is_started_again(etcd_server: EtcdServer) -> None:
 
 @pytest.fixture
 def quick_beacon(monkeypatch: pytest.MonkeyPatch) -> float:
-    from timeslice_orchestrator.store import cache
+    from timeslice_orchestrator.store import follower
 
-    monkeypatch.setattr(cache, "WATCH_QUIET_AFTER", 0.5)
+    monkeypatch.setattr(follower, "WATCH_QUIET_AFTER", 0.5)
     return 0.5
 
 
@@ -168,7 +168,7 @@ async def _written_elsewhere(etcd_server: EtcdServer, key: bytes) -> int:
 async def test_a_stuck_watch_is_found_without_a_write_of_our_own(
     etcd_server: EtcdServer, quick_beacon: float
 ) -> None:
-    from timeslice_orchestrator.store.cache import WATCH_STUCK_AFTER, Mirror
+    from timeslice_orchestrator.store.follower import WATCH_STUCK_AFTER, Mirror
     from timeslice_orchestrator.store.keys import Keyspace
 
     client = _FirstWatchSilent([etcd_server.endpoint])
@@ -194,12 +194,12 @@ async def test_a_stuck_watch_is_found_without_a_write_of_our_own(
 async def test_a_watch_that_brings_changes_gets_no_beacon(
     etcd: EtcdClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from timeslice_orchestrator.store import cache
+    from timeslice_orchestrator.store import follower
     from timeslice_orchestrator.store.keys import Keyspace
 
-    monkeypatch.setattr(cache, "WATCH_QUIET_AFTER", 2.0)
+    monkeypatch.setattr(follower, "WATCH_QUIET_AFTER", 2.0)
     keys = Keyspace(f"/test/{uuid.uuid4().hex}")
-    mirror = cache.Mirror(etcd, keys)
+    mirror = follower.Mirror(etcd, keys)
     running = asyncio.create_task(mirror.run())
     loop = asyncio.get_running_loop()
     try:
@@ -267,8 +267,8 @@ class _WatchCall:
 
 @pytest.fixture
 def quick_probes(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(etcd_module, "WATCH_PROBE_AFTER", 0.3)
-    monkeypatch.setattr(etcd_module, "WATCH_PROBE_TIMEOUT", 0.5)
+    monkeypatch.setattr(etcd_watch, "WATCH_PROBE_AFTER", 0.3)
+    monkeypatch.setattr(etcd_watch, "WATCH_PROBE_TIMEOUT", 0.5)
 
 
 @pytest.mark.usefixtures("quick_probes")
@@ -305,7 +305,7 @@ async def test_a_quiet_watch_answers_progress_requests_and_lives_on(etcd: EtcdCl
 
 @pytest.mark.usefixtures("quick_probes")
 async def test_a_watch_stream_that_stops_answering_starts_again(etcd_server: EtcdServer) -> None:
-    from timeslice_orchestrator.store.cache import Mirror
+    from timeslice_orchestrator.store.follower import Mirror
     from timeslice_orchestrator.store.keys import Keyspace
 
     client = EtcdClient([etcd_server.endpoint])

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from timeslice.tls import TlsFiles
-from timeslice_orchestrator.store import etcd as etcd_module
-from timeslice_orchestrator.store.cache import Mirror
 from timeslice_orchestrator.store.etcd import EtcdClient, LeaseKeeper
+from timeslice_orchestrator.store.etcd import members as etcd_members
+from timeslice_orchestrator.store.follower import Mirror
 from timeslice_orchestrator.store.keys import Keyspace
 from timeslice_tools.dev.certs import Pki
 from timeslice_tools.dev.etcd import EtcdServer
@@ -48,7 +48,7 @@ async def test_the_mirror_and_a_lease_outlive_a_tls_reload(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(etcd_module, "OLD_CHANNEL_GRACE", 0.0)
+    monkeypatch.setattr(etcd_members, "OLD_CHANNEL_GRACE", 0.0)
     tls = _copy_tls(session_pki, tmp_path)
     client = EtcdClient([tls_etcd_server.endpoint], tls=tls, timeout=5.0)
     keys = Keyspace(f"/timeslice/reload-{uuid.uuid4().hex[:8]}")

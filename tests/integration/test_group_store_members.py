@@ -19,9 +19,9 @@ from tests.integration.groupstore import (
 )
 from tests.integration.polling import until
 from timeslice.errors import FailedPrecondition
-from timeslice_orchestrator.store import cache
-from timeslice_orchestrator.store.cache import Mirror
+from timeslice_orchestrator.store import follower
 from timeslice_orchestrator.store.etcd import LeaseExpired, StoreUnavailable
+from timeslice_orchestrator.store.follower import Mirror
 from timeslice_orchestrator.store.groups import GroupStore, Hold
 from timeslice_orchestrator.store.keys import KeyRef, Keyspace, Kind
 from timeslice_orchestrator.store.records import (
@@ -327,7 +327,7 @@ async def test_a_wait_given_up_does_not_count_as_the_watch_being_stuck(
     """A caller that gave up waiting for a revision the watch may never bring (one written
     under another prefix) no longer holds the mirror "behind": its watch is not restarted,
     and its member passed over, every few seconds for nothing."""
-    monkeypatch.setattr(cache, "WATCH_STUCK_AFTER", 1.0)
+    monkeypatch.setattr(follower, "WATCH_STUCK_AFTER", 1.0)
     async with _mirror(store) as mirror:
         with pytest.raises(StoreUnavailable):
             await mirror.wait_for_revision(mirror.revision + 1000, 0.2)

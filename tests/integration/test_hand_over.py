@@ -19,7 +19,7 @@ from timeslice import AcquireStage
 from timeslice_orchestrator import locks as locks_module
 from timeslice_orchestrator.locks import LockService, Progress
 from timeslice_orchestrator.metrics import Metrics
-from timeslice_orchestrator.store.cache import Mirror
+from timeslice_orchestrator.store.follower import Mirror
 from timeslice_orchestrator.store.groups import GroupStore
 from timeslice_orchestrator.store.handover import CURRENT_FEATURES
 from timeslice_orchestrator.store.records import FeaturesRecord, hold_epoch

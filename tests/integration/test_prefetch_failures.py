@@ -27,7 +27,7 @@ from tests.integration.polling import until
 from timeslice_orchestrator.driver import DriverConfig, SwitchDriver
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.relay import DirectiveRouter
-from timeslice_orchestrator.store.cache import Mirror
+from timeslice_orchestrator.store.follower import Mirror
 from timeslice_orchestrator.store.groups import Grant, GroupStore
 from timeslice_orchestrator.store.records import (
     AgentRecord,

@@ -22,7 +22,7 @@ from tests.integration.polling import until
 from timeslice_orchestrator.hub import AgentHub, AgentUnavailable
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.relay import DirectiveRouter, _encode
-from timeslice_orchestrator.store.cache import Mirror
+from timeslice_orchestrator.store.follower import Mirror
 from timeslice_orchestrator.store.groups import GroupStore
 from timeslice_orchestrator.store.records import AgentRecord, RelayRecord
 from timeslice_orchestrator.store.relay import RelayStore

@@ -5,8 +5,8 @@ function decorated by the sync client) or blocks (Ctrl-C). When the caller gives
 moment the grant arrives over there, the result is dropped on its way back: without a hand-off,
 the grant stayed recorded and held on the server, and nobody yielded it.
 
-The client's own acquire is wrapped only to hold its loop for a moment after the grant, which
-is where the caller gives up.
+The client's own acquire (the runner's calls) is wrapped only to hold its loop for a moment
+after the grant, which is where the caller gives up.
 """
 
 from __future__ import annotations
@@ -17,30 +17,38 @@ import contextlib
 import signal
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from tests.sdk.fakes import FakeOrchestrator
 from timeslice import Grant, TimeSliceOrchestratorClient
-from timeslice.runner import ClientRunner
+from timeslice.runner import ClientRunner, GroupCalls
 
 GROUP = "g1"
 
 
-def _after_the_grant(runner: ClientRunner, give_up: Callable[[], object]) -> None:
-    """Make the runner's acquire call ``give_up`` once granted, then hold the client's loop
-    briefly, so the caller gives up before the result can travel back to it."""
-    real: Callable[..., Coroutine[Any, Any, Grant]] = runner._acquire
+class _HoldingTheLoop:
+    """The runner's calls, made to call ``give_up`` once granted and then hold the client's
+    loop briefly, so the caller gives up before the result can travel back to it."""
 
-    async def acquire(*args: Any) -> Grant:
-        grant = await real(*args)
-        give_up()
+    def __init__(self, calls: GroupCalls, give_up: Callable[[], object]) -> None:
+        self._calls = calls
+        self._give_up = give_up
+
+    async def acquire(self, *args: Any) -> Grant:
+        grant = await self._calls.acquire(*args)
+        self._give_up()
         time.sleep(0.3)  # blocks the client's loop: the result is not back yet
         return grant
 
-    runner._acquire = acquire
+    async def yield_(self, group: str) -> None:
+        await self._calls.yield_(group)
+
+
+def _after_the_grant(runner: ClientRunner, give_up: Callable[[], object]) -> None:
+    runner._calls = _HoldingTheLoop(runner._calls, give_up)
 
 
 def _given_back(orch: FakeOrchestrator, client: TimeSliceOrchestratorClient) -> None:

@@ -16,6 +16,7 @@ from grpclib.const import Status
 
 from tests.sdk.fakes import FakeOrchestrator, OrchestratorState
 from timeslice import AsyncTimeSliceClient, NotHolder, Timeout, Unavailable
+from timeslice._tenure import TenureState
 from timeslice.errors import InvalidArgument, SessionExpired
 
 # Long enough for a first call on a loaded machine (a connection, a session: 1 s was too short
@@ -181,7 +182,7 @@ async def _release_ended(client: AsyncTimeSliceClient, group: str) -> None:
     """Until the client's background release of ``group`` has ended (internal state: the
     orchestrator shows the hold gone before the client has heard the answer)."""
     async with asyncio.timeout(5):
-        while group in client._releasing and not client._releasing[group].finished:
+        while client._core.tenures.state_of(group) is TenureState.RELEASING:
             await asyncio.sleep(0.01)
 
 

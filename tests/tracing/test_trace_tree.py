@@ -82,6 +82,7 @@ async def traced_cluster(
                 [
                     "--orchestrator", target,
                     "--node", node,
+                    "--backend", "sim",
                     "--worker-socket", sockets[node],
                     "--sim-state-gb", "0.1",
                     "--insecure",

@@ -15,9 +15,10 @@ from timeslice.errors import Cancelled, GroupFaulted, SessionExpired
 from timeslice_orchestrator.locks import LockService, Progress
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.policy import Policy
-from timeslice_orchestrator.store.cache import GroupView, Mirror, QueuedJob
+from timeslice_orchestrator.store.follower import Mirror
 from timeslice_orchestrator.store.groups import GroupStore
-from timeslice_orchestrator.store.records import SessionRecord, Stored
+from timeslice_orchestrator.store.mirror import GroupView
+from timeslice_orchestrator.store.records import QueuedJob, SessionRecord, Stored
 from timeslice_proto.timeslice.v1 import AcquireState
 
 SESSION, JOB, ENTRY = "s-c", "c", 30

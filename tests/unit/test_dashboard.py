@@ -25,7 +25,7 @@ from timeslice_orchestrator.dashboard import (
     parse_query,
 )
 from timeslice_orchestrator.holds import HoldTracker
-from timeslice_orchestrator.store.cache import GroupView, RelayPost
+from timeslice_orchestrator.store.mirror import GroupView, RelayPost
 from timeslice_orchestrator.store.records import (
     AgentRecord,
     GroupStats,

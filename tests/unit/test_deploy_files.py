@@ -30,7 +30,7 @@ def _interpolate(text: str) -> str:
 
 
 def _env(container: dict[str, Any]) -> dict[str, str]:
-    env = container.get("environment") or {}
+    env = container.get("environment") or container.get("env") or {}  # compose, Kubernetes
     if isinstance(env, dict):
         return {k: str(v) for k, v in env.items()}
     return {e["name"]: str(e.get("value", "from-field")) for e in env}

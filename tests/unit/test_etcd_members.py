@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import grpc
 
-from timeslice_orchestrator.store.etcd import ELECTION_PENALTY, EtcdClient, _in_election
+from timeslice_orchestrator.store.etcd import EtcdClient
+from timeslice_orchestrator.store.etcd.members import ELECTION_PENALTY, _in_election
 
 
 async def test_after_a_silent_member_and_an_election_the_next_try_goes_to_a_live_member() -> None:

@@ -11,12 +11,11 @@ from aetcd.rpc import rpc_pb2 as pb
 
 from timeslice.errors import InvalidArgument
 from timeslice_orchestrator.config import parse_args
-from timeslice_orchestrator.store.etcd import (
+from timeslice_orchestrator.store.etcd import EtcdClient, MemberProbe
+from timeslice_orchestrator.store.etcd.members import (
     ELECTION_PENALTY,
     MEMBER_PENALTY,
     TERM_GRACE,
-    EtcdClient,
-    MemberProbe,
     _Pending,
 )
 

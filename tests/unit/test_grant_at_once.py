@@ -4,7 +4,7 @@ exactly when the driver would grant a lone waiter in place (nothing to move)."""
 from __future__ import annotations
 
 from timeslice_orchestrator.grants import HandOvers, resident_after_grant
-from timeslice_orchestrator.store.cache import GroupView
+from timeslice_orchestrator.store.mirror import GroupView
 from timeslice_orchestrator.store.records import (
     AgentRecord,
     HolderRecord,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tests.unit.views import GB, agent, agents, stored, view
 from timeslice_orchestrator.grants import in_place
-from timeslice_orchestrator.store.cache import GroupView
+from timeslice_orchestrator.store.mirror import GroupView
 from timeslice_orchestrator.store.records import ResidentRecord
 from timeslice_orchestrator.switch_plan import stranded
 

@@ -6,7 +6,7 @@ import pytest
 
 from tests.unit.views import view, waiter
 from timeslice_orchestrator.policy import Policy, order
-from timeslice_orchestrator.store.cache import GroupView
+from timeslice_orchestrator.store.mirror import GroupView
 
 
 def served(policy: Policy, group: GroupView) -> list[str]:

@@ -22,9 +22,10 @@ from timeslice.ids import validate_job_id
 from timeslice_orchestrator.api import _event, group_status, own_groups
 from timeslice_orchestrator.identity import Identity
 from timeslice_orchestrator.locks import Progress
-from timeslice_orchestrator.store.cache import GroupView, Mirror
 from timeslice_orchestrator.store.etcd import EtcdClient, KeyValue
+from timeslice_orchestrator.store.follower import Mirror
 from timeslice_orchestrator.store.keys import Keyspace
+from timeslice_orchestrator.store.mirror import GroupView
 from timeslice_orchestrator.store.records import (
     AgentRecord,
     FaultRecord,

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from typing import TypeVar
 
-from timeslice_orchestrator.store.cache import GroupView, QueuedJob
+from timeslice_orchestrator.store.mirror import GroupView
 from timeslice_orchestrator.store.records import (
     AgentRecord,
     FaultRecord,
     HolderRecord,
     JobUsageRecord,
     NodeStep,
+    QueuedJob,
     QueueRecord,
     ResidentRecord,
     Stored,

@@ -30,8 +30,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Literal, TypedDict
 
+from timeslice.agent_contract import BackendKind
 from timeslice.tls import CA_ENV, CERT_ENV, INSECURE_ENV, KEY_ENV, TlsFiles
-from timeslice_agent.config import BackendKind
 from timeslice_tools.dev import _procs
 from timeslice_tools.dev.certs import CertPair, Pki
 from timeslice_tools.dev.etcd import EtcdCluster, EtcdServer

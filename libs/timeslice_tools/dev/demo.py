@@ -38,9 +38,9 @@ from timeslice_tools.dev import _procs
 from timeslice_tools.dev.cluster import ClusterError, LocalCluster
 from timeslice_tools.dev.etcd import EtcdError
 from timeslice_tools.dev.timeline import (
+    DemoPhase,
     Interval,
     PhaseRecord,
-    StepPhase,
     accelerator_intervals,
     duty_cycle,
     hold_spans,
@@ -437,7 +437,7 @@ def _run_steps(
     profile: JobProfile,
     out: TextIO,
 ) -> None:
-    def record(phase: StepPhase, step: int, start: float, end: float, grant: Grant | None) -> None:
+    def record(phase: DemoPhase, step: int, start: float, end: float, grant: Grant | None) -> None:
         rec = PhaseRecord(
             job=job_id,
             phase=phase,
@@ -453,17 +453,17 @@ def _run_steps(
         out.write(rec.to_json() + "\n")
 
     accelerator_phases = (
-        (StepPhase.ROLLOUT, profile.rollout_seconds),
-        (StepPhase.TRAIN, profile.train_seconds),
-        (StepPhase.SYNC, profile.sync_seconds),
+        (DemoPhase.ROLLOUT, profile.rollout_seconds),
+        (DemoPhase.TRAIN, profile.train_seconds),
+        (DemoPhase.SYNC, profile.sync_seconds),
     )
     for step in range(steps):
         start = time.time()
         time.sleep(profile.reward_seconds)
-        record(StepPhase.REWARD, step, start, time.time(), None)
+        record(DemoPhase.REWARD, step, start, time.time(), None)
         asked = time.time()
         with client.on_accelerators(group, timeout=_READY_TIMEOUT) as grant:
-            record(StepPhase.WAIT, step, asked, time.time(), grant)
+            record(DemoPhase.WAIT, step, asked, time.time(), grant)
             for phase, seconds in accelerator_phases:
                 begin = time.time()
                 time.sleep(seconds)

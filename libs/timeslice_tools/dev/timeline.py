@@ -17,9 +17,9 @@ from pathlib import Path
 from statistics import fmean
 
 __all__ = [
+    "DemoPhase",
     "Interval",
     "PhaseRecord",
-    "StepPhase",
     "SwitchEvent",
     "accelerator_intervals",
     "covered_seconds",
@@ -55,9 +55,12 @@ class Interval:
         return max(0.0, min(self.end, other.end) - max(self.start, other.start))
 
 
-class StepPhase(enum.Enum):
-    """The phases of one synchronous-RL step, in order (``bench.profiles.StepPhase`` models
-    the same for benchmarks). Not a switch's phases: those are the orchestrator's."""
+class DemoPhase(enum.Enum):
+    """The phases of one synchronous-RL step of a demo run, in the order recorded.
+
+    ``bench.profiles.StepPhase`` is the benchmarks' modelled counterpart (with async RL's phases
+    too, and ``queue`` where this says ``wait``). Not a switch's phases: those are the
+    orchestrator's ``SwitchPhase``."""
 
     REWARD = "reward"  # off the accelerators: environments, reward models on CPU
     WAIT = "wait"  # from calling acquire until the grant
@@ -67,7 +70,7 @@ class StepPhase(enum.Enum):
 
     @property
     def on_accelerator(self) -> bool:
-        return self in (StepPhase.ROLLOUT, StepPhase.TRAIN, StepPhase.SYNC)
+        return self in (DemoPhase.ROLLOUT, DemoPhase.TRAIN, DemoPhase.SYNC)
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,7 @@ class PhaseRecord:
     """
 
     job: str
-    phase: StepPhase
+    phase: DemoPhase
     group: str
     step: int
     start: float
@@ -111,7 +114,7 @@ class PhaseRecord:
             data = json.loads(line)
             return cls(
                 job=str(data["job"]),
-                phase=StepPhase(data["phase"]),
+                phase=DemoPhase(data["phase"]),
                 group=str(data["group"]),
                 step=int(data["step"]),
                 start=float(data["start"]),

@@ -47,6 +47,7 @@ __all__ = (
     "OrchestratorMessage",
     "QueueEntry",
     "SetGroupMembersRequest",
+    "StaleCause",
     "StartOperationRequest",
     "StateUnwritable",
     "SwitchPhase",
@@ -343,6 +344,45 @@ class OperationState(betterproto2.Enum):
             "OPERATION_STATE_RUNNING": 2,
             "OPERATION_STATE_SUCCEEDED": 3,
             "OPERATION_STATE_FAILED": 4,
+        }
+
+
+class StaleCause(betterproto2.Enum):
+    """
+    Which fence a STALE_EPOCH refusal hit (DirectiveAck.stale_cause). A peer reads this, never
+    the ack's error text, which is for people.
+    """
+
+    UNSPECIFIED = 0
+    """
+    not a STALE_EPOCH ack, or an agent from before this field
+    """
+
+    GROUP_EPOCH = 1
+    """
+    The group accepted a newer epoch on this node: a newer switch of the group overtook it.
+    """
+
+    NODE_FENCED = 2
+    """
+    The node was fenced out at a revision above the directive's epoch (Welcome.fence_revision):
+    nothing of the directive's switch may act here; the switch goes on without the node.
+    """
+
+    @classmethod
+    def betterproto_value_to_renamed_proto_names(cls) -> dict[int, str]:
+        return {
+            0: "STALE_CAUSE_UNSPECIFIED",
+            1: "STALE_CAUSE_GROUP_EPOCH",
+            2: "STALE_CAUSE_NODE_FENCED",
+        }
+
+    @classmethod
+    def betterproto_renamed_proto_names_to_value(cls) -> dict[str, int]:
+        return {
+            "STALE_CAUSE_UNSPECIFIED": 0,
+            "STALE_CAUSE_GROUP_EPOCH": 1,
+            "STALE_CAUSE_NODE_FENCED": 2,
         }
 
 
@@ -666,6 +706,13 @@ class DirectiveAck(betterproto2.Message):
     """
     The directive moved the job's state (checkpointed or restored it). False for an OK with
     nothing to do: a restore of a job never checkpointed (its first grant), or already back.
+    """
+
+    stale_cause: "StaleCause" = betterproto2.field(
+        14, betterproto2.TYPE_ENUM, default_factory=lambda: StaleCause(0)
+    )
+    """
+    Set with status STALE_EPOCH: which fence refused the directive.
     """
 
 
