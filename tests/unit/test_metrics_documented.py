@@ -30,11 +30,17 @@ def _exposed(registry: CollectorRegistry) -> set[str]:
     return names
 
 
-def exported() -> set[str]:
-    """Every series name a replica's and an agent's ``/metrics`` can show."""
+async def exported() -> set[str]:
+    """Every series name a replica's and an agent's ``/metrics`` can show.
+
+    Built on a running loop (the replica's etcd client opens grpc.aio channels, which take the
+    running loop; without one they depend on what an earlier test left as the default)."""
     replica = Orchestrator(parse_args(["--etcd", "127.0.0.1:1", "--insecure"]))
-    agent = AgentMetrics(node="node-0", backend="sim", emulated=True)
-    return _exposed(replica.metrics.registry) | _exposed(agent.registry)
+    try:
+        agent = AgentMetrics(node="node-0", backend="sim", emulated=True)
+        return _exposed(replica.metrics.registry) | _exposed(agent.registry)
+    finally:
+        await replica.etcd.close()
 
 
 def _expand(token: str) -> set[str]:
@@ -72,8 +78,8 @@ def test_brace_lists_and_labels_are_read_as_the_names_they_stand_for() -> None:
     }
 
 
-def test_every_exported_series_is_documented_and_every_documented_one_exported() -> None:
-    names = exported()
+async def test_every_exported_series_is_documented_and_every_documented_one_exported() -> None:
+    names = await exported()
     # The registries really were read: a replica's and an agent's best-known series are there.
     assert {"timeslice_grants_total", "timeslice_group_held", "timeslice_agent_jobs"} <= names
     doc = documented(DOC.read_text())
