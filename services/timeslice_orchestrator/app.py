@@ -41,7 +41,7 @@ from timeslice_orchestrator.cleanup import IdleGroupCleaner
 from timeslice_orchestrator.compat import CompatService
 from timeslice_orchestrator.config import OrchestratorConfig
 from timeslice_orchestrator.dashboard import Dashboard
-from timeslice_orchestrator.driver import DriverConfig, SwitchDriver
+from timeslice_orchestrator.driver import SwitchDriver
 from timeslice_orchestrator.group_metrics import GroupMetrics
 from timeslice_orchestrator.http import make_app
 from timeslice_orchestrator.hub import AgentHub
@@ -50,6 +50,7 @@ from timeslice_orchestrator.listener import TlsListener
 from timeslice_orchestrator.locks import LockService
 from timeslice_orchestrator.metrics import BatchMetrics, FeatureMetrics, Metrics
 from timeslice_orchestrator.operations import NodeOperationsService
+from timeslice_orchestrator.reconcile import DriverConfig
 from timeslice_orchestrator.relay import DirectiveRouter
 from timeslice_orchestrator.store.etcd import EtcdClient, LeaseKeeper, StoreUnavailable
 from timeslice_orchestrator.store.follower import Mirror

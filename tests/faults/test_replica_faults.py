@@ -25,7 +25,7 @@ from tests.faults.harness import (
 )
 from timeslice import AsyncTimeSliceClient, Grant, register
 from timeslice_orchestrator.config import parse_args
-from timeslice_orchestrator.driver import DriverConfig
+from timeslice_orchestrator.reconcile import DriverConfig
 from timeslice_proto.timeslice.v1 import GroupStatus, SwitchPhase
 from timeslice_tools.dev.cluster import LocalCluster
 

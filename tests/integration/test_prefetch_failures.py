@@ -24,8 +24,9 @@ from tests.integration.groupstore import (
     resident_revision,
 )
 from tests.integration.polling import until
-from timeslice_orchestrator.driver import DriverConfig, SwitchDriver
+from timeslice_orchestrator.driver import SwitchDriver
 from timeslice_orchestrator.metrics import Metrics
+from timeslice_orchestrator.reconcile import DriverConfig
 from timeslice_orchestrator.relay import DirectiveRouter
 from timeslice_orchestrator.store.follower import Mirror
 from timeslice_orchestrator.store.groups import Grant, GroupStore

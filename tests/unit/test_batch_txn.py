@@ -1,5 +1,5 @@
 """Group commit's rules at etcd's boundary: a fake Txn call that records each request and
-answers as told (the real etcd's behaviour is in tests/integration/test_txn_batch.py)."""
+answers as told (the real etcd's behaviour is in tests/integration/test_batch_txn.py)."""
 
 from __future__ import annotations
 
