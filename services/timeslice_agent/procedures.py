@@ -10,6 +10,7 @@ a refusal before anything acted puts the job back where it was; anything else fa
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import dataclasses
 import logging
@@ -112,18 +113,19 @@ class Admitted:
     measured: int = 0
 
 
-class Procedure:
+class Procedure(abc.ABC):
     """The part both procedures share: the prologue and the guarded run."""
 
     def __init__(self, parts: MoveParts) -> None:
         self.parts = parts
 
+    @abc.abstractmethod
     async def run(self, d: Directive, clock: Clock) -> Outcome:
-        raise NotImplementedError
+        """Carry out directive ``d`` on its job: the prologue, then the move."""
 
+    @abc.abstractmethod
     def _backend_admits(self, ctx: JobContext) -> None:
         """Raise BackendRefused if the backend cannot take this move now."""
-        raise NotImplementedError
 
     async def _fits(self, ctx: JobContext) -> tuple[int, str | None]:
         """NVML's bytes for the move (or 0), and why it would not fit (or None)."""

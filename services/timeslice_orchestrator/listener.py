@@ -54,8 +54,10 @@ class _Serving(asyncio.AbstractServer):
 
     def __init__(self, listener: TlsListener) -> None:
         self._listener = listener
+        self._closed = asyncio.Event()
 
     def close(self) -> None:
+        self._closed.set()
         self._listener.close()
 
     async def wait_closed(self) -> None:
@@ -71,7 +73,9 @@ class _Serving(asyncio.AbstractServer):
         """Serving starts with the listener's start(): nothing to do."""
 
     async def serve_forever(self) -> None:
-        raise NotImplementedError("the replica runs its listener itself")
+        """The listener serves from its start(); this waits until it is closed."""
+        await self._closed.wait()
+        await self.wait_closed()
 
     @property
     def sockets(self) -> tuple[socket.socket, ...]:
