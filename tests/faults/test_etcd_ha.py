@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -27,9 +26,18 @@ import pytest
 from aetcd.rpc import rpc_pb2 as pb
 
 from tests.conftest import ClusterFactory
+from tests.faults.etcd_load import (
+    Cycle,
+    Load,
+    grants_after,
+    longest_gap,
+    restored,
+    run_job,
+    timed,
+)
 from tests.faults.harness import check_switches, describe, report_recovery
 from timeslice import AsyncTimeSliceClient, Grant, register
-from timeslice.errors import Timeout, TimeSliceError, Unavailable
+from timeslice.errors import Timeout, Unavailable
 from timeslice.tls import TlsFiles
 from timeslice_orchestrator.store.etcd import (
     EtcdClient,
@@ -42,9 +50,6 @@ from timeslice_orchestrator.store.follower import WATCH_STUCK_AFTER
 from timeslice_tools.dev.certs import Pki
 from timeslice_tools.dev.etcd import EtcdCluster
 from timeslice_tools.history import (
-    Attempt,
-    Hold,
-    Recorder,
     check_fifo,
     check_mutual_exclusion,
     check_nothing_lost,
@@ -54,7 +59,6 @@ FAST_SIM = ["--sim-state-gb", "0.25"]
 JOBS = ["a", "b", "c", "d"]
 CALL_TIMEOUT = 5.0  # the SDK's bound on each unary call
 ACQUIRE_TIMEOUT = 20.0
-SLACK = 3.0  # a loaded 2-core machine's scheduling, on top of a call's own deadline
 PAUSE = 10.0
 T = TypeVar("T")
 
@@ -107,29 +111,6 @@ def _client(cluster: EtcdCluster, timeout: float = 2.0) -> EtcdClient:
     return EtcdClient([",".join(_by_name(cluster))], tls=tls, timeout=timeout)
 
 
-@contextlib.asynccontextmanager
-async def _restored(cluster: EtcdCluster) -> AsyncIterator[None]:
-    """Whatever a test does to the members, the next test finds all three up."""
-    try:
-        yield
-    finally:
-        for i, member in enumerate(cluster.members):
-            member.resume()
-            if not member.is_running():
-                await asyncio.to_thread(cluster.start_member, i)
-        await asyncio.to_thread(cluster.wait_for_leader)
-
-
-async def _timed(what: str, limit: float, coro: Awaitable[T]) -> T:
-    """``coro``'s result; it must answer (or fail, typed) within ``limit`` s."""
-    started = time.monotonic()
-    try:
-        return await coro
-    finally:
-        took = time.monotonic() - started
-        assert took <= limit + SLACK, f"{what} took {took:.1f} s, past its {limit:g} s deadline"
-
-
 @dataclass
 class _Watched:
     revisions: list[int] = field(default_factory=list)
@@ -164,7 +145,7 @@ async def _writes(etcd: EtcdClient, key: bytes, count: int, written: list[bytes]
         value = f"v{n}".encode()
         n += 1
         try:
-            await _timed("put", etcd.timeout, etcd.put(key, value))
+            await timed("put", etcd.timeout, etcd.put(key, value))
             written.append(value)
         except StoreUnavailable:
             await asyncio.sleep(0.05)
@@ -201,7 +182,7 @@ async def test_client_fails_over_by_dns_name(etcd3: EtcdCluster) -> None:
     etcd = _client(etcd3)
     prefix = f"/timeslice/ha/{time.monotonic_ns()}/".encode()
     key = prefix + b"k"
-    async with _restored(etcd3):
+    async with restored(etcd3):
         start = await etcd.put(prefix + b"start", b"")
         watched = _Watched()
         watcher = asyncio.create_task(_mirror(etcd, prefix, start + 1, watched))
@@ -228,7 +209,7 @@ async def test_client_fails_over_by_dns_name(etcd3: EtcdCluster) -> None:
                 while answered < 5:
                     assert time.monotonic() < deadline, f"reads failed after the {fault}"
                     try:
-                        kv = await _timed("get", etcd.timeout, etcd.get(key))
+                        kv = await timed("get", etcd.timeout, etcd.get(key))
                     except StoreUnavailable:
                         await asyncio.sleep(0.05)
                         continue
@@ -295,7 +276,7 @@ async def test_a_watch_on_a_paused_member_moves_while_nothing_else_calls_it(
     # connection that sends no data, so only the client itself can find the watch silent.
     watching, writing = _client(etcd3), _client(etcd3)
     prefix = f"/timeslice/ha/{time.monotonic_ns()}/".encode()
-    async with _restored(etcd3):
+    async with restored(etcd3):
         start = await _put(writing, prefix + b"start", b"")
         watched = _Watched()
         watcher = asyncio.create_task(_mirror(watching, prefix, start + 1, watched))
@@ -330,13 +311,13 @@ async def test_a_call_to_a_cluster_without_quorum_is_a_typed_unavailable(
 ) -> None:
     etcd = _client(etcd3, timeout=1.5)
     key = f"/timeslice/ha/{time.monotonic_ns()}".encode()
-    async with _restored(etcd3):
+    async with restored(etcd3):
         await etcd.put(key, b"before")
         await asyncio.to_thread(etcd3.kill, 0)
         await asyncio.to_thread(etcd3.kill, 1)
         for call in (etcd.get(key), etcd.put(key, b"during"), etcd.grant_lease(5)):
             with pytest.raises(StoreUnavailable):
-                await _timed("a call without quorum", etcd.timeout, call)
+                await timed("a call without quorum", etcd.timeout, call)
         await asyncio.to_thread(etcd3.start_member, 0)
         deadline = time.monotonic() + 20
         while True:
@@ -356,55 +337,6 @@ async def test_a_call_to_a_cluster_without_quorum_is_a_typed_unavailable(
 # -- the service on a 3-member cluster ---------------------------------------------------------
 
 
-@dataclass
-class _Load:
-    recorder: Recorder = field(default_factory=Recorder)
-    errors: Counter[str] = field(default_factory=Counter)
-    stop: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-async def _job(client: AsyncTimeSliceClient, load: _Load) -> None:
-    """Acquire, hold, yield until told to stop; every call answers within its deadline, and
-    typed errors are counted (anything else fails the test)."""
-    job, rec = client.job_id, load.recorder
-    while not load.stop.is_set():
-        started = rec.now()
-        try:
-            grant = await _timed(
-                "acquire",
-                ACQUIRE_TIMEOUT + 2 * CALL_TIMEOUT,
-                client.acquire("g", timeout=ACQUIRE_TIMEOUT),
-            )
-        except TimeSliceError as exc:
-            rec.attempt(Attempt(job, "g", started, None, repr(exc)))
-            load.errors[f"acquire: {type(exc).__name__}"] += 1
-            await asyncio.sleep(0.05)
-            continue
-        granted = rec.now()
-        rec.attempt(Attempt(job, "g", started, granted))
-        await asyncio.sleep(0.03)
-        rec.hold(Hold(job, "g", grant.epoch, grant.ticket, granted, rec.now()))
-        try:
-            await _timed("yield", CALL_TIMEOUT, client.yield_("g"))
-        except TimeSliceError as exc:
-            load.errors[f"yield: {type(exc).__name__}"] += 1
-        await asyncio.sleep(0.01)
-
-
-def _longest_gap(holds: list[Hold], start: float, end: float) -> float:
-    """The longest time without a grant that overlaps ``[start, end]``."""
-    times = sorted(h.granted_at for h in holds)
-    gaps = [b - a for a, b in itertools.pairwise(times) if b >= start and a <= end]
-    return max(gaps, default=float("nan"))
-
-
-async def _grants_after(load: _Load, moment: float, count: int, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while sum(h.granted_at > moment for h in load.recorder.holds) < count:
-        assert time.monotonic() < deadline, f"fewer than {count} grants within {timeout:g} s {what}"
-        await asyncio.sleep(0.05)
-
-
 @pytest.mark.slow
 async def test_leader_killed_restarted_and_follower_paused_under_load(
     cluster_factory: ClusterFactory,
@@ -414,27 +346,30 @@ async def test_leader_killed_restarted_and_follower_paused_under_load(
     assert etcd is not None
     socket = str(cluster.agent_sockets["node-0"])
     workers = [register("g", job_id=j, socket=socket) for j in JOBS]
-    load = _Load()
+    load = Load()
     faults: dict[str, tuple[float, float]] = {}
     try:
         clients = [
             AsyncTimeSliceClient(cluster.targets, job_id=j, call_timeout=CALL_TIMEOUT) for j in JOBS
         ]
-        runs = [asyncio.create_task(_job(c, load)) for c in clients]
-        await _grants_after(load, 0.0, 12, 60, "to warm up")
+        runs = [
+            asyncio.create_task(run_job(c, load, Cycle("g", ACQUIRE_TIMEOUT, CALL_TIMEOUT)))
+            for c in clients
+        ]
+        await grants_after(load, 0.0, 12, 60, "to warm up")
 
         leader = await asyncio.to_thread(etcd.wait_for_leader)
         killed = time.monotonic()
         await asyncio.to_thread(etcd.kill, leader)
         new_leader = await asyncio.to_thread(etcd.wait_for_leader, 30.0, not_=leader)
         elected = time.monotonic()
-        await _grants_after(load, elected, 8, 30, "after the leader was killed")
+        await grants_after(load, elected, 8, 30, "after the leader was killed")
         faults["leader killed"] = (killed, time.monotonic())
         report_recovery("etcd leader killed: new leader after", elected - killed)
 
         restarted = time.monotonic()
         await asyncio.to_thread(etcd.start_member, leader)
-        await _grants_after(load, time.monotonic(), 8, 30, "after the old leader restarted")
+        await grants_after(load, time.monotonic(), 8, 30, "after the old leader restarted")
         faults["old leader restarted"] = (restarted, time.monotonic())
 
         follower = next(i for i in range(3) if i != new_leader and i != leader)
@@ -445,7 +380,7 @@ async def test_leader_killed_restarted_and_follower_paused_under_load(
         finally:
             etcd.resume(follower)
         resumed = time.monotonic()
-        await _grants_after(load, resumed, 8, 30, "after the follower resumed")
+        await grants_after(load, resumed, 8, 30, "after the follower resumed")
         faults["follower paused 10 s"] = (paused, time.monotonic())
         grants_in_pause = sum(paused < h.granted_at < resumed for h in load.recorder.holds)
 
@@ -472,7 +407,7 @@ async def test_leader_killed_restarted_and_follower_paused_under_load(
     # Each fault's longest grant gap, next to etcd's election timeout.
     lines = []
     for name, (start, end) in faults.items():
-        gap = _longest_gap(holds, start, end)
+        gap = longest_gap(holds, start, end)
         ratio = gap / etcd.election_timeout
         lines.append(f"{name}: longest grant gap {gap:.2f} s ({ratio:.1f}x election timeout)")
         report_recovery(f"etcd ha, {name}: longest grant gap", gap)
@@ -513,14 +448,14 @@ async def test_quorum_lost_then_back_keeps_hold_and_queue(
         # No quorum: a new acquire and a status read fail typed, within their deadlines.
         # (An acquire gives up typed too: Unavailable, or Timeout when its wait ran out first.)
         with pytest.raises((Unavailable, Timeout)):
-            await _timed(
+            await timed(
                 "acquire without quorum", 2 * CALL_TIMEOUT, clients["d"].acquire("g", timeout=3)
             )
         # A status read answers from the replica's mirror (as it last saw etcd) or fails
         # typed; either way within its deadline.
         for _ in range(2):
             with contextlib.suppress(Unavailable):
-                await _timed("status without quorum", CALL_TIMEOUT, clients["d"].status("g"))
+                await timed("status without quorum", CALL_TIMEOUT, clients["d"].status("g"))
         await asyncio.sleep(max(0.0, 3.0 - (time.monotonic() - down)))
 
         back = time.monotonic()

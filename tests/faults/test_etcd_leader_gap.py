@@ -19,26 +19,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import time
-from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Iterator
 
 import pytest
 
 from tests.conftest import ClusterFactory
+from tests.faults.etcd_load import Cycle, Load, grants_after, longest_gap, restored, run_job
 from tests.faults.harness import report_recovery
 from timeslice import AsyncTimeSliceClient
-from timeslice.errors import TimeSliceError
 from timeslice_orchestrator.store.etcd import EtcdClient, MemberProbe, StoreUnavailable
 from timeslice_tools.dev.etcd import EtcdCluster
-from timeslice_tools.history import Hold, Recorder, check_fifo, check_mutual_exclusion
+from timeslice_tools.history import check_fifo, check_mutual_exclusion
 
 GROUP = "g"
 JOBS = ("a", "b")
 CALL_TIMEOUT = 10.0  # the SDK's bound on each call: past the etcd client's 5 s deadline
 ACQUIRE_TIMEOUT = 20.0
+CYCLE = Cycle(GROUP, ACQUIRE_TIMEOUT, CALL_TIMEOUT, hold=0.02, pause=0.005)
 # etcd elects a new leader in 1-2 s (election timeout 1 s, randomised up to 2x); the target
 # is a gap within 1 s of that. 2 s is the bound the client is built for; a loaded 2-core
 # machine gets a margin on top. Before the probe the gap was a call deadline: 5 s.
@@ -62,19 +60,6 @@ def etcd3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
         yield cluster
     finally:
         cluster.close()
-
-
-@contextlib.asynccontextmanager
-async def _restored(cluster: EtcdCluster) -> AsyncIterator[None]:
-    """Whatever a test does to the members, the next test finds all three up."""
-    try:
-        yield
-    finally:
-        for i, member in enumerate(cluster.members):
-            member.resume()
-            if not member.is_running():
-                await asyncio.to_thread(cluster.start_member, i)
-        await asyncio.to_thread(cluster.wait_for_leader)
 
 
 async def _leader(cluster: EtcdCluster) -> tuple[int, int]:
@@ -102,7 +87,7 @@ async def test_a_write_through_a_follower_ends_soon_after_the_leader_is_lost(
     at its own request timeout (5 s or more); the client's deadline (5 s) came first."""
     etcd = EtcdClient([etcd3.endpoint], timeout=DEADLINE)
     key = f"/timeslice/gap/{time.monotonic_ns()}".encode()
-    async with _restored(etcd3):
+    async with restored(etcd3):
         leader, leader_id = await _leader(etcd3)
         await etcd.put(key, b"before")
         follower = (leader + 1) % 3
@@ -141,7 +126,7 @@ async def test_calls_to_a_paused_member_end_at_the_probe_not_the_deadline(
 ) -> None:
     etcd = EtcdClient([etcd3.endpoint], timeout=DEADLINE)
     key = f"/timeslice/gap/{time.monotonic_ns()}".encode()
-    async with _restored(etcd3):
+    async with restored(etcd3):
         leader, _ = await _leader(etcd3)
         await etcd.put(key, b"before")
         follower = (leader + 1) % 3
@@ -170,7 +155,7 @@ async def test_a_slow_call_on_a_live_member_is_left_to_finish(etcd3: EtcdCluster
     and every call gets its answer."""
     etcd = EtcdClient([etcd3.endpoint], timeout=DEADLINE, probe=MemberProbe(after=0.001))
     key = f"/timeslice/gap/{time.monotonic_ns()}".encode()
-    async with _restored(etcd3):
+    async with restored(etcd3):
         await etcd.put(key, b"v")
         values = await asyncio.gather(*(etcd.get(key) for _ in range(200)))
         assert all(kv is not None and kv.value == b"v" for kv in values)
@@ -183,58 +168,14 @@ async def test_a_slow_call_on_a_live_member_is_left_to_finish(etcd3: EtcdCluster
 # -- the service -------------------------------------------------------------------------
 
 
-@dataclass
-class _Load:
-    recorder: Recorder = field(default_factory=Recorder)
-    errors: Counter[str] = field(default_factory=Counter)
-    stop: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-async def _job(client: AsyncTimeSliceClient, load: _Load) -> None:
-    """Acquire, hold a moment, yield, until told to stop; typed errors are counted."""
-    rec = load.recorder
-    while not load.stop.is_set():
-        try:
-            grant = await client.acquire(GROUP, timeout=ACQUIRE_TIMEOUT)
-        except TimeSliceError as exc:
-            load.errors[f"acquire: {type(exc).__name__}"] += 1
-            await asyncio.sleep(0.05)
-            continue
-        granted = rec.now()
-        await asyncio.sleep(0.02)
-        rec.hold(Hold(client.job_id, GROUP, grant.epoch, grant.ticket, granted, rec.now()))
-        try:
-            await client.yield_(GROUP)
-        except TimeSliceError as exc:
-            load.errors[f"yield: {type(exc).__name__}"] += 1
-        await asyncio.sleep(0.005)
-
-
-def _longest_gap(holds: list[Hold], start: float, end: float) -> float:
-    """The longest time without a grant that overlaps ``[start, end]``."""
-    times = sorted(h.granted_at for h in holds)
-    gaps = [b - a for a, b in itertools.pairwise(times) if b >= start and a <= end]
-    return max(gaps, default=float("inf"))
-
-
-async def _grants_after(load: _Load, moment: float, count: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while sum(h.granted_at > moment for h in load.recorder.holds) < count:
-        if time.monotonic() > deadline:
-            raise AssertionError(
-                f"fewer than {count} grants within {timeout:g} s; errors {dict(load.errors)}"
-            )
-        await asyncio.sleep(0.02)
-
-
-async def _lose_leader(etcd: EtcdCluster, load: _Load, fault: str) -> tuple[float, float]:
+async def _lose_leader(etcd: EtcdCluster, load: Load, fault: str) -> tuple[float, float]:
     """Lose the leader by ``fault`` ("kill" or "pause"); the longest grant gap around it and
     etcd's election time. The member is back (restarted or resumed) when this returns."""
     leader = await asyncio.to_thread(etcd.wait_for_leader)
     answer = await asyncio.to_thread(etcd.members[leader].status, 1.0)
     assert answer is not None
     leader_id = answer[0]
-    await _grants_after(load, time.monotonic(), 10, 30)
+    await grants_after(load, time.monotonic(), 10, 30, "before the fault")
     at = time.monotonic()
     if fault == "kill":
         await asyncio.to_thread(etcd.kill, leader)
@@ -242,13 +183,13 @@ async def _lose_leader(etcd: EtcdCluster, load: _Load, fault: str) -> tuple[floa
         etcd.pause(leader)
     try:
         election = await asyncio.to_thread(etcd.elected_since, leader, leader_id, at)
-        await _grants_after(load, at + election, 10, 30)
+        await grants_after(load, at + election, 10, 30, "after the election")
     finally:
         if fault == "kill":
             await asyncio.to_thread(etcd.start_member, leader)
         else:
             etcd.resume(leader)
-    gap = _longest_gap(load.recorder.holds, at, at + election)
+    gap = longest_gap(load.recorder.holds, at, at + election)
     await asyncio.to_thread(etcd.wait_for_leader)
     return gap, election
 
@@ -260,11 +201,11 @@ async def test_grant_gap_at_an_etcd_leader_loss_is_about_the_election_time(
     cluster = cluster_factory(replicas=1, agents=0, etcd_members=3)
     etcd = cluster.etcd_cluster
     assert etcd is not None
-    load = _Load()
+    load = Load()
     clients = [
         AsyncTimeSliceClient(cluster.targets, job_id=j, call_timeout=CALL_TIMEOUT) for j in JOBS
     ]
-    runs = [asyncio.create_task(_job(c, load)) for c in clients]
+    runs = [asyncio.create_task(run_job(c, load, CYCLE)) for c in clients]
     results: dict[str, tuple[float, float]] = {}
     try:
         for fault in ("kill", "pause"):
