@@ -19,6 +19,8 @@ from grpclib.encoding.base import CodecBase
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 
 from tests.tlsenv import env_context
+from timeslice.errors import ErrorKind
+from timeslice.status_details import KIND_CODEC
 
 # Typed answers: every refusal maps to an error kind of timeslice.errors; OK counts too.
 TYPED = {
@@ -73,6 +75,7 @@ class Outcome:
     message: str
     replies: list[bytes] = field(default_factory=list)
     open: bool = False  # the server still streamed when the test stopped reading
+    kind: ErrorKind | None = None  # the kind the status details carried, if any
 
     @property
     def refused(self) -> bool:
@@ -83,9 +86,10 @@ def raw_channel(target: str, *, insecure: bool = False) -> Channel:
     """A channel to ``HOST:PORT`` (TLS as the environment says, unless ``insecure``) or
     ``unix:PATH``."""
     if target.startswith("unix:"):
-        return Channel(path=target[5:], codec=RawCodec())
+        return Channel(path=target[5:], codec=RawCodec(), status_details_codec=KIND_CODEC)
     host, _, port = target.rpartition(":")
-    return Channel(host, int(port), codec=RawCodec(), ssl=None if insecure else env_context())
+    context = None if insecure else env_context()
+    return Channel(host, int(port), codec=RawCodec(), status_details_codec=KIND_CODEC, ssl=context)
 
 
 async def raw_call(
@@ -106,7 +110,12 @@ async def raw_call(
         async with asyncio.timeout(timeout + 2):
             return await _call(channel, method, data, end, max_replies, timeout)
     except GRPCError as exc:  # raised on leaving the stream (a reset after the status)
-        return Outcome(exc.status, exc.message or "")
+        return _failed(exc)
+
+
+def _failed(exc: GRPCError, replies: list[bytes] | None = None) -> Outcome:
+    kind = exc.details if isinstance(exc.details, ErrorKind) else None
+    return Outcome(exc.status, exc.message or "", replies or [], kind=kind)
 
 
 async def _call(
@@ -131,7 +140,7 @@ async def _call(
                 return Outcome(Status.OK, "", replies, open=True)
             await stream.recv_trailing_metadata()
         except GRPCError as exc:
-            return Outcome(exc.status, exc.message or "", replies)
+            return _failed(exc, replies)
         except StreamTerminatedError as exc:
             return Outcome(Status.UNKNOWN, f"stream terminated: {exc}", replies)
         return Outcome(Status.OK, "", replies)

@@ -36,6 +36,9 @@ from timeslice_proto.timeslice.v1 import (
 )
 
 log = logging.getLogger("timeslice")
+# Set (True) on the log record of a grant's warning, for a program that shows the warning
+# itself (the CLI) to leave that record out.
+GRANT_WARNING = "timeslice_grant_warning"
 
 ProgressCallback = Callable[[AcquireProgress], None]
 """Called with each :class:`~timeslice.AcquireProgress` of a pending acquire."""
@@ -129,8 +132,10 @@ class AcquireCall:
         open_session: Callable[[], Awaitable[Session]],
         check_open: Callable[[], None],
         closed: Callable[[], bool],
+        strict_groups: bool = False,
     ) -> None:
         self._transport = transport
+        self._strict_groups = strict_groups
         self._job_id = job_id
         self._group = group
         self._priority = priority
@@ -167,6 +172,7 @@ class AcquireCall:
             group_id=self._group,
             priority=self._priority,
             request_id=self.request_id,
+            strict_groups=self._strict_groups,
         )
 
     async def until_granted(self) -> None:
@@ -347,6 +353,16 @@ class AcquireCall:
         stage = AcquireStage.from_wire(event.state)
         if stage is AcquireStage.GRANTED:
             self.granted = event
+            if event.warning:
+                # A grant that is likely not what the job meant (a mistyped group): said
+                # where the job's operator looks, and kept on the Grant for the caller.
+                log.warning(
+                    "acquire of %s by job %s: %s",
+                    self._group,
+                    self._job_id,
+                    event.warning,
+                    extra={GRANT_WARNING: True},
+                )
             return
         if stage is None:
             log.warning("ignoring Acquire event with unknown state %r", event.state)

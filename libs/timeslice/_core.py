@@ -22,6 +22,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from timeslice import _trace_context
 from timeslice._acquire import AcquireCall, ProgressCallback
 from timeslice._release import PendingRelease
 from timeslice._session import Session
@@ -76,8 +77,11 @@ class ClientCore:
         on_yield_request: Callable[[str], None] | None,
         tasks: Supervisor,
         yield_streams: YieldStreams,
+        strict_groups: bool = False,
     ) -> None:
         self.job_id = job_id
+        # Sent with every Acquire: refuse a group that is not known (docs/groups.md).
+        self._strict_groups = strict_groups
         self._transport = transport
         self._session_ttl = session_ttl
         self._call_timeout = call_timeout
@@ -183,6 +187,7 @@ class ClientCore:
             open_session=self.ensure_session,
             check_open=self.check_open,
             closed=lambda: self.closed,
+            strict_groups=self._strict_groups,
         )
         tenure = self.tenures[group]
         tenure.begin_acquire()
@@ -231,6 +236,11 @@ class ClientCore:
                 )
         except TimeoutError:
             if limit.expired():
+                # No replica ever answered this acquire, and none answers now: that is the
+                # reason, not "not granted" (a queued acquire that lost its replica is).
+                unreachable = self._transport.outage(f"Acquire({group})", timeout or 0.0)
+                if unreachable is not None and call.events == 0:
+                    raise unreachable from None
                 raise Timeout(
                     f"job {self.job_id} was not granted group {group} within {timeout:g}s"
                 ) from None
@@ -346,6 +356,7 @@ class ClientCore:
             job_id=self.job_id,
             group_id=group,
             epoch=epoch,
+            trace_context=_trace_context.carrier(),
         )
 
         async def call(stub: TimeSliceStub, timeout: float) -> None:

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import NoReturn
 
-from timeslice.argv import OneLineParser
+from timeslice.argv import OneLineParser, VersionAction
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,8 @@ class ServiceOptions:
             "line wins.",
             epilog=UNITS,
         )
+        # "timeslice orchestrator" is the module timeslice_orchestrator, and so on.
+        self.parser.add_argument("--version", action=VersionAction, package=prog.replace(" ", "_"))
 
     def env_name(self, flag: str) -> str:
         """The environment variable of ``flag``."""

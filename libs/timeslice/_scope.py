@@ -43,13 +43,35 @@ class ScopeOwner(Protocol):
     """A client that makes scopes (both clients): what a pickled scope is rebuilt from."""
 
     def on_accelerators(
-        self, group_id: str, *, timeout: float | None = None, priority: int = 0
+        self,
+        group_id: str | None = None,
+        *,
+        pool: str | None = None,
+        role: str | None = None,
+        timeout: float | None = None,
+        priority: int = 0,
     ) -> AcceleratorScope: ...
 
 
+class RoleResolver(Protocol):
+    """The group of a role in a placement pool (the asyncio client: ``group_for``), from
+    async code and from blocking code; cached by the client for its life."""
+
+    async def group_for(self, pool: str, role: str = "main") -> str: ...
+
+    def group_for_blocking(self, pool: str, role: str = "main") -> str: ...
+
+
 def _rebuild_scope(
-    owner: ScopeOwner, group_id: str, timeout: float | None, priority: int
+    owner: ScopeOwner,
+    group_id: str,
+    timeout: float | None,
+    priority: int,
+    pool: str | None = None,
+    role: str | None = None,
 ) -> AcceleratorScope:
+    if pool is not None:
+        return owner.on_accelerators(pool=pool, role=role, timeout=timeout, priority=priority)
     return owner.on_accelerators(group_id, timeout=timeout, priority=priority)
 
 
@@ -69,6 +91,10 @@ class AcceleratorScope:
     the body's exception is the one that propagates. The scope holds no per-entry state, so
     one decorated function may be called many times; two overlapping holds of the same group
     by the same client are refused with :class:`~timeslice.errors.AlreadyExists`.
+
+    A scope of a role in a placement pool (``on_accelerators(pool=..., role=...)``) asks the
+    orchestrator for the role's group at its first entry (docs/placement.md); the client keeps
+    the answer for its life, so every entry acquires and yields that same group.
     """
 
     def __init__(
@@ -79,9 +105,18 @@ class AcceleratorScope:
         priority: int,
         *,
         owner: ScopeOwner | None = None,
+        pool: str | None = None,
+        role: str = "main",
+        resolver: RoleResolver | None = None,
     ) -> None:
+        if pool is not None and resolver is None:
+            raise InvalidArgument("a scope of a pool role needs a client that resolves roles")
         self._runner = runner
         self.group_id = group_id
+        """The group; for a pool role, "" until the first entry resolved it."""
+        self.pool = pool
+        self.role = role
+        self._resolver = resolver
         self.timeout = timeout
         self.priority = priority
         # The client that made this scope: a pickled scope (a decorated function sent to a
@@ -91,13 +126,29 @@ class AcceleratorScope:
     def __reduce__(self) -> tuple[Any, ...]:
         if self._owner is None:
             raise TypeError("this AcceleratorScope has no client to be rebuilt from")
-        return (_rebuild_scope, (self._owner, self.group_id, self.timeout, self.priority))
+        args = (self._owner, self.group_id, self.timeout, self.priority)
+        if self.pool is not None:
+            return (_rebuild_scope, (*args, self.pool, self.role))
+        return (_rebuild_scope, args)
 
     def __repr__(self) -> str:
+        where = f"group_id={self.group_id!r}"
+        if self.pool is not None:
+            where = f"pool={self.pool!r}, role={self.role!r}, {where}"
         return (
-            f"AcceleratorScope(job_id={self._runner.job_id!r}, group_id={self.group_id!r}, "
+            f"AcceleratorScope(job_id={self._runner.job_id!r}, {where}, "
             f"timeout={self.timeout!r}, priority={self.priority})"
         )
+
+    def _group_blocking(self) -> str:
+        if self._resolver is not None and self.pool is not None:
+            self.group_id = self._resolver.group_for_blocking(self.pool, self.role)
+        return self.group_id
+
+    async def _group(self) -> str:
+        if self._resolver is not None and self.pool is not None:
+            self.group_id = await self._resolver.group_for(self.pool, self.role)
+        return self.group_id
 
     def __call__(self, fn: F) -> F:
         if inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
@@ -124,7 +175,7 @@ class AcceleratorScope:
 
     def __enter__(self) -> Grant:
         return self._runner.acquire_blocking(
-            self.group_id, timeout=self.timeout, priority=self.priority
+            self._group_blocking(), timeout=self.timeout, priority=self.priority
         )
 
     def __exit__(
@@ -142,7 +193,7 @@ class AcceleratorScope:
 
     async def __aenter__(self) -> Grant:
         return await self._runner.acquire(
-            self.group_id, timeout=self.timeout, priority=self.priority
+            await self._group(), timeout=self.timeout, priority=self.priority
         )
 
     async def __aexit__(

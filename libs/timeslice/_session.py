@@ -19,6 +19,7 @@ from typing import Any
 
 from grpclib.exceptions import StreamTerminatedError
 
+from timeslice import _trace_context
 from timeslice._transport import Transport
 from timeslice.errors import InternalError, NotFound, SessionExpired, TimeSliceError
 from timeslice_proto.timeslice.v1 import (
@@ -123,7 +124,8 @@ class Session:
 
     def keep_alive(self, spawn: Spawn) -> None:
         """Start the keepalive task (with ``spawn``, so that a crash is logged)."""
-        self._keepalive = spawn(self._keepalive_guard(), f"timeslice-keepalive-{self.session_id}")
+        guard = _trace_context.detached(self._keepalive_guard())
+        self._keepalive = spawn(guard, f"timeslice-keepalive-{self.session_id}")
 
     def lose(self, reason: str) -> None:
         """Mark the session lost (the orchestrator released what it held) and tell the owner.

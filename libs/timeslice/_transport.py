@@ -17,12 +17,15 @@ from grpclib.client import Channel
 from grpclib.config import Configuration
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
+from timeslice import _trace_context
 from timeslice._channel import LiveChannel
 from timeslice.backoff import Backoff
 from timeslice.errors import (
+    ConnectionFailed,
     InvalidArgument,
     Timeout,
     TimeSliceError,
+    TlsRefused,
     Unavailable,
     error_from_status,
 )
@@ -77,7 +80,7 @@ def map_error(exc: BaseException, where: object) -> TimeSliceError | None:
     if isinstance(exc, TimeSliceError):
         return exc
     if isinstance(exc, GRPCError):
-        return error_from_status(exc.status, exc.message)
+        return error_from_status(exc.status, exc.message, exc.details)
     # TimeoutError is an OSError subclass: test it before the connection errors.
     if isinstance(exc, TimeoutError):
         return Timeout(f"{where}: deadline exceeded")
@@ -90,23 +93,15 @@ def map_error(exc: BaseException, where: object) -> TimeSliceError | None:
     return None
 
 
-class TlsRefused(Unavailable):
-    """A connection failed at the TLS level (a certificate refused or not trusted).
-
-    Still an outage to the retry loops (a rotation in progress heals by itself), but its
-    message is kept as the reason when the budget ends, over any later timeout. ``final``:
-    retrying cannot help (the server requires a client certificate and none is configured),
-    so the call fails at once with this error.
-    """
-
-    def __init__(self, message: str, *, final: bool = False) -> None:
-        super().__init__(message)
-        self.final = final
+# TlsRefused (timeslice.errors): still an outage to the retry loops (a rotation in progress
+# heals by itself), but its message is kept as the reason when the budget ends, over any later
+# timeout.
 
 
 def is_final(error: TimeSliceError | None) -> bool:
-    """A refusal no retry can heal: raise it now, naming TLS."""
-    return isinstance(error, TlsRefused) and error.final
+    """A connection failure no retry can heal (the server requires a client certificate
+    and none is configured): raise it now."""
+    return isinstance(error, ConnectionFailed) and error.final
 
 
 class ReplicasUnreachable(Unavailable):
@@ -152,6 +147,8 @@ class Transport:
         self._failover = _Announcement()
         # Targets whose last call failed, and where no call has worked since.
         self._failing: set[str] = set()
+        # The last connection failure at each target since a call last worked anywhere.
+        self._outage: dict[str, TimeSliceError] = {}
 
     @property
     def current(self) -> Target:
@@ -187,6 +184,7 @@ class Transport:
     def worked(self, target: Target) -> None:
         """``target`` answered (a stream's message): it is not failing."""
         self._failing.discard(str(target))
+        self._outage.clear()
 
     def _announce_failover(self, failed: set[str]) -> None:
         announcement, self._failover = self._failover, _Announcement()
@@ -198,22 +196,40 @@ class Transport:
             raise Unavailable("the client's connections were closed")
         channel = self._channels.get(self._current)
         if channel is None:
-            channel = open_channel(self.current, self._tls)
+            channel = _trace_context.install(open_channel(self.current, self._tls))
             self._channels[self._current] = channel
         return self.current, TimeSliceStub(channel)
 
     def map_error(self, exc: BaseException, where: object) -> TimeSliceError | None:
-        """:func:`map_error`, naming the TLS refusal behind a lost connection if there was one.
+        """:func:`map_error`, naming the cause behind a lost connection if the channel saw it.
 
         A server that refuses our certificate (TLS 1.3) does so after our handshake ended,
-        so grpclib only sees the connection drop; the channel kept the alert.
+        and a TLS server hangs up on a plaintext client before answering: grpclib only sees
+        the connection drop ("Connection lost"); the channel kept why. A connection failure
+        is remembered (:meth:`outage`) until a call works again.
         """
         error = map_error(exc, where)
-        if isinstance(error, Unavailable) and not isinstance(exc, ssl.SSLError):
-            channel = self._channels.get(self._current)
-            if isinstance(channel, TlsChannel) and channel.tls_problem is not None:
-                return TlsRefused(f"{where}: {channel.tls_problem}", final=channel.tls_final)
+        channel = self._channels.get(self._current)
+        if (
+            isinstance(error, Unavailable)
+            and not isinstance(error, ConnectionFailed)
+            and not isinstance(exc, ssl.SSLError)
+            and isinstance(channel, LiveChannel)
+            and channel.problem is not None
+        ):
+            error = channel.problem
+        if isinstance(error, Unavailable) and not isinstance(exc, GRPCError):
+            # Not a replica's answer (UNAVAILABLE from one cut off from etcd is an answer).
+            self._outage[str(self.current)] = error
         return error
+
+    def outage(self, what: str, waited: float) -> Unavailable | None:
+        """The unreachable error for ``what`` if no call has worked since the last connection
+        failure (every target tried failed): a deadline that passed meanwhile passed because
+        nothing answered, and this says so. ``None`` while any replica answers."""
+        if not self._outage:
+            return None
+        return self._unreachable(what, dict(self._outage), waited)
 
     def close(self) -> None:
         """Close every open channel; later calls raise :class:`Unavailable`."""
@@ -236,7 +252,8 @@ class Transport:
         backoff included, takes at most ``budget`` seconds. ``attempts`` bounds the number of
         tries instead of retrying until the budget ends: ``len(targets)`` asks every replica
         once, each with an equal share of the budget (interactive tools that should fail
-        fast). Raises :class:`ReplicasUnreachable` when no replica answered.
+        fast). Raises :class:`ReplicasUnreachable` when no replica answered, or the one
+        :class:`~timeslice.errors.ConnectionFailed` subclass every target failed with.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget
@@ -301,16 +318,28 @@ class Transport:
                 await asyncio.sleep(delay)
                 continue
             self._failing.discard(str(target))
+            self._outage.clear()
             if self._failing:
                 self._announce_failover(set(self._failing))
             return result
 
     def _unreachable(
         self, what: str, problems: dict[str, TimeSliceError], budget: float | None
-    ) -> ReplicasUnreachable:
+    ) -> Unavailable:
+        """The error of a call no replica answered: the one cause, as its own type, when
+        every target failed the same way (a misconfiguration, typically: nothing listens,
+        a name that does not resolve, TLS on one side only), else :class:`ReplicasUnreachable`
+        naming the telling one."""
         within = "" if budget is None else f" within {budget:g}s"
         # A TLS refusal says more than a later timeout or reset at another replica.
         last = _refusal(problems) or list(problems.values())[-1]
+        if isinstance(last, ConnectionFailed) and {type(e) for e in problems.values()} == {
+            type(last)
+        }:
+            # Each message names its own address.
+            causes = "; ".join(str(e) for e in problems.values())
+            several = "no orchestrator replica reachable: " if len(problems) > 1 else ""
+            return type(last)(f"{what}: {several}{causes}", final=last.final)
         return ReplicasUnreachable(
             f"{what}: no orchestrator replica reachable{within} "
             f"(targets {', '.join(str(t) for t in self.targets)}; last error: {last})",

@@ -56,7 +56,9 @@ class Grant:
     ``restored`` says whether the job's device state had to be brought back for it, and
     ``previous_job_id`` / ``switch_seconds`` describe the context switch when one happened.
     ``ticket`` is the job's place in line (the create revision of its queue entry): under
-    FIFO, grants serve tickets in increasing order.
+    FIFO, grants serve tickets in increasing order. ``warning`` is set when the grant is likely
+    not what the job meant: the group is not known (no node serves it and no operator
+    created it, e.g. a mistyped name; docs/groups.md); "" when all is well.
     """
 
     group_id: str
@@ -67,6 +69,7 @@ class Grant:
     previous_job_id: str | None
     switch_seconds: float
     ticket: int = 0
+    warning: str = ""
 
     @classmethod
     def from_event(cls, group_id: str, job_id: str, event: AcquireEvent) -> Grant:
@@ -81,4 +84,5 @@ class Grant:
             previous_job_id=event.previous_job_id or None,
             switch_seconds=float(event.switch_seconds),
             ticket=int(event.ticket),
+            warning=event.warning,
         )

@@ -27,6 +27,7 @@ from grpclib.client import Channel
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
+from timeslice.errors import ErrorKind
 from timeslice_proto.timeslice.v1 import (
     TimeSliceStub,
     YieldRequest,
@@ -88,7 +89,8 @@ class _YieldStream:
                 status = Status(reply.status)
             except ValueError:  # not a gRPC status: a server bug, told as such
                 status = Status.UNKNOWN
-            raise GRPCError(status, reply.message)
+            kind = ErrorKind.__members__.get(reply.kind)  # unknown or empty: by the status
+            raise GRPCError(status, reply.message, kind)
 
     async def close(self) -> None:
         """End the stream (its requests first, then the call)."""

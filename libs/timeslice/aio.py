@@ -44,6 +44,7 @@ from typing import Any, TypeVar
 
 from timeslice._acquire import ProgressCallback
 from timeslice._core import ClientCore
+from timeslice._roles import Roles, role_key
 from timeslice._scope import AcceleratorScope
 from timeslice._tenure import TenureState
 from timeslice._transport import Transport
@@ -53,11 +54,13 @@ from timeslice._watch import Watches
 from timeslice._yields import YieldStreams
 from timeslice.errors import InvalidArgument, TimeSliceError
 from timeslice.ids import validate_group_id, validate_job_id
+from timeslice.placement import JobProfile
 from timeslice.runner import ClientRunner
 from timeslice.targets import Target, targets_from_env
 from timeslice.tasks import Supervisor, run_to_completion
 from timeslice.tls import client_tls
 from timeslice.worker import check_can_enter
+from timeslice_proto.timeslice.placement.v1 import PlaceResponse
 from timeslice_proto.timeslice.v1 import (
     GroupEvent,
     GroupStatus,
@@ -97,6 +100,10 @@ class AsyncTimeSliceClient:
             are picked up by the next connection.
         insecure: ``True`` for plaintext (also ``TIMESLICE_INSECURE=1``, or unix targets);
             with neither TLS nor this, the client refuses to start.
+        strict_groups: ``True`` makes :meth:`acquire` refuse a group that is not known (no
+            node serves it, no operator created it: a mistyped name) with
+            :class:`~timeslice.errors.NotFound`, instead of getting it created and granted
+            with a warning (:attr:`Grant.warning`, also logged). See docs/groups.md.
 
     Raises:
         InvalidArgument: no job id, or a malformed id, target or duration; no TLS
@@ -115,6 +122,7 @@ class AsyncTimeSliceClient:
         tls_cert: str | None = None,
         tls_key: str | None = None,
         insecure: bool | None = None,
+        strict_groups: bool = False,
     ) -> None:
         self._targets: list[Target] = targets_from_env(target)
         # TLS files (or $TIMESLICE_TLS_CA/_CERT/_KEY); plaintext only when chosen: see
@@ -132,6 +140,7 @@ class AsyncTimeSliceClient:
         self._session_ttl = check_positive(session_ttl, "session_ttl")
         self._call_timeout = check_positive(call_timeout, "call_timeout")
         self._on_yield_request = on_yield_request
+        self._strict_groups = bool(strict_groups)
         self._transport = Transport(self._targets, self._tls)
         # Yields go over one long-lived stream per connection (_yields.py).
         self._yield_streams = YieldStreams()
@@ -145,6 +154,7 @@ class AsyncTimeSliceClient:
             on_yield_request=on_yield_request,
             tasks=self._tasks,
             yield_streams=self._yield_streams,
+            strict_groups=self._strict_groups,
         )
         self._runner = ClientRunner(self._job_id, call_timeout=self._call_timeout, calls=self._core)
         self._watches = Watches(
@@ -154,6 +164,8 @@ class AsyncTimeSliceClient:
             call_timeout=self._call_timeout,
             closed=lambda: self._core.closed,
         )
+        # Where this job's roles in placement pools run (docs/placement.md).
+        self._roles = Roles(self._job_id, self._runner, self._core, self._call_timeout)
 
     def settings(self) -> dict[str, Any]:
         """The arguments that build a client like this one, resolved (environment defaults,
@@ -169,6 +181,7 @@ class AsyncTimeSliceClient:
             "tls_cert": files.cert if files is not None else None,
             "tls_key": files.key if files is not None else None,
             "insecure": files is None,
+            "strict_groups": self._strict_groups,
         }
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -362,17 +375,61 @@ class AsyncTimeSliceClient:
             raise errors[0]
 
     def on_accelerators(
-        self, group_id: str, *, timeout: float | None = None, priority: int = 0
+        self,
+        group_id: str | None = None,
+        *,
+        pool: str | None = None,
+        role: str | None = None,
+        profile: JobProfile | None = None,
+        timeout: float | None = None,
+        priority: int = 0,
     ) -> AcceleratorScope:
         """Hold ``group_id`` around a function or block; see :class:`AcceleratorScope`.
 
         Works as a decorator on plain and ``async`` functions and as ``async with``. As a
         plain ``with`` (or on a plain function) it blocks, which needs this client's loop to
         run in another thread (use :class:`TimeSliceOrchestratorClient` in synchronous code).
+
+        Instead of a group, a job may name a ``role`` (default ``main``) in a placement
+        ``pool``: the orchestrator picks the group (:meth:`group_for`, docs/placement.md),
+        placing the role by ``profile`` (its declared busy fraction, period, ...) until its
+        holds are measured.
         """
-        group = validate_group_id(group_id)
         wait = check_seconds(timeout, "timeout", allow_none=True)
+        if pool is not None or role is not None:
+            key = role_key(group_id, pool, role)
+            return self._roles.scope(self, key, profile, wait, check_priority(priority))
+        if group_id is None:
+            raise InvalidArgument("on_accelerators needs a group_id, or a pool and a role")
+        group = validate_group_id(group_id)
         return AcceleratorScope(self._runner, group, wait, check_priority(priority), owner=self)
+
+    async def group_for(
+        self, pool: str, role: str = "main", *, profile: JobProfile | None = None
+    ) -> str:
+        """The group of this job's ``role`` in placement ``pool``, asked for once and kept
+        for the client's life (:mod:`timeslice._roles`, docs/placement.md). ``profile``: the
+        role's declared profile, used until its holds are measured.
+
+        Raises:
+            ResourceExhausted: no group of the pool can take the role (the reason says why).
+            NotFound: no such pool.
+        """
+        key = role_key(None, pool, role)
+        self._roles.declare(key, profile)
+        return await self._runner.run(self._roles.resolve(key))
+
+    async def place(
+        self,
+        pool: str,
+        roles: Sequence[str],
+        *,
+        profiles: dict[tuple[str, str], JobProfile] | None = None,
+    ) -> PlaceResponse:
+        """``Placement.Place`` for this job: each role's group, nodes and reason. The groups
+        are kept as :meth:`group_for` keeps them (the later answer wins). ``profiles``:
+        declared profiles by (pool, role)."""
+        return await self._runner.run(self._roles.place(pool, roles, profiles))
 
     async def status(self, group_id: str) -> GroupStatus:
         """The group's holder, queue, residency, switch in flight and faults."""

@@ -24,6 +24,7 @@ from timeslice._validate import check_priority, check_seconds
 from timeslice.aio import AsyncTimeSliceClient, rebuild_client
 from timeslice.errors import Cancelled, InternalError, InvalidArgument, TimeSliceError
 from timeslice.ids import validate_group_id
+from timeslice.placement import JobProfile
 from timeslice_proto.timeslice.v1 import GroupStatus, GroupSummary
 
 log = logging.getLogger("timeslice")
@@ -108,6 +109,8 @@ class TimeSliceOrchestratorClient:
         job_id: the job this client acts for. Default: ``TIMESLICE_JOB_ID``.
         session_ttl: lease TTL of the session in seconds (keepalives every ttl/3).
         call_timeout: the bound on every unary call, retries and failover included.
+        strict_groups: refuse (NotFound) an acquire of a group that is not known, instead
+            of a grant with a warning (see :class:`~timeslice.AsyncTimeSliceClient`).
 
     ``on_accelerators`` also wraps ``async`` functions: they acquire through this client's
     loop while awaiting on the caller's. Closing is idempotent, and clients still open at
@@ -126,6 +129,7 @@ class TimeSliceOrchestratorClient:
         tls_cert: str | None = None,
         tls_key: str | None = None,
         insecure: bool | None = None,
+        strict_groups: bool = False,
     ) -> None:
         # Validate everything before starting a thread, so bad input leaves nothing behind.
         self._client = AsyncTimeSliceClient(
@@ -138,6 +142,7 @@ class TimeSliceOrchestratorClient:
             tls_cert=tls_cert,
             tls_key=tls_key,
             insecure=insecure,
+            strict_groups=strict_groups,
         )
         self._call_timeout = float(call_timeout)
         self._runner = self._client.runner
@@ -287,17 +292,41 @@ class TimeSliceOrchestratorClient:
         return self._call(self._client.groups(), "groups()")
 
     def on_accelerators(
-        self, group_id: str, *, timeout: float | None = None, priority: int = 0
+        self,
+        group_id: str | None = None,
+        *,
+        pool: str | None = None,
+        role: str | None = None,
+        profile: JobProfile | None = None,
+        timeout: float | None = None,
+        priority: int = 0,
     ) -> AcceleratorScope:
-        """Hold ``group_id`` around a function or block (decorator, ``with``, ``async with``).
+        """Hold ``group_id`` around a function or block (decorator, ``with``, ``async with``),
+        or the group the orchestrator placed this job's ``role`` in ``pool`` on (see
+        :meth:`AsyncTimeSliceClient.on_accelerators`, docs/placement.md).
 
         See :class:`~timeslice.AcceleratorScope`.
         """
-        group = validate_group_id(group_id)
         wait = check_seconds(timeout, "timeout", allow_none=True)
+        if pool is not None or role is not None:
+            scope = self._client.on_accelerators(
+                group_id, pool=pool, role=role, profile=profile, timeout=wait, priority=priority
+            )
+            # Rebuilt from this client when pickled (see below).
+            scope._owner = self
+            return scope
+        if group_id is None:
+            raise InvalidArgument("on_accelerators needs a group_id, or a pool and a role")
+        group = validate_group_id(group_id)
         # Owned by this client, so a pickled scope comes back as a scope of this client's
         # copy (with its own loop thread), not of the asyncio client inside it.
         return AcceleratorScope(self._runner, group, wait, check_priority(priority), owner=self)
+
+    def group_for(self, pool: str, role: str = "main", *, profile: JobProfile | None = None) -> str:
+        """The group of this job's ``role`` in placement ``pool``; see
+        :meth:`AsyncTimeSliceClient.group_for`."""
+        self._check_open()
+        return self._call(self._client.group_for(pool, role, profile=profile), f"group_for({pool})")
 
     def close(self) -> None:
         """End the session (best effort), stop the loop thread. Idempotent."""

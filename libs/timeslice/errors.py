@@ -1,16 +1,18 @@
 """Typed errors shared by the SDK and the services.
 
-On the wire an error is a gRPC status whose message starts with ``[kind]``; both sides map
-between :class:`ErrorKind` and the exception classes below, so a plain grpcio client still sees
-a meaningful status code and our SDK raises the precise exception.
+On the wire an error is a gRPC status (a meaningful code for any client, a plain human
+message) whose kind travels typed in ``grpc-status-details-bin`` as a ``google.rpc.ErrorInfo``
+(:mod:`timeslice.status_details`); both sides map between :class:`ErrorKind` and the exception
+classes below, so our SDK raises the precise exception. A status without that detail (another
+server, a proxy) is classed by its code alone.
 """
 
 from __future__ import annotations
 
 import enum
-import re
 
 from grpclib.const import Status
+from grpclib.exceptions import GRPCError
 
 
 class ErrorKind(enum.Enum):
@@ -61,8 +63,10 @@ class TimeSliceError(Exception):
     def status(self) -> Status:
         return _STATUS[self.kind]
 
-    def wire_message(self) -> str:
-        return f"[{self.kind.value}] {self.message}"
+    def to_grpc(self, status: Status | None = None) -> GRPCError:
+        """This error as a server raises it: its status (or ``status``, for an API that
+        maps kinds its own way), its plain message, and its kind as the status details."""
+        return GRPCError(status or self.status, self.message, self.kind)
 
 
 class InvalidArgument(TimeSliceError, ValueError):
@@ -139,6 +143,61 @@ class Unavailable(TimeSliceError, ConnectionError):
     kind = ErrorKind.UNAVAILABLE
 
 
+class ConnectionFailed(Unavailable):
+    """A connection to a server could not be made, or the server ended it before answering.
+
+    The subclasses name the cause; the message names the address and what to do. Retried
+    as any outage (a server restarting, a rotation in progress) unless ``final``: nothing a
+    retry can change (the call then fails at once).
+    """
+
+    def __init__(self, message: str, *, final: bool = False) -> None:
+        super().__init__(message)
+        self.final = final
+
+
+class ConnectionRefused(ConnectionFailed):
+    """Nothing listens on the address (connection refused): the server is not running
+    there, or the address (host, port) is wrong."""
+
+
+class NameNotResolved(ConnectionFailed):
+    """The host name of the address does not resolve (DNS): a typo, or a name only known
+    inside another network (a Kubernetes service name outside the cluster)."""
+
+
+class TlsRefused(ConnectionFailed):
+    """The connection failed at the TLS level: a handshake failed, or the server refused
+    our certificate. The message says which, and why when the alert tells."""
+
+
+class TlsMismatch(TlsRefused):
+    """One side speaks TLS and the other plaintext."""
+
+
+class ServerWithoutTls(TlsMismatch):
+    """This client speaks TLS; the server answers plaintext (started with ``--insecure``)."""
+
+
+class ServerRequiresTls(TlsMismatch):
+    """This client speaks plaintext; the server speaks TLS and hung up on it."""
+
+
+class UntrustedCertificate(TlsRefused):
+    """A certificate is not signed by a CA the other side trusts: the server's, by the CA
+    this client was given, or ours, by the server's CA (two different deployments' CAs)."""
+
+
+class CertificateExpired(TlsRefused):
+    """A certificate (the server's or ours) is past its end of validity: renew it."""
+
+
+class CertificateFileError(InvalidArgument):
+    """A TLS file (CA, certificate or key) is missing, unreadable or not PEM; the message
+    names the path. A configuration error: raised when the client is built or first
+    connects, never retried."""
+
+
 class Cancelled(TimeSliceError):
     kind = ErrorKind.CANCELLED
 
@@ -181,17 +240,17 @@ _BY_STATUS: dict[Status, ErrorKind] = {
     Status.CANCELLED: ErrorKind.CANCELLED,
 }
 
-_PREFIX = re.compile(r"^\[([a-z_]+)\] ?(.*)$", re.DOTALL)
 
+def error_from_status(
+    status: Status, message: str | None, details: object = None
+) -> TimeSliceError:
+    """Rebuild the typed error a server sent as a gRPC status.
 
-def error_from_status(status: Status, message: str | None) -> TimeSliceError:
-    """Rebuild the typed error a server sent as a gRPC status."""
+    ``details`` is what :class:`~timeslice.status_details.KindDetailsCodec` decoded from the
+    status details (the kind); without it the status code decides the class.
+    """
     text = message or status.name
-    match = _PREFIX.match(text)
-    if match:
-        try:
-            kind = ErrorKind(match.group(1))
-            return _BY_KIND[kind](match.group(2))
-        except ValueError:
-            pass
-    return _BY_KIND[_BY_STATUS.get(status, ErrorKind.INTERNAL)](text)
+    kind = details if isinstance(details, ErrorKind) else None
+    if kind is None:
+        kind = _BY_STATUS.get(status, ErrorKind.INTERNAL)
+    return _BY_KIND[kind](text)

@@ -27,7 +27,13 @@ from grpclib.config import Configuration
 from grpclib.protocol import H2Protocol
 
 from timeslice._channel import LiveChannel
-from timeslice.errors import InvalidArgument
+from timeslice._connection_errors import (
+    describe_tls_error,
+    diagnose,
+    refused_after_handshake,
+    requires_certificate,
+)
+from timeslice.errors import CertificateFileError, InvalidArgument
 from timeslice.targets import HostPort, Target, UnixSocket
 
 __all__ = [
@@ -82,17 +88,46 @@ class TlsFiles:
         Raises:
             InvalidArgument: naming the file, or the files, and why.
         """
-        for path in self.paths():
+        self.check_readable()
+        try:
+            client_context(self)
+        except (ssl.SSLError, OSError, ValueError) as exc:
+            raise self.load_error(exc) from None
+
+    def load_error(self, exc: Exception) -> CertificateFileError:
+        """The error for files that are readable but do not load, naming the one at fault
+        (OpenSSL's own error names none). Reads the files again (blocking)."""
+        try:
+            ssl.create_default_context(cafile=self.ca)
+        except (ssl.SSLError, OSError, ValueError) as ca_exc:
+            return CertificateFileError(
+                f"TLS CA file {self.ca} does not load: is it a PEM certificate? ({ca_exc})"
+            )
+        if self.cert is not None and self.key is not None:
+            return CertificateFileError(
+                f"TLS certificate {self.cert} and key {self.key} do not load: are they PEM, "
+                f"and the key the certificate's? ({exc})"
+            )
+        return CertificateFileError(f"TLS files {', '.join(self.paths())} do not load: {exc}")
+
+    def check_readable(self) -> None:
+        """Each file exists and this process may read it (a few ``open`` calls).
+
+        Raises:
+            CertificateFileError: naming the file and why.
+        """
+        for path, what in ((self.ca, "CA"), (self.cert, "certificate"), (self.key, "key")):
+            if path is None:
+                continue
             try:
                 with open(path, "rb"):
                     pass
             except OSError as exc:
-                raise InvalidArgument(f"TLS file {path}: {exc.strerror or exc}") from None
-        try:
-            client_context(self)
-        except (ssl.SSLError, OSError, ValueError) as exc:
-            files = ", ".join(self.paths())
-            raise InvalidArgument(f"TLS files {files} do not load: {exc}") from None
+                raise CertificateFileError(
+                    f"TLS {what} file {path}: {exc.strerror or exc}: check the path "
+                    "(tls_ca=, tls_cert=, tls_key=, or $TIMESLICE_TLS_CA, _CERT, _KEY) and "
+                    "that this user may read it"
+                ) from None
 
     def stamp(self) -> tuple[tuple[int, int, int], ...]:
         """What changes when a file is rewritten or replaced (a rename, as Kubernetes does)."""
@@ -161,9 +196,18 @@ class ReloadingContext:
         """How many times a changed set of files was loaded (tests and metrics read it)."""
 
     def load(self) -> ssl.SSLContext:
-        """Build the context now (blocking); raises when the files do not load."""
+        """Build the context now (blocking).
+
+        Raises:
+            CertificateFileError: a file is missing, unreadable or does not load (its path
+                named: OpenSSL's own errors do not name it).
+        """
         self._stamp = self.files.stamp()
-        self._context = self._build(self.files)
+        self.files.check_readable()
+        try:
+            self._context = self._build(self.files)
+        except (ssl.SSLError, ValueError) as exc:
+            raise self.files.load_error(exc) from None
         return self._context
 
     async def current(self) -> ssl.SSLContext:
@@ -218,17 +262,20 @@ class TlsChannel(LiveChannel):
             target.host, target.port, ssl=ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), config=config
         )
         self._tls = tls
-        self.tls_problem: str | None = None
-        """Why the last connection failed or ended at the TLS level, if it did (errors)."""
-        self.tls_final = False
-        """The last refusal cannot heal by retrying: the server requires a client certificate
-        and this channel has none configured (no file rotation can add one)."""
 
-    def _set_problem(self, problem: str, *, certificate_required: bool = False) -> None:
-        self.tls_problem = problem
-        self.tls_final = certificate_required and self._tls.files.cert is None
+    def _tls_files(self) -> TlsFiles:
+        return self._tls.files
 
-    async def _create_connection(self) -> H2Protocol:
+    def _set_problem(self, exc: BaseException | None) -> None:
+        """Keep why the server ended the connection; a refusal that asks for a client
+        certificate is final only when none is configured (no rotation can add one)."""
+        problem = diagnose(exc, self.address, self._tls.files) if exc is not None else None
+        if problem is None:
+            problem = refused_after_handshake(self.address, self._tls.files)
+        problem.final = problem.final and self._tls.files.cert is None
+        self.problem = problem
+
+    async def _connect(self) -> H2Protocol:
         self._ssl = await self._tls.current()
         try:
             # As grpclib's own, plus a short TLS shutdown: a connection closed because its
@@ -244,15 +291,11 @@ class TlsChannel(LiveChannel):
                 ssl_shutdown_timeout=TLS_SHUTDOWN_SECONDS,
             )
         except ssl.SSLError as exc:
-            self._set_problem(
-                describe_tls_error(exc), certificate_required=requires_certificate(exc)
-            )
+            problem = diagnose(exc, self.address, self._tls.files)
+            if problem is not None:
+                problem.final = problem.final and self._tls.files.cert is None
+                raise problem from exc
             raise
-        except ConnectionError:
-            self._set_problem("TLS error: the server reset the connection during the handshake")
-            raise
-        self.tls_problem = None
-        self.tls_final = False
         return protocol
 
     def _protocol_factory(self) -> H2Protocol:
@@ -275,14 +318,6 @@ class TlsChannel(LiveChannel):
         heard = False
         transport: asyncio.BaseTransport | None = None
 
-        def refused() -> str:
-            return "TLS error: the server closed the connection right after the handshake: " + (
-                "it requires a client certificate and none is configured"
-                if self._tls.files.cert is None
-                else "it refused our client certificate (signed by a CA it does not trust, "
-                "expired, or not yet valid)"
-            )
-
         def connection_made(tr: asyncio.BaseTransport) -> None:
             nonlocal transport
             transport = tr
@@ -295,7 +330,7 @@ class TlsChannel(LiveChannel):
 
         def eof_received() -> bool | None:
             if not heard:
-                self._set_problem(refused(), certificate_required=True)
+                self._set_problem(None)
                 if isinstance(transport, asyncio.Transport):
                     transport.abort()  # connection_lost follows: grpclib fails the calls
             return None
@@ -304,48 +339,15 @@ class TlsChannel(LiveChannel):
             # The server's alert (TLS 1.3: CERTIFICATE_REQUIRED, UNKNOWN_CA, ...) surfaces
             # here, on the first read after our handshake, as an SSLError.
             if isinstance(exc, ssl.SSLError):
-                self._set_problem(
-                    describe_tls_error(exc), certificate_required=requires_certificate(exc)
-                )
-            elif not heard:
-                self._set_problem(refused(), certificate_required=True)
+                self._set_problem(exc)
+            elif not heard and self.problem is None:
+                self._set_problem(None)
             lost(exc)
 
         protocol.connection_made = connection_made  # type: ignore[method-assign,assignment]
         protocol.data_received = data_received  # type: ignore[method-assign]
         protocol.eof_received = eof_received  # type: ignore[method-assign]
         protocol.connection_lost = connection_lost  # type: ignore[method-assign]
-
-
-def requires_certificate(exc: ssl.SSLError) -> bool:
-    """The server's alert says it requires a client certificate (TLS 1.3's
-    ``TLSV13_ALERT_CERTIFICATE_REQUIRED``; ``CERTIFICATE_REQUIRED`` elsewhere)."""
-    reason = (exc.reason or str(exc)).lower()
-    return "certificate_required" in reason or "certificate required" in reason
-
-
-def describe_tls_error(exc: ssl.SSLError) -> str:
-    """A sentence for a TLS failure, naming the likely cause."""
-    reason = (exc.reason or str(exc)).lower()
-    if requires_certificate(exc):
-        why = (
-            "the server requires a client certificate and none was sent (configure one: "
-            f"tls_cert= and tls_key=, or ${CERT_ENV} and ${KEY_ENV})"
-        )
-    elif "unknown_ca" in reason or "unknown ca" in reason:
-        why = "the server does not trust the CA that signed our certificate"
-    elif "expired" in reason:
-        why = "a certificate has expired"
-    elif "bad_certificate" in reason or "bad certificate" in reason:
-        why = "the server refused our certificate"
-    elif "certificate_verify_failed" in reason or "verify failed" in reason:
-        why = "the server's certificate did not verify against our CA"
-    elif "wrong_version" in reason or "record_layer" in reason or "packet_length" in reason:
-        why = "the server does not speak TLS (started with --insecure?)"
-    else:
-        why = "the TLS handshake failed"
-    detail = getattr(exc, "verify_message", None) or exc.reason or str(exc)
-    return f"TLS error: {why} ({detail})"
 
 
 def _env_flag(name: str) -> bool:
@@ -393,10 +395,14 @@ def client_tls(
 ) -> ReloadingContext | None:
     """The TLS context of a client of ``targets`` (None: plaintext, chosen explicitly).
 
-    See :func:`client_tls_from_env` for the order; no file is read here.
+    See :func:`client_tls_from_env` for the order. The files are only opened here (a
+    missing or unreadable one raises :class:`~timeslice.errors.CertificateFileError`, naming
+    it); the first connection reads them.
     """
     all_unix = bool(targets) and all(isinstance(t, UnixSocket) for t in targets)
     files = client_tls_from_env(ca=ca, cert=cert, key=key, insecure=insecure, all_unix=all_unix)
     if files is None:
         return None
+    # A mistyped path fails here, naming it, not at the first call as an outage.
+    files.check_readable()
     return ReloadingContext(files, client_context, name="orchestrator TLS")

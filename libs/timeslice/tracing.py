@@ -9,7 +9,10 @@ thread, and spans that cost a function call.
 
 Trace context crosses from the orchestrator to the agents inside each directive
 (``Directive.trace_context``, W3C ``traceparent``), so an agent's checkpoint span is a child of
-the orchestrator's span for that node.
+the orchestrator's span for that node. From jobs it comes in each call's gRPC metadata (the
+SDK sends the caller's current span, :mod:`timeslice._trace_context`), which
+:func:`accept_trace_context` makes the parent of the call's server span; a waiter's context is
+kept in its queue entry, and the switch that serves it links to it (docs/deployment.md).
 """
 
 from __future__ import annotations
@@ -17,12 +20,15 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from grpclib.events import RecvRequest, listen
+from grpclib.server import Server
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
-from opentelemetry.trace import Span, Tracer
+from opentelemetry.trace import Link, Span, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 _PROPAGATOR = TraceContextTextMapPropagator()
@@ -85,3 +91,34 @@ def context_from(carrier: Mapping[str, str]) -> Context | None:
     if not carrier:
         return None
     return _PROPAGATOR.extract(dict(carrier))
+
+
+def current_carrier() -> dict[str, str]:
+    """The W3C trace context of the current span (empty when there is none)."""
+    return carrier_of(trace.get_current_span())
+
+
+def link_to(carrier: Mapping[str, str]) -> Link | None:
+    """A span link to the span ``carrier`` names, or None when it names none."""
+    ctx = context_from(carrier)
+    if ctx is None:
+        return None
+    span_context = trace.get_current_span(ctx).get_span_context()
+    return Link(span_context) if span_context.is_valid else None
+
+
+def accept_trace_context(server: Server) -> None:
+    """Make the caller's trace context (``traceparent`` in a request's metadata, as the SDK
+    sends it) the current context of the handler, so its server span is the caller's child.
+
+    grpclib dispatches RecvRequest in the task that then runs the handler (as
+    ``identity.install`` relies on too): what is attached here is that handler's alone, and
+    goes with its task.
+    """
+
+    async def on_request(event: RecvRequest) -> None:
+        carrier = {k: v for k in _PROPAGATOR.fields if (v := event.metadata.get(k)) is not None}
+        if "traceparent" in carrier:
+            otel_context.attach(_PROPAGATOR.extract(carrier))
+
+    listen(server, RecvRequest, on_request)

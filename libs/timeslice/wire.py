@@ -37,6 +37,7 @@ from grpclib.exceptions import GRPCError
 from grpclib.server import Server
 
 from timeslice.errors import InvalidArgument, ResourceExhausted
+from timeslice.status_details import KIND_CODEC
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 MAX_DEPTH = 32
@@ -177,13 +178,11 @@ def _check_len_field(meta_cls: Any, owner: type, name: str, body: bytes, depth: 
 
 
 def _resource_exhausted(message: str) -> GRPCError:
-    err = ResourceExhausted(message)
-    return GRPCError(err.status, err.wire_message())
+    return ResourceExhausted(message).to_grpc()
 
 
 def _invalid(message: str) -> GRPCError:
-    err = InvalidArgument(message)
-    return GRPCError(err.status, err.wire_message())
+    return InvalidArgument(message).to_grpc()
 
 
 class StrictProtoCodec(ProtoCodec):
@@ -264,7 +263,9 @@ def bound_server(server: Server, max_message_bytes: int) -> Server:
 def strict_server(
     handlers: list[Any], max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 ) -> Server:
-    """A grpclib server for ``handlers`` with the strict codec and the frame bound."""
-    return bound_server(
-        Server(handlers, codec=StrictProtoCodec(max_message_bytes)), max_message_bytes
+    """A grpclib server for ``handlers`` with the strict codec, the frame bound, and the
+    error kind sent as status details (:mod:`timeslice.status_details`)."""
+    server = Server(
+        handlers, codec=StrictProtoCodec(max_message_bytes), status_details_codec=KIND_CODEC
     )
+    return bound_server(server, max_message_bytes)

@@ -39,6 +39,7 @@ from timeslice.errors import (
     Unavailable,
 )
 from timeslice.ids import validate_group_id, validate_job_id
+from timeslice.status_details import KIND_CODEC
 from timeslice_proto.timeslice.v1 import (
     CommandResult,
     HookKind,
@@ -240,7 +241,7 @@ class WorkerRegistration:
             await asyncio.sleep(backoff.next_delay())
 
     async def _serve_once(self) -> None:
-        channel = Channel(path=self.socket_path)
+        channel = Channel(path=self.socket_path, status_details_codec=KIND_CODEC)
         try:
             stub = WorkerLinkStub(channel)
             commands = cast(AsyncGenerator[WorkerCommand, None], stub.register(self.info))

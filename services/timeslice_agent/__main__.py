@@ -1,7 +1,9 @@
 """``python -m timeslice_agent``: run the snapshot agent of this node.
 
 Exit status: 0 after SIGTERM/SIGINT, 1 when a critical part failed, 2 on bad configuration or
-when the agent cannot start.
+when the agent cannot start: among others when its backend cannot act on this machine (no
+driver, no right to signal the workers, no place for the worker socket: the backend's
+``preflight``), in one line naming the backend, what is missing and how to fix it.
 """
 
 from __future__ import annotations
@@ -66,19 +68,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         except TimeSliceError as exc:
             print(f"timeslice-agent: error: {exc.message}", file=sys.stderr)
             return 2
-    try:
-        backend = create_backend(config)
-    except BackendUnavailable as exc:
-        # One line, no traceback: the operator must see at once what this node lacks. There is
-        # no fallback to another backend, least of all to the sim emulation.
-        print(
-            f"timeslice-agent: cannot start the {config.backend.value} backend: {exc}",
-            file=sys.stderr,
-        )
-        return 2
-    # The *_created series only add noise to scrapes of a per-process registry.
-    disable_created_metrics()  # type: ignore[no-untyped-call]
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        try:
+            backend = create_backend(config)
+            # Before anything is written or bound: a node that could not move a job's state
+            # must not register as able to, only to fail at its first switch.
+            runner.run(backend.preflight())
+        except BackendUnavailable as exc:
+            # One line, no traceback: the operator must see at once what this node lacks.
+            # There is no fallback to another backend, least of all to the sim emulation.
+            print(
+                f"timeslice-agent: cannot start the {config.backend.value} backend: {exc}",
+                file=sys.stderr,
+            )
+            return 2
+        # The *_created series only add noise to scrapes of a per-process registry.
+        disable_created_metrics()  # type: ignore[no-untyped-call]
         return runner.run(serve(config, backend))
 
 

@@ -150,7 +150,7 @@ class AcceleratorMemory(Protocol):
 
 
 def _status(exc: TimeSliceError) -> GRPCError:
-    return GRPCError(exc.status, exc.wire_message())
+    return exc.to_grpc()
 
 
 # ----- who is on the other end of a loopback TCP connection -----------------------------------
@@ -644,7 +644,7 @@ class SnapshotAgentService:
         except GRPCError as exc:
             # The orchestrator's status (FAILED_PRECONDITION with its reason, ...) goes back
             # as is, saying who refused.
-            raise GRPCError(exc.status, f"orchestrator: {exc.message}") from None
+            raise GRPCError(exc.status, f"orchestrator: {exc.message}", exc.details) from None
         log.info("llm-d operator %s of job %s: operation %s", what, job_id, op.operation_id)
         return op.operation_id
 

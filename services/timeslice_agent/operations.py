@@ -26,6 +26,7 @@ from grpclib.config import Configuration
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 
+from timeslice.status_details import KIND_CODEC
 from timeslice.targets import HostPort
 from timeslice.tls import ReloadingContext, TlsChannel, TlsFiles, client_context
 from timeslice_agent.config import Endpoint
@@ -73,7 +74,7 @@ class OrchestratorOperations:
 
     def _channel(self, target: Endpoint) -> Channel:
         if self._tls is None:
-            return Channel(target.host, target.port)
+            return Channel(target.host, target.port, status_details_codec=KIND_CODEC)
         return TlsChannel(HostPort(target.host, target.port), self._tls, Configuration())
 
     async def start(self, kind: OperationKind, job_id: str, group_id: str) -> NodeOperation:

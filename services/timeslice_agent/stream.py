@@ -40,6 +40,7 @@ from grpclib.client import Channel, Stream
 from grpclib.config import Configuration
 
 from timeslice.backoff import Backoff
+from timeslice.status_details import KIND_CODEC
 from timeslice.targets import HostPort
 from timeslice.tls import ReloadingContext, TlsChannel, TlsFiles, client_context
 from timeslice_agent.config import Endpoint
@@ -292,7 +293,9 @@ class OrchestratorLink:
 
     async def _session(self, target: Endpoint) -> None:
         channel = (
-            Channel(target.host, target.port, config=_CHANNEL_CONFIG)
+            Channel(
+                target.host, target.port, config=_CHANNEL_CONFIG, status_details_codec=KIND_CODEC
+            )
             if self._tls is None
             else TlsChannel(HostPort(target.host, target.port), self._tls, _CHANNEL_CONFIG)
         )

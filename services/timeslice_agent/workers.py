@@ -379,7 +379,7 @@ class WorkerRegistry:
 
 
 def _grpc_error(exc: TimeSliceError) -> GRPCError:
-    return GRPCError(exc.status, exc.wire_message())
+    return exc.to_grpc()
 
 
 class WorkerLinkService:

@@ -272,7 +272,7 @@ def install(server: Server, admission: Admission, service: str = SERVICE) -> Non
             try:
                 ticket = await admission.admit(key, method, timeout)
             except ResourceExhausted as exc:
-                raise GRPCError(exc.status, exc.wire_message()) from None
+                raise exc.to_grpc() from None
             status: Status | None = Status.UNKNOWN
             try:
                 await handler(stream)

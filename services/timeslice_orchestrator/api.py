@@ -1,6 +1,6 @@
 """The client API (TimeSlice service): thin handlers over LockService.
 
-Typed errors become gRPC statuses whose message starts with "[kind]" (timeslice.errors).
+Typed errors become gRPC statuses with the kind in their status details (timeslice.errors).
 
 Who may call what (:mod:`.authz`): calls on a session carry its secret, checked by
 LockService; operator RPCs (SetGroupMembers, the Yield that names no session) are served by
@@ -23,11 +23,13 @@ from typing import Any
 import grpclib
 import grpclib.server
 from grpclib.const import Handler, Status
+from opentelemetry.context import Context
 from opentelemetry.trace import Span, Tracer
 
 from timeslice import AcquireStage
-from timeslice.errors import ErrorKind, ResourceExhausted, TimeSliceError
+from timeslice.errors import ErrorKind, PermissionDenied, ResourceExhausted, TimeSliceError
 from timeslice.ids import validate_group_id
+from timeslice.tracing import context_from
 from timeslice_orchestrator import identity, visibility
 from timeslice_orchestrator.admission import Admission
 from timeslice_orchestrator.authz import Authorizer, peer_of
@@ -89,8 +91,12 @@ class TimeSliceService(TimeSliceBase):
         authz: Authorizer | None = None,
         quotas: Quotas | None = None,
         admission: Admission | None = None,
+        strict_groups: bool = False,
     ) -> None:
         self._locks = locks
+        # --strict-groups: an Acquire of a group that is not known is refused (NOT_FOUND)
+        # whatever the client asks; else only clients that ask (AcquireRequest.strict_groups).
+        self._strict_groups = strict_groups
         # Admits each yield of a YieldStream as the Yield call it stands for (the stream
         # itself is admitted once, when it opens).
         self._admission = admission
@@ -148,7 +154,12 @@ class TimeSliceService(TimeSliceBase):
         return _viewer.get() or visibility.viewer_of(identity.current())
 
     def _call(
-        self, method: str, group: str = "", job: str = "", peer: str = ""
+        self,
+        method: str,
+        group: str = "",
+        job: str = "",
+        peer: str = "",
+        parent: Context | None = None,
     ) -> contextlib.AbstractContextManager[Span]:
         """The RPC's server span; typed errors out, refusals counted by the authorizer."""
 
@@ -159,7 +170,7 @@ class TimeSliceService(TimeSliceBase):
                 self._authz.refused(method, _REFUSALS[exc.kind], peer)
 
         call = Call(_SERVICE, method, group, job)
-        return served(call, self._tracer, self._metrics, on_error=refused)
+        return served(call, self._tracer, self._metrics, on_error=refused, parent=parent)
 
     async def open_session(self, message: OpenSessionRequest) -> OpenSessionResponse:
         with self._call("OpenSession", job=message.job_id):
@@ -195,6 +206,8 @@ class TimeSliceService(TimeSliceBase):
                     message.priority,
                     message.request_id,
                     secret=message.session_secret,
+                    strict=self._strict_groups or message.strict_groups,
+                    warn=True,
                 )
                 async with contextlib.aclosing(progress):
                     async for step in progress:
@@ -227,7 +240,8 @@ class TimeSliceService(TimeSliceBase):
         operator = not request.session_id
         if operator:
             self._require_operator(stream, "Yield")
-        await stream.send_message(await self._yield(request, operator, peer_of(stream)))
+        parent = context_from(request.trace_context)  # else the metadata's, as for any call
+        await stream.send_message(await self._yield(request, operator, peer_of(stream), parent))
 
     async def yield_stream(
         self, messages: AsyncIterator[YieldRequest]
@@ -257,14 +271,22 @@ class TimeSliceService(TimeSliceBase):
             try:
                 ticket = await self._admission.admit_message(address, "Yield")
             except ResourceExhausted as exc:
-                return YieldStreamReply(status=exc.status.value, message=exc.wire_message())
+                return YieldStreamReply(
+                    status=exc.status.value, message=exc.message, kind=exc.kind.name
+                )
         status: Status | None = Status.UNKNOWN
         try:
             try:
-                await self._yield(request, operator=False, peer=peer)
+                # Its parent is the job's span the request names (or none): the stream's own
+                # context is that of whichever yield opened it.
+                parent = context_from(request.trace_context) or Context()
+                await self._yield(request, operator=False, peer=peer, parent=parent)
             except grpclib.GRPCError as exc:
                 status = exc.status
-                return YieldStreamReply(status=exc.status.value, message=exc.message or "")
+                kind = exc.details.name if isinstance(exc.details, ErrorKind) else ""
+                return YieldStreamReply(
+                    status=exc.status.value, message=exc.message or "", kind=kind
+                )
             status = None
             return YieldStreamReply(status=Status.OK.value)
         finally:
@@ -272,8 +294,14 @@ class TimeSliceService(TimeSliceBase):
                 assert self._admission is not None
                 self._admission.done(ticket, status)
 
-    async def _yield(self, message: YieldRequest, operator: bool, peer: str = "") -> YieldResponse:
-        with self._call("Yield", message.group_id, message.job_id, peer):
+    async def _yield(
+        self,
+        message: YieldRequest,
+        operator: bool,
+        peer: str = "",
+        parent: Context | None = None,
+    ) -> YieldResponse:
+        with self._call("Yield", message.group_id, message.job_id, peer, parent):
             if not operator:
                 identity.check_job(message.job_id, "Yield")
             await self._locks.release(
@@ -355,11 +383,9 @@ class TimeSliceService(TimeSliceBase):
             return
         self._metrics.rpc_errors.labels(kind=ErrorKind.PERMISSION_DENIED.value).inc()
         self._authz.refused(method, "no operator identity", peer_of(stream))
-        raise grpclib.GRPCError(
-            Status.PERMISSION_DENIED,
-            f"[permission_denied] {method} needs an operator identity "
-            "(metadata authorization: Bearer <operator token>)",
-        )
+        raise PermissionDenied(
+            f"{method} needs an operator identity (metadata authorization: Bearer <operator token>)"
+        ).to_grpc()
 
     async def set_group_members(self, message: SetGroupMembersRequest) -> GroupStatus:
         """Pin nodes; grpclib reaches it only through :meth:`_rpc_set_group_members`."""
@@ -381,7 +407,7 @@ class TimeSliceService(TimeSliceBase):
             if not viewer.sees(view, agents) and viewer.reach is not Reach.ALL:
                 # No longer the job's (its last record there went): what opening it would get.
                 gone = visibility.hidden(view.group, viewer)
-                raise grpclib.GRPCError(gone.status, gone.wire_message())
+                raise gone.to_grpc()
             status = visibility.scoped_status(viewer, group_status(view, self._mirror, agents))
             yield GroupEvent(revision=view.revision, status=status)
             await self._mirror.wait_for_change(topic, seen)
@@ -448,6 +474,7 @@ def _event(step: Progress, viewer: Viewer) -> AcquireEvent:
         previous_job_id=viewer.name(step.previous_job),
         switch_seconds=step.switch_seconds,
         ticket=step.ticket,
+        warning=step.warning,
     )
 
 
@@ -485,6 +512,9 @@ def group_status(
                 node=n,
                 resident_job_id=(resident.get(n) or [""])[-1],
                 resident_jobs=resident.get(n, []),
+                # From the agent's registration, so every view can label emulated figures.
+                backend=agents[n].backend if n in agents else "",
+                emulated=agents[n].emulated if n in agents else False,
             )
             for n in nodes
         ],

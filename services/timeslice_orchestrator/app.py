@@ -31,7 +31,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from timeslice.backoff import Backoff
 from timeslice.tasks import Supervisor
-from timeslice.tracing import provider_from_env, tracer_for
+from timeslice.tracing import accept_trace_context, provider_from_env, tracer_for
 from timeslice.wire import strict_server
 from timeslice_orchestrator import admission, identity
 from timeslice_orchestrator.admission import Admission
@@ -40,7 +40,7 @@ from timeslice_orchestrator.authz import Authorizer, load_operator_token
 from timeslice_orchestrator.cleanup import IdleGroupCleaner
 from timeslice_orchestrator.compat import CompatService
 from timeslice_orchestrator.config import OrchestratorConfig
-from timeslice_orchestrator.dashboard import Dashboard
+from timeslice_orchestrator.dashboard import Dashboard, dashboard_url
 from timeslice_orchestrator.driver import SwitchDriver
 from timeslice_orchestrator.group_metrics import GroupMetrics
 from timeslice_orchestrator.http import make_app
@@ -50,6 +50,7 @@ from timeslice_orchestrator.listener import TlsListener
 from timeslice_orchestrator.locks import LockService
 from timeslice_orchestrator.metrics import BatchMetrics, FeatureMetrics, Metrics
 from timeslice_orchestrator.operations import NodeOperationsService
+from timeslice_orchestrator.placements import DutyBook, PlacementService
 from timeslice_orchestrator.reconcile import DriverConfig
 from timeslice_orchestrator.relay import DirectiveRouter
 from timeslice_orchestrator.store.etcd import EtcdClient, LeaseKeeper, StoreUnavailable
@@ -58,6 +59,7 @@ from timeslice_orchestrator.store.groups import GroupStore
 from timeslice_orchestrator.store.handover import CURRENT_FEATURES
 from timeslice_orchestrator.store.idle import IdleStore
 from timeslice_orchestrator.store.keys import Keyspace
+from timeslice_orchestrator.store.pools import PoolStore
 from timeslice_orchestrator.store.relay import RelayStore
 
 log = logging.getLogger(__name__)
@@ -106,6 +108,9 @@ class Orchestrator:
         self._group_metrics = GroupMetrics(self.mirror, self.metrics.hold_seconds)
         self.metrics.registry.register(self._group_metrics)
         self.metrics.registry.register(BatchMetrics(self.etcd.batcher))
+        # Expected vs measured duty of the placement pools' groups (docs/placement.md).
+        self._placement_duty = DutyBook(self.mirror)
+        self.metrics.registry.register(self._placement_duty)
         mirror = self.mirror
         self.metrics.registry.register(
             FeatureMetrics(lambda: stored.record if (stored := mirror.features()) else None)
@@ -187,7 +192,16 @@ class Orchestrator:
         authz = await self._authorizer()
         quotas = Quotas(cfg.limits, self.mirror)
         admitter = Admission.from_limits(cfg.limits, self.metrics)
-        api = TimeSliceService(locks, self.mirror, self.metrics, tracer, authz, quotas, admitter)
+        api = TimeSliceService(
+            locks,
+            self.mirror,
+            self.metrics,
+            tracer,
+            authz,
+            quotas,
+            admitter,
+            strict_groups=cfg.strict_groups,
+        )
         # Strict decoding and a message size limit: malformed or oversized requests are
         # refused, typed, before a handler runs (timeslice.wire).
         # The llm-d reference's v1alpha1 API, on the same port (docs/migrating-from-llm-d.md).
@@ -199,11 +213,20 @@ class Orchestrator:
         operations = NodeOperationsService(
             self.store, self.mirror, self.metrics, co_residency=cfg.co_residency, tracer=tracer
         )
-        self._server = strict_server([api, hub, compat, operations], cfg.limits.max_message_bytes)
+        # Jobs ask for a role in a pool; launchers place them (docs/placement.md).
+        placement = PlacementService(
+            PoolStore(self.etcd, self.keys), self.mirror, self.metrics, tracer, authz,
+            cfg.replica_id, self._placement_duty,
+        )  # fmt: skip
+        self._server = strict_server(
+            [api, hub, compat, operations, placement], cfg.limits.max_message_bytes
+        )
         # Token buckets per client (its certificate's identity; per connection without TLS):
         # a flood from one client waits, or is refused, before
         # its requests are read, and other clients keep their latency (admission.py).
         admission.install(self._server, admitter)
+        if self._tracing is not None:
+            accept_trace_context(self._server)  # a job's span is the parent of its calls'
         if cfg.limits.idle_group_ttl > 0:
             cleaner = IdleGroupCleaner(
                 IdleStore(self.etcd, self.keys), self.mirror, cfg.limits, self.metrics
@@ -227,6 +250,10 @@ class Orchestrator:
             ",".join(cfg.etcd),
             cfg.prefix,
         )
+        # Where people find the page (the port really bound, for --http HOST:0 too).
+        addresses = self._runner.addresses
+        bound = int(addresses[0][1]) if addresses else cfg.http.port
+        log.info("dashboard at %s", dashboard_url(cfg.http.host, bound))
 
     async def _authorizer(self) -> Authorizer:
         """Who is an operator: the token file is read once, at start (restart to rotate)."""

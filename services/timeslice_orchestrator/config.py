@@ -82,6 +82,9 @@ class OrchestratorConfig:
     its client's connection at most (docs/migrating-from-llm-d.md)."""
     log_level: str = "INFO"
     """The least severe log records written (``--log-level``)."""
+    strict_groups: bool = False
+    """Refuse (NOT_FOUND) a v1 Acquire of a group that is not known, instead of creating it
+    and granting it with a warning (``--strict-groups``, docs/groups.md)."""
 
 
 ENV_PREFIX = "TIMESLICE_ORCHESTRATOR_"
@@ -213,6 +216,14 @@ def build_parser(environ: Mapping[str, str] | None = None) -> ServiceOptions:
         "(device capacity reported by the agents)",
         negatable=True,
         legacy_env=True,
+    )
+    scheduling.switch(
+        "--strict-groups",
+        "refuse (NOT_FOUND) an Acquire of a group that is not known: no agent has a worker "
+        "registered in it, no nodes are pinned to it, no operator created it (a mistyped "
+        "name); without it such a group is created and granted with a warning. The llm-d "
+        "(v1alpha1) API always creates groups on first acquire (docs/groups.md)",
+        negatable=True,
     )
 
     _add_quotas(o.group("limits", "quotas; past one a call is refused with RESOURCE_EXHAUSTED"),
@@ -363,6 +374,7 @@ def parse_args(
         agent_liveness_timeout=a.agent_liveness_timeout,
         co_residency=a.co_residency,
         prefetch=a.prefetch,
+        strict_groups=a.strict_groups,
         policy=Policy(a.policy),
         max_hold=a.max_hold,
         operator_token_file=a.operator_token_file,

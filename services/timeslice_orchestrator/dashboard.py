@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import hashlib
 import importlib.resources
 import json
@@ -38,6 +39,7 @@ from typing import Any, Protocol
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from timeslice_orchestrator.dashboard_story import Story, SwitchSpan, group_color
 from timeslice_orchestrator.holds import HoldTracker
 from timeslice_orchestrator.store.mirror import GroupView, RelayPost
 from timeslice_orchestrator.store.records import (
@@ -60,6 +62,7 @@ __all__ = [
     "MirrorView",
     "SwitchEnd",
     "content_security_policy",
+    "dashboard_url",
     "parse_query",
 ]
 
@@ -110,6 +113,11 @@ class DashboardConfig:
     """Waiters listed per group (the queue's length is always sent)."""
     recent_switches: int = 30
     """Switch ends kept for the "recent switches" list."""
+    timeline_entries: int = 30
+    """Holds and switches a group's timeline keeps (the oldest go first)."""
+    timeline_groups: int = 2000
+    """Groups with a timeline at most: past it, a group gets one when others have gone quiet
+    (memory stays bounded with 100,000 busy groups; the page shows 200 at most)."""
     sample_seconds: float = 5.0
     """How often the duty cycle chart gets a point."""
     history_seconds: float = 600.0
@@ -134,6 +142,7 @@ class SwitchEnd:
     outcome: str  # "committed" | "rolled_back"
     seconds: float
     at: float  # wall clock, when this replica saw it
+    emulated: bool = False  # a node of the group only models data movement: modelled time
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -143,6 +152,7 @@ class SwitchEnd:
             "outcome": self.outcome,
             "seconds": round(self.seconds, 4),
             "at": self.at,
+            "emulated": self.emulated,
         }
 
 
@@ -168,6 +178,7 @@ class _Stream:
     resync: bool = False
     recent: bool = False
     duty: bool = False
+    nodes_sent: int = -1  # the parked version its nodes view was last sent at
     closed: bool = False
 
 
@@ -217,6 +228,16 @@ _PAGE_HEADERS = {
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-store",
 }
+
+
+def dashboard_url(host: str, port: int) -> str:
+    """The page's address for people, from the address the HTTP port is bound to: a wildcard
+    (every interface) is shown as ``localhost``, an IPv6 address in brackets."""
+    if host in ("", "0.0.0.0", "::"):
+        host = "localhost"
+    elif ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}/"
 
 
 def parse_query(query_string: str) -> dict[str, str]:
@@ -284,6 +305,10 @@ class Dashboard:
         self.recent: deque[SwitchEnd] = deque(maxlen=self.config.recent_switches)
         samples = max(1, int(self.config.history_seconds / self.config.sample_seconds))
         self.history: deque[tuple[float, dict[str, float]]] = deque(maxlen=samples)
+        # Per group: its holds and switches (groups seen held or switching), and the jobs
+        # parked on each node as the group's residency last showed it (groups shown).
+        self.story = Story(self.config.timeline_groups, self.config.timeline_entries)
+        self._agents: dict[str, AgentRecord] | None = None  # decoded once per agents change
         self._started = False
         self.streams_gauge = Gauge(
             "timeslice_dashboard_streams", "Dashboard event streams open", registry=registry
@@ -313,6 +338,10 @@ class Dashboard:
         for group in self._mirror.group_names():
             try:
                 self._seen[group] = self._seen_now(group)[0]
+                holder = self._mirror.holder(group)
+                timeline = self.story.timeline(group) if holder is not None else None
+                if holder is not None and timeline is not None:  # the hold, from its grant
+                    timeline.holder(holder.record.job, holder.record.granted_at)
             except CorruptRecord as exc:
                 self._unreadable(group, exc)
         self._mirror.add_listener(self.on_change)
@@ -365,6 +394,7 @@ class Dashboard:
                 groups.append(topic[len(_GROUP_PREFIX) :])
             elif topic == _AGENTS_TOPIC:
                 agents = True
+                self._agents = None
         ended = False
         for group in groups:
             ended |= self._observe(group)
@@ -389,6 +419,7 @@ class Dashboard:
         """Whether ``group``'s stats show a switch that ended since the last look."""
         if not self._mirror.has_group(group):
             self._seen.pop(group, None)
+            self.story.forget(group)
             return False
         try:
             now, stats = self._seen_now(group)
@@ -397,30 +428,44 @@ class Dashboard:
             return False
         before = self._seen.get(group)
         self._seen[group] = now
+        wall = self._wall()
+        if now.holder or group in self.story.timelines:
+            if (timeline := self.story.timeline(group)) is not None:
+                timeline.holder(now.holder, wall)
         if before is None:
             return False
-        ended = False
+        ended: list[SwitchEnd] = []
         from_job = before.switch_from or before.holder
         to_job = before.switch_to or now.holder
         if now.switches > before.switches:
             # The stats record carries the last switch's duration (the driver's commit).
-            self.recent.appendleft(
-                SwitchEnd(
-                    group,
-                    from_job,
-                    to_job,
-                    "committed",
-                    stats.last_switch_seconds,
-                    self._wall(),
-                )
+            ended.append(
+                SwitchEnd(group, from_job, to_job, "committed", stats.last_switch_seconds, wall)
             )
-            ended = True
         if now.rollbacks > before.rollbacks:
-            self.recent.appendleft(
-                SwitchEnd(group, from_job, before.switch_to, "rolled_back", 0.0, self._wall())
-            )
-            ended = True
-        return ended
+            ended.append(SwitchEnd(group, from_job, before.switch_to, "rolled_back", 0.0, wall))
+        if ended:
+            emulated = self._emulated(group)
+            for end in ended:
+                end = dataclasses.replace(end, emulated=emulated)
+                self.recent.appendleft(end)
+                if (timeline := self.story.timeline(group)) is not None:
+                    timeline.switched(
+                        SwitchSpan(
+                            end.from_job, end.to_job, wall, end.seconds, end.outcome, emulated
+                        )
+                    )
+        return bool(ended)
+
+    def _emulated(self, group: str) -> bool:
+        """Whether a node serving ``group`` only models data movement (its figures are
+        modelled, and labelled so)."""
+        if self._agents is None:
+            self._agents = self._mirror.agents()
+        return any(
+            agent.emulated and any(w.group == group for w in agent.workers)
+            for agent in self._agents.values()
+        )
 
     def _point(self) -> tuple[float, dict[str, float]]:
         """The duty cycle of the busiest groups now (the hold tracker's figures)."""
@@ -436,6 +481,9 @@ class Dashboard:
     def sample(self) -> None:
         """Add the duty cycle of the busiest groups now to the chart's history."""
         self.history.append(self._point())
+        # Timelines with nothing left to show (no hold in progress, nothing within the
+        # chart's span) go: a group idle that long shows an empty timeline anyway.
+        self.story.prune(self._wall() - self.config.history_seconds)
         for stream in self._streams:
             stream.duty = True
             stream.wake.set()
@@ -466,8 +514,21 @@ class Dashboard:
             | {n for n, a in agents.items() if any(w.group == view.group for w in a.workers)}
         )
         holder = view.holder.record if view.holder is not None else None
+        serving = [agents[n] for n in nodes if n in agents]
+        duty = self._tracker.duty(view.group, now)
+        parked = (
+            {n: list(jobs) for n, jobs in view.resident.record.parked.items()}
+            if view.resident is not None
+            else {}
+        )
+        self.story.parked(view.group, parked)
         out: dict[str, Any] = {
             "name": view.group,
+            "color": group_color(view.group),
+            # Every backend serving the group; emulated: some node only models data movement,
+            # so the group's switch times are modelled, and the page says so beside them.
+            "backends": sorted({a.backend for a in serving}),
+            "emulated": any(a.emulated for a in serving),
             "holder": holder.job if holder else None,
             "epoch": hold_epoch(view.holder) if view.holder is not None else 0,
             "held_since": holder.granted_at if holder else 0.0,
@@ -486,7 +547,11 @@ class Dashboard:
             "last_error": view.stats.last_error,
             "faulted": sorted(view.faults),
             "driver": view.driver or "",
-            "duty": round(self._tracker.duty_cycle(view.group, now), 4),
+            "duty": round(duty.ratio, 4),
+            "duty_over": round(duty.seconds, 1),
+            "timeline": self.story.timeline_json(
+                view.group, self._wall() - self.config.history_seconds
+            ),
         }
         if view.switch is not None:
             out["switch"] = _switch_json(view, acked)
@@ -502,7 +567,9 @@ class Dashboard:
             "revision": self._mirror.revision,
             "now": self._wall(),
             "window": self._tracker.window,
+            "span": self.config.history_seconds,  # how far back the chart and timelines go
             "groups": self._groups_json(chosen, agents, acked),
+            "nodes": self.story.nodes_json(agents),
             "omitted": omitted,
             "recent": [s.to_json() for s in self.recent],
             "history": self._history_json(),
@@ -531,7 +598,7 @@ class Dashboard:
     def _history_json(self) -> list[dict[str, Any]]:
         # Plus a point for now, so a page opened between two samples draws up to now.
         points = [*self.history, self._point()]
-        return [{"t": t, "duty": duty} for t, duty in points]
+        return [_point_json(t, duty) for t, duty in points]
 
     def _acked(self) -> set[str]:
         """Directive ids answered in the relay (directives to another replica's agents)."""
@@ -544,6 +611,7 @@ class Dashboard:
             stream.resync = stream.recent = False
             stream.dirty.clear()
             chunks.append(_event("snapshot", self.snapshot(stream.only)))
+            stream.nodes_sent = self.story.parked_version
         if stream.dirty:
             names, stream.dirty = sorted(stream.dirty), set()
             agents = self._mirror.agents()
@@ -551,24 +619,23 @@ class Dashboard:
             present = [name for name in names if self._mirror.has_group(name)]
             changed = self._groups_json(present, agents, acked)
             removed = [name for name in names if name not in present]
-            chunks.append(
-                _event(
-                    "groups",
-                    {
-                        "now": self._wall(),
-                        "revision": self._mirror.revision,
-                        "groups": changed,
-                        "removed": removed,
-                    },
-                )
-            )
+            update = {
+                "now": self._wall(),
+                "revision": self._mirror.revision,
+                "groups": changed,
+                "removed": removed,
+            }
+            if stream.nodes_sent != self.story.parked_version:  # parked jobs changed
+                update["nodes"] = self.story.nodes_json(agents)
+                stream.nodes_sent = self.story.parked_version
+            chunks.append(_event("groups", update))
         if stream.recent:
             stream.recent = False
             chunks.append(_event("recent", {"recent": [s.to_json() for s in self.recent]}))
         if stream.duty:
             stream.duty = False
             t, duty = self.history[-1]
-            chunks.append(_event("duty", {"now": self._wall(), "point": {"t": t, "duty": duty}}))
+            chunks.append(_event("duty", {"now": self._wall(), "point": _point_json(t, duty)}))
         return b"".join(chunks)
 
     # -- HTTP -----------------------------------------------------------------------------
@@ -652,6 +719,7 @@ class Dashboard:
         cfg = self.config
         # retry: how long a browser waits before it reconnects after the stream ends.
         payload = b"retry: 2000\n" + _event("snapshot", self.snapshot(stream.only))
+        stream.nodes_sent = self.story.parked_version
         while not stream.closed:
             try:
                 async with asyncio.timeout(cfg.stuck_seconds):
@@ -722,6 +790,11 @@ def _switch_json(view: GroupView, acked: Iterable[str]) -> dict[str, Any]:
         "done": sum(1 for n in nodes if n["state"] != "working"),
         "total": len(nodes),
     }
+
+
+def _point_json(t: float, duty: dict[str, float]) -> dict[str, Any]:
+    # With each name's colour: a chart line keeps its group's colour, shown in the table or not.
+    return {"t": t, "duty": duty, "colors": {g: group_color(g) for g in duty}}
 
 
 def _event(name: str, data: dict[str, Any]) -> bytes:

@@ -29,6 +29,34 @@ from timeslice_orchestrator.store.records import (
 from timeslice_orchestrator.switch_plan import stranded
 
 
+def group_known(view: GroupView, creator: str | None, agents: dict[str, AgentRecord]) -> bool:
+    """Whether ``view``'s group is known (docs/groups.md): a node serves it, or an operator
+    created it.
+
+    A node serves it when a connected (or reconnecting) agent has a worker registered in it,
+    or when nodes are pinned to it; an operator created it when its meta key names no job
+    (``creator`` is "": SetGroupMembers, or a replica too old to record the job). A group
+    that a job's Acquire created and that nobody serves is not known: acquiring it again
+    still computes on devices nobody plans for it.
+    """
+    if view.static_members or creator == "":
+        return True
+    group = view.group
+    return any(worker.group == group for agent in agents.values() for worker in agent.workers)
+
+
+def unknown_group_text(group: str) -> str:
+    """What is wrong with an unknown group, and how to fix it: the grant's warning and the
+    strict refusal share it."""
+    return (
+        f"group {group} is not known: no node serves it (no agent has a worker registered "
+        "in it, no nodes are pinned to it) and no operator created it. Check the name "
+        "(`timeslice groups` lists the groups); register the job's workers with their node "
+        "agent before acquiring (timeslice.worker.register), or have an operator create it "
+        f"(`timeslice members {group} --set NODES`)"
+    )
+
+
 def holder_for(
     waiter: QueuedJob, *, restored: bool = False, previous: str = "", switch_seconds: float = 0.0
 ) -> HolderRecord:

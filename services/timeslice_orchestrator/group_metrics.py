@@ -49,7 +49,10 @@ class GroupMetrics(Collector):
 
     def start(self) -> None:
         """Track the holds the mirror has now, then every change."""
-        self.on_change({_GROUP_PREFIX + g for g in self._mirror.group_names()})
+        names = self._mirror.group_names()
+        # Groups there now are watched from now; any later one from when it appears.
+        self.tracker.begin(self._clock(), names)
+        self.on_change({_GROUP_PREFIX + g for g in names})
         self._mirror.add_listener(self.on_change)
 
     def stop(self) -> None:
@@ -60,6 +63,10 @@ class GroupMetrics(Collector):
         for topic in topics:
             if topic.startswith(_GROUP_PREFIX):
                 group = topic[len(_GROUP_PREFIX) :]
+                if not self._mirror.has_group(group):
+                    self.tracker.forget(group)  # removed: a group of that name is a new one
+                    self._active.discard(group)
+                    continue
                 epoch = self._mirror.hold_epoch(group)
                 ended = self.tracker.observe(group, epoch, now)
                 if ended is not None:

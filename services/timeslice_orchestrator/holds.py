@@ -4,15 +4,56 @@ A pure bookkeeping class fed with the group's hold as the mirror shows it (the e
 holder, 0 when free) and a monotonic clock; it reads nothing and writes nothing. Every replica
 sees the same changes through its watch, so every replica computes the same figures (within
 its watch's lag).
+
+The duty cycle is over the time this replica actually watched the group, at most the window:
+a group that came into being 30 s ago (or that this replica first saw 30 s ago) and was held
+for 18 of them is 60% over 30 s, not 6% of a 5-minute window it did not exist for. A group
+that was there when the replica started is watched from the replica's start; one seen to
+appear later, from when it appeared (its first change, often its first hold). :class:`Duty`
+carries the share with the seconds it is over, so no figure is shown without its span.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 # How far back the duty cycle looks (a dashboard's "last minutes").
 DEFAULT_WINDOW_SECONDS = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class Duty:
+    """A duty cycle and the span it is over."""
+
+    ratio: float
+    """The held share of ``seconds``, 0..1."""
+    seconds: float
+    """How long the share is over: the time watched, at most the window."""
+
+
+def duty_over(
+    closed: Iterable[tuple[float, float]],
+    open_since: float | None,
+    watched_from: float,
+    now: float,
+    window: float,
+) -> Duty:
+    """The held share of the time watched within the last ``window`` seconds before ``now``.
+
+    ``closed``: holds that ended, as (start, end); ``open_since``: when the hold in progress
+    started (None: free); ``watched_from``: when watching began (the group appeared, or the
+    replica started). Holds before ``watched_from`` or before the window do not count.
+    """
+    start = max(now - window, watched_from)
+    span = now - start
+    if span <= 0:
+        return Duty(1.0 if open_since is not None else 0.0, 0.0)
+    busy = sum(max(0.0, min(end, now) - max(begin, start)) for begin, end in closed)
+    if open_since is not None:
+        busy += max(0.0, now - max(open_since, start))
+    return Duty(min(1.0, max(0.0, busy / span)), span)
 
 
 @dataclass(slots=True)
@@ -35,6 +76,18 @@ class HoldTracker:
         self.window = window
         self.started = started
         self._groups: dict[str, _Group] = {}
+        # Not tracked (never held, or idle for a whole window): groups there at the start,
+        # watched since ``started``, and when each group seen later appeared. Both drop a
+        # group when it is first held (its _Group keeps the time) or forgotten.
+        self._at_start: set[str] = set()
+        self._appeared: dict[str, float] = {}
+
+    def begin(self, now: float, groups: Iterable[str]) -> None:
+        """Watching starts at ``now``, with ``groups`` there: they are watched from ``now``;
+        any other group is watched from when it is first observed."""
+        self.started = now
+        self._at_start = set(groups)
+        self._appeared.clear()
 
     def observe(self, group: str, epoch: int, now: float) -> float | None:
         """The group's hold is now ``epoch`` (0: free). Returns the length of the hold this
@@ -42,10 +95,18 @@ class HoldTracker:
         state = self._groups.get(group)
         if state is None:
             if not epoch:
-                return None  # never seen held: nothing to track yet
-            # Free until now, as far as this replica saw (a new group, or one idle for the
-            # whole window since it was last tracked).
-            state = self._groups[group] = _Group(since=max(self.started, now - self.window))
+                # Never seen held: nothing to track yet, but when it appeared is remembered.
+                if group not in self._at_start:
+                    self._appeared.setdefault(group, now)
+                return None
+            # Free until now since it was watched: since the start (there then), since it
+            # appeared, or since now (it appears held: created by the grant itself).
+            if group in self._at_start:
+                self._at_start.discard(group)
+                first = self.started
+            else:
+                first = self._appeared.pop(group, now)
+            state = self._groups[group] = _Group(since=max(first, now - self.window))
         if epoch == state.epoch:
             return None
         ended = None
@@ -60,6 +121,8 @@ class HoldTracker:
     def forget(self, group: str) -> None:
         """The group is gone (removed while idle)."""
         self._groups.pop(group, None)
+        self._at_start.discard(group)
+        self._appeared.pop(group, None)
 
     def groups(self) -> list[str]:
         """The groups held now or within the window (after :meth:`expire`)."""
@@ -72,26 +135,27 @@ class HoldTracker:
                 self._prune(state, now)
                 if not state.closed:
                     del self._groups[group]
+                    # Watched (free) for the whole window: held again, that counts.
+                    self._appeared[group] = state.since
 
     def held(self, group: str) -> bool:
         state = self._groups.get(group)
         return bool(state and state.epoch)
 
-    def duty_cycle(self, group: str, now: float) -> float:
-        """The fraction of the last ``window`` seconds (or of the time tracked, if shorter) in
-        which the group was held."""
+    def duty(self, group: str, now: float) -> Duty:
+        """The share of the last ``window`` seconds (or of the time the group was watched, if
+        shorter) in which the group was held, with that span."""
         state = self._groups.get(group)
         if state is None:
-            return 0.0
+            first = self._appeared.get(group, self.started)
+            return Duty(0.0, min(self.window, max(0.0, now - first)))
         self._prune(state, now)
-        start = max(now - self.window, state.since)
-        span = now - start
-        if span <= 0:
-            return 1.0 if state.epoch else 0.0
-        busy = sum(min(end, now) - max(begin, start) for begin, end in state.closed)
-        if state.epoch:
-            busy += now - max(state.started, start)
-        return min(1.0, max(0.0, busy / span))
+        open_since = state.started if state.epoch else None
+        return duty_over(state.closed, open_since, state.since, now, self.window)
+
+    def duty_cycle(self, group: str, now: float) -> float:
+        """:meth:`duty`'s share alone (the ``/metrics`` gauge)."""
+        return self.duty(group, now).ratio
 
     def held_seconds(self, group: str, now: float) -> float:
         """Seconds the group was held since this replica started to track it."""

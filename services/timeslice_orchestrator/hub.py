@@ -26,9 +26,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-import grpclib
-from grpclib.const import Status
-
 from timeslice.errors import InvalidArgument, PermissionDenied
 from timeslice.ids import validate_group_id, validate_job_id, validate_node
 from timeslice.tasks import run_to_completion
@@ -175,7 +172,7 @@ class AgentHub(AgentHubBase):
             identity.check_node(node)
         except PermissionDenied as exc:
             self._metrics.rpc_errors.labels(kind=exc.kind.value).inc()
-            raise grpclib.GRPCError(exc.status, exc.wire_message()) from exc
+            raise exc.to_grpc() from exc
         record = AgentRecord(
             node=node,
             replica=self._replica_id,
@@ -441,13 +438,13 @@ class AgentHub(AgentHubBase):
             async with asyncio.timeout(HELLO_TIMEOUT):
                 first = await anext(messages)
         except (TimeoutError, StopAsyncIteration) as exc:
-            raise grpclib.GRPCError(Status.INVALID_ARGUMENT, "expected AgentHello first") from exc
+            raise InvalidArgument("expected AgentHello first").to_grpc() from exc
         if first.hello is None:
-            raise grpclib.GRPCError(Status.INVALID_ARGUMENT, "expected AgentHello first")
+            raise InvalidArgument("expected AgentHello first").to_grpc()
         try:
             validate_node(first.hello.node)
         except InvalidArgument as exc:
-            raise grpclib.GRPCError(exc.status, exc.wire_message()) from exc
+            raise exc.to_grpc() from exc
         return first.hello
 
     async def _read(self, conn: AgentConnection, messages: AsyncIterator[AgentMessage]) -> None:

@@ -29,8 +29,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from grpclib import GRPCError
-from grpclib.const import Status
 from grpclib.events import RecvRequest, listen
 from grpclib.server import Server, Stream
 
@@ -157,11 +155,10 @@ def install(server: Server, rules: IdentityRules) -> None:
                     who.reserved,
                     ", ".join(sorted(rules.reserved)),
                 )
-            raise GRPCError(
-                Status.PERMISSION_DENIED,
+            raise PermissionDenied(
                 f"the client certificate {who} names an etcd user ({who.reserved!r}); "
-                "reserved names may not be jobs, nodes or clients",
-            )
+                "reserved names may not be jobs, nodes or clients"
+            ).to_grpc()
 
     listen(server, RecvRequest, on_request)
 

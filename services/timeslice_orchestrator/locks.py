@@ -31,13 +31,16 @@ from timeslice.errors import (
 )
 from timeslice.ids import validate_group_id, validate_job_id, validate_node
 from timeslice.tasks import run_to_completion
+from timeslice.tracing import current_carrier
 from timeslice_orchestrator.authz import new_session_secret, secret_hash, secret_matches
 from timeslice_orchestrator.grants import (
     HandOvers,
     changed,
+    group_known,
     holder_for,
     in_place,
     resident_after_grant,
+    unknown_group_text,
 )
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.policy import Policy, order
@@ -79,6 +82,8 @@ class Progress:
     # The Acquire attempt (one per call to a replica) the progress is for: a grant it could
     # not deliver is given back only while the hold is still that attempt's.
     attempt: str = ""
+    # Set on GRANTED when the group is not known (unknown_group_text): "" when all is well.
+    warning: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,8 +192,16 @@ class LockService:
         request_id: str = "",
         *,
         secret: str,
+        strict: bool = False,
+        warn: bool = False,
     ) -> AsyncGenerator[Progress, None]:
-        """Queue ``job`` for ``group`` and yield its progress; the last item is GRANTED."""
+        """Queue ``job`` for ``group`` and yield its progress; the last item is GRANTED.
+
+        A group that is not known (:func:`~timeslice_orchestrator.grants.group_known`): with
+        ``strict`` refused with NotFound before anything is written; else, with ``warn``,
+        granted with a warning. The v1alpha1 (llm-d) API asks for neither: its groups are
+        created on first acquire, as the reference's are.
+        """
         validate_job_id(job)
         validate_group_id(group)
         # The enqueue transaction compares the session still exists, so a stale mirror copy
@@ -199,8 +212,12 @@ class LockService:
         started = time.monotonic()
         if len(request_id) > 64:
             raise InvalidArgument("request_id must be at most 64 characters")
+        if strict:
+            await self._check_known(group)
         attempt = uuid.uuid4().hex[:16]
-        request = EnqueueRequest(session, session_id, group, priority, request_id, attempt)
+        request = EnqueueRequest(
+            session, session_id, group, priority, request_id, attempt, current_carrier()
+        )
         enqueued = await self._enqueue(request)
         granted = False
         waiter: _LocalWaiter | None = None
@@ -215,6 +232,7 @@ class LockService:
                     epoch=enqueued.epoch,
                     ticket=enqueued.entry_revision,
                     attempt=attempt,
+                    warning=self._warning(group, job, warn),
                 )
                 return
             topic = group_topic(group)
@@ -227,7 +245,11 @@ class LockService:
             while True:
                 if waiter.granted.done():
                     granted = True
-                    yield dataclasses.replace(waiter.granted.result(), attempt=attempt)
+                    yield dataclasses.replace(
+                        waiter.granted.result(),
+                        attempt=attempt,
+                        warning=self._warning(group, job, warn),
+                    )
                     return
                 seen = self._mirror.version(topic)
                 view = self._mirror.group(group)
@@ -239,7 +261,7 @@ class LockService:
                 if progress.stage is AcquireStage.GRANTED:
                     granted = True
                     log.debug("%s granted %s after %.3f s", job, group, time.monotonic() - started)
-                    yield progress
+                    yield dataclasses.replace(progress, warning=self._warning(group, job, warn))
                     return
                 if (progress.stage, progress.position) != last:
                     last = (progress.stage, progress.position)
@@ -253,6 +275,30 @@ class LockService:
                 self._metrics.waiters.dec()
             if not granted and not self.draining:
                 await run_to_completion(self._store.withdraw(enqueued))
+
+    def _known(self, group: str) -> bool:
+        view = self._mirror.group(group)
+        return group_known(view, self._mirror.group_creator(group), self._mirror.agents())
+
+    def _warning(self, group: str, job: str, warn: bool) -> str:
+        """The grant's warning (with ``warn``): judged at the grant, once the mirror holds the
+        Acquire's own write, so also every worker registration confirmed before it was sent
+        (their writes precede it in etcd)."""
+        if not warn or self._known(group):
+            return ""
+        log.info("%s was granted %s, which is not known", job, group)
+        return unknown_group_text(group)
+
+    async def _check_known(self, group: str) -> None:
+        """Raise NotFound unless ``group`` is known; writes nothing of the group."""
+        if self._known(group):
+            return
+        # The mirror may not show yet a registration or pin just made through another
+        # replica: look again once it holds everything etcd held (a write of the replica's
+        # beacon key, no group key), before refusing.
+        await self._mirror.catch_up(MIRROR_LAG_TIMEOUT)
+        if not self._known(group):
+            raise NotFound(f"{unknown_group_text(group)}. Refused: strict groups are on")
 
     async def _enqueue(self, request: EnqueueRequest) -> Enqueued:
         """Take the group (free and nobody waiting) or queue for it, cancel-safe.

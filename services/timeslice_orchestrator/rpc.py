@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import betterproto2
-import grpclib
 from grpclib.const import Status
+from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, StatusCode, Tracer
 
-from timeslice.errors import TimeSliceError
+from timeslice.errors import TimeSliceError, Unavailable
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.store.etcd import StoreError
 
@@ -48,10 +48,13 @@ def served(
     metrics: Metrics,
     status_of: Callable[[TimeSliceError], Status] = _default_status,
     on_error: Callable[[TimeSliceError], None] | None = None,
+    parent: Context | None = None,
 ) -> Iterator[Span]:
     """Run a handler's body in its server span; errors out as typed gRPC statuses.
 
     ``on_error`` sees each typed error before it leaves (an authorizer counting refusals).
+    ``parent``: the span's parent context, when not the current one (the caller's span, from
+    the request's metadata: ``timeslice.tracing.accept_trace_context``).
     """
     attributes: dict[str, str | int] = {
         "rpc.system": "grpc",
@@ -64,6 +67,7 @@ def served(
         attributes["timeslice.job"] = call.job
     with tracer.start_as_current_span(
         f"{call.service}/{call.method}",
+        context=parent,
         kind=SpanKind.SERVER,
         attributes=attributes,
         record_exception=False,
@@ -76,12 +80,12 @@ def served(
             if on_error is not None:
                 on_error(exc)
             status = status_of(exc)
-            failed(span, status, exc.wire_message())
-            raise grpclib.GRPCError(status, exc.wire_message()) from exc
+            failed(span, status, exc.message)
+            raise exc.to_grpc(status) from exc
         except StoreError as exc:
             metrics.rpc_errors.labels(kind="unavailable").inc()
             failed(span, Status.UNAVAILABLE, str(exc))
-            raise grpclib.GRPCError(Status.UNAVAILABLE, f"[unavailable] {exc}") from exc
+            raise Unavailable(str(exc)).to_grpc() from exc
         span.set_attribute("rpc.grpc.status_code", Status.OK.value)
 
 

@@ -32,8 +32,9 @@ import logging
 import time
 from collections.abc import Sequence
 
-from opentelemetry.trace import Tracer
+from opentelemetry.trace import Link, Tracer
 
+from timeslice.tracing import link_to
 from timeslice_orchestrator.directives import DirectiveSender, NodeResult
 from timeslice_orchestrator.grants import holder_for
 from timeslice_orchestrator.held_back import held_back_note
@@ -167,9 +168,12 @@ class SwitchMachine:
     # -- the phases, in order ---------------------------------------------------------------
 
     async def advance(self, switch: Stored[SwitchRecord]) -> Next:
-        """Drive a switch record from its current phase to its end, in one traced span."""
+        """Drive a switch record from its current phase to its end, in one traced span that
+        links to the Acquire it serves (:func:`_served_acquires`)."""
         with self._tracer.start_as_current_span(
-            "timeslice.switch", attributes=_span_attributes(switch, self._config.replica_id)
+            "timeslice.switch",
+            attributes=_span_attributes(switch, self._config.replica_id),
+            links=_served_acquires(self._mirror, switch),
         ) as span:
             outcome = await self._advance_phases(switch)
             span.set_attribute("timeslice.next", outcome.value)
@@ -506,6 +510,20 @@ def _log_begun(
             switch.create_revision,
             record.attempt,
         )
+
+
+def _served_acquires(mirror: Mirror, switch: Stored[SwitchRecord]) -> list[Link]:
+    """Links to the Acquire calls ``switch`` serves: its waiter's, while it still waits (the
+    queue entry keeps that call's span). A link, not a parent: a switch is the group's work,
+    begun by whichever replica drives it; the job's trace reaches it through the link."""
+    record = switch.record
+    if not record.to_revision:
+        return []  # an operator operation: no waiter
+    queued = mirror.group(record.group).queued(record.to_job)
+    if queued is None or queued.revision != record.to_revision:
+        return []  # granted meanwhile (a carried-over switch), or a later entry
+    link = link_to(queued.entry.record.trace_context)
+    return [] if link is None else [link]
 
 
 def _span_attributes(switch: Stored[SwitchRecord], replica_id: str) -> dict[str, str | int]:

@@ -28,6 +28,8 @@ from grpclib.client import Channel
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
+from timeslice.errors import ErrorKind
+from timeslice.status_details import KIND_CODEC
 from timeslice_agent.procs import process_state
 from timeslice_proto.timeslice.v1 import (
     AckStatus,
@@ -165,7 +167,7 @@ async def test_registration_is_validated_and_lives_with_the_stream(
     h, port = hub
     agent = await agents(f"127.0.0.1:{port}").start()
     await h.next_hello()
-    channel = Channel(path=str(agent.socket))
+    channel = Channel(path=str(agent.socket), status_details_codec=KIND_CODEC)
     stub = WorkerLinkStub(channel)
     try:
         for info in (
@@ -177,7 +179,8 @@ async def test_registration_is_validated_and_lives_with_the_stream(
                 async for _ in stub.register(info, timeout=5):
                     pass
             assert err.value.status == Status.INVALID_ARGUMENT
-            assert (err.value.message or "").startswith("[invalid_argument] ")
+            assert err.value.details is ErrorKind.INVALID_ARGUMENT, err.value
+            assert err.value.message and not err.value.message.startswith("[")
         with pytest.raises(GRPCError) as err:
             await stub.complete_command(CommandResult(command_id="nope", ok=True), timeout=5)
         assert err.value.status == Status.NOT_FOUND

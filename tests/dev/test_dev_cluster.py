@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -199,6 +201,19 @@ def test_dev_cluster_command_ready_then_clean_stop(
         assert socket_path.is_socket()
         assert any(line.startswith("etcd 127.0.0.1:") and prefix in line for line in info)
         assert f"logs {base_dir / 'logs'}" in info
+        # Each replica's dashboard, printed and in the replica's start log, serves the page.
+        dashboards = dict(
+            line.removeprefix("dashboard ").split(": ", 1)
+            for line in info
+            if line.startswith("dashboard ")
+        )
+        assert set(dashboards) == {"r0", "r1"}, info
+        for replica, url in dashboards.items():
+            assert re.fullmatch(r"http://127\.0\.0\.1:\d+/", url), url
+            page = urllib.request.urlopen(url, timeout=10).read()
+            assert b"<title>timeslice dashboard</title>" in page
+            start_log = (base_dir / "logs" / f"{replica}.log").read_text()
+            assert f"dashboard at {url}" in start_log, start_log[-2000:]
         pid_line = next(line for line in info if line.startswith("pids "))
         pids = {k: int(v) for k, v in (kv.split("=") for kv in pid_line.split()[1:])}
         assert set(pids) == {"etcd", "r0", "r1", "node-0"}
@@ -229,7 +244,7 @@ def test_dev_cluster_command_ready_then_clean_stop(
         if stop_signal == signal.SIGINT:  # (once: each command is a second of start-up)
             # A job's certificate acts as its job, and as no other.
             job_env = {**os.environ, **exports["job job-a"]}
-            for job, code in (("job-a", 0), ("job-b", 1)):
+            for job, code in (("job-a", 0), ("job-b", 7)):
                 held = subprocess.run(
                     [sys.executable, "-m", "timeslice.cli", "acquire", "g", "--job", job,
                      "--hold", "0", "--timeout", "20", "--target", ",".join(targets)],

@@ -39,7 +39,8 @@ def test_a_frame_shows_groups_and_keeps_escapes_out() -> None:
     )
     assert "\x1b" not in frame
     assert "g?[2Jx  holder a (10.0s)  queue[2]: b, c  switches 3" in frame
-    assert "nodes: n1=a" in frame
+    assert "nodes: n1=a (no agent)" in frame
+    assert "emulated" not in frame
     assert "g  x -> a  ~1.50s" in frame
 
 

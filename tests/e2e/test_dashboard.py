@@ -113,6 +113,50 @@ def cell(driver: WebDriver, group: str, field: str) -> str:
     return str(text)
 
 
+def node_backend(driver: WebDriver, node: str) -> str:
+    """The backend cell of a node's row in the nodes view."""
+    text = driver.execute_script(
+        """
+        const row = document.querySelector('#nodes tbody tr[data-node="' + arguments[0] + '"]');
+        const c = row ? row.querySelector('[data-field="backend"]') : null;
+        return c ? c.textContent : "";
+        """,
+        node,
+    )
+    return str(text)
+
+
+def swatch_color(driver: WebDriver, group: str) -> str:
+    """The colour of a group's swatch in the groups table (as the browser computed it)."""
+    found = driver.execute_script(
+        """
+        for (const row of document.querySelectorAll("#groups tbody tr")) {
+          if (row.getAttribute("data-group") === arguments[0]) {
+            return getComputedStyle(row.querySelector(".swatch")).backgroundColor;
+          }
+        }
+        return "";
+        """,
+        group,
+    )
+    return str(found)
+
+
+def timeline_switches(driver: WebDriver, group: str) -> list[str]:
+    found = driver.execute_script(
+        """
+        for (const row of document.querySelectorAll("#timeline .tl-row")) {
+          if (row.getAttribute("data-group") === arguments[0]) {
+            return Array.from(row.querySelectorAll('[data-kind="switch"]'), e => e.textContent);
+          }
+        }
+        return [];
+        """,
+        group,
+    )
+    return [str(t) for t in found]
+
+
 def recent_groups(driver: WebDriver) -> list[str]:
     found = driver.execute_script(
         """return Array.from(document.querySelectorAll("#recent tbody tr"),
@@ -147,6 +191,7 @@ async def test_the_page_follows_a_switch_live(
         async with (
             AsyncTimeSliceClient(cluster.targets, job_id="rollout-a") as a,
             AsyncTimeSliceClient(cluster.targets, job_id="trainer-b") as b,
+            AsyncTimeSliceClient(cluster.targets, job_id="eval-c") as c,
         ):
             await a.acquire("train", timeout=30)
             await asyncio.to_thread(browser.get, url)
@@ -165,6 +210,23 @@ async def test_the_page_follows_a_switch_live(
                 lambda d: EVIL in d.find_element(By.ID, "groups").text,
             )
             assert await asyncio.to_thread(browser.execute_script, "return window.__xss") is None
+            # The nodes view: each node's backend, labelled emulated (the sim backend).
+            await wait_for(
+                browser,
+                "every node's backend, emulated",
+                lambda d: all(node_backend(d, n) == "simemulated" for n in sockets),
+            )
+            assert "over " in cell(browser, "train", "duty")  # the span the duty is over
+            train_color = await asyncio.to_thread(swatch_color, browser, "train")
+            assert train_color.startswith("rgb"), train_color
+            # A second group (sorting before it) leaves train's colour as it was.
+            await c.acquire("aaa-eval", timeout=30)
+            await wait_for(
+                browser, "the second group", lambda d: "eval-c" in cell(d, "aaa-eval", "holder")
+            )
+            assert await asyncio.to_thread(swatch_color, browser, "train") == train_color
+            assert await asyncio.to_thread(swatch_color, browser, "aaa-eval") != train_color
+            await c.yield_("aaa-eval")
             # A marker that a reload would lose.
             await asyncio.to_thread(browser.execute_script, "window.__marker = 42")
 
@@ -188,6 +250,17 @@ async def test_the_page_follows_a_switch_live(
                 'return document.querySelector("#recent tbody tr").textContent',
             )
             assert "rollout-a" in row and "trainer-b" in row and "committed" in row, row
+            assert "emulated" in row, row  # a sim switch time is not a measurement
+            # The group's timeline: the switch, who to whom, how long, emulated.
+            handover = "rollout-a \u2192 trainer-b"
+            await wait_for(
+                browser,
+                "the switch on train's timeline",
+                lambda d: any(handover in e for e in timeline_switches(d, "train")),
+            )
+            switches = await asyncio.to_thread(timeline_switches, browser, "train")
+            (entry,) = [e for e in switches if handover in e]
+            assert "took" in entry and entry.endswith("emulated"), entry
             assert await asyncio.to_thread(browser.execute_script, "return window.__marker") == 42
             assert await asyncio.to_thread(browser.execute_script, "return window.__xss") is None
             # rollout-a asks again: the queue shows it while trainer-b holds.
@@ -210,6 +283,13 @@ async def test_the_page_follows_a_switch_live(
             assert await asyncio.to_thread(browser.save_screenshot, str(shot))
             ARTIFACTS.mkdir(exist_ok=True)
             shutil.copy(shot, ARTIFACTS / "dashboard.png")
+            # And the story below: the timeline and the nodes view.
+            await asyncio.to_thread(
+                browser.execute_script, 'document.getElementById("timeline").scrollIntoView()'
+            )
+            story = tmp_path / "dashboard-timeline.png"
+            assert await asyncio.to_thread(browser.save_screenshot, str(story))
+            shutil.copy(story, ARTIFACTS / "dashboard-timeline.png")
             await b.yield_("train")
             await again
             await a.yield_("train")

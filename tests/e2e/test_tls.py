@@ -21,7 +21,14 @@ from grpclib import GRPCError
 from grpclib.client import Channel
 
 from timeslice.aio import AsyncTimeSliceClient
-from timeslice.errors import InvalidArgument, PermissionDenied, Unavailable
+from timeslice.errors import (
+    CertificateExpired,
+    InvalidArgument,
+    PermissionDenied,
+    TlsRefused,
+    Unavailable,
+    UntrustedCertificate,
+)
 from timeslice.targets import parse_address
 from timeslice.tls import CA_ENV, CERT_ENV, KEY_ENV, TlsFiles, client_context
 from timeslice_agent.stream import CONNECT_ROUTE
@@ -75,18 +82,18 @@ async def test_refused_certificates_get_a_tls_error_and_one_log_line(
     assert pki is not None
     other = Pki.create(tmp_path / "other-ca")
     cases = {
-        "another CA": (other.operator.cert, other.operator.key),
-        "expired": _expired(pki),
+        "another CA": (other.operator.cert, other.operator.key, UntrustedCertificate),
+        "expired": (*_expired(pki), CertificateExpired),
     }
-    for what, (cert, key) in cases.items():
+    for what, (cert, key, named) in cases.items():
         client = _client(cluster, "j1", cert, key)
         try:
             with pytest.raises(Unavailable) as info:
                 await client.acquire("g1")
         finally:
             await client.close()
-        assert "TLS error" in str(info.value), what
-        assert "refused our client certificate" in str(info.value), what
+        assert isinstance(info.value, named), (what, repr(info.value))
+        assert f"refused our client certificate {cert}" in str(info.value), what
     # No certificate at all (none in the environment either): refused, named at once and
     # not retried, since nothing can change without a certificate.
     monkeypatch.delenv(CERT_ENV, raising=False)
@@ -100,7 +107,7 @@ async def test_refused_certificates_get_a_tls_error_and_one_log_line(
                 await client.acquire("g1")
         finally:
             await client.close()
-        assert "TLS error" in str(info.value), info.value
+        assert isinstance(info.value, TlsRefused), repr(info.value)
         assert "requires a client certificate" in str(info.value), info.value
         assert loop.time() - started < 2.0  # the call's budget is 3 s
     log = cluster.log_tail("r0", 400)

@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 from tests.conftest import ClusterFactory
 from tests.integration.etcdview import snapshot
 from tests.wirecalls import TYPED, frame, raw_call, raw_channel, varint
+from timeslice.errors import ErrorKind
 from timeslice.wire import MalformedMessage, validate
 from timeslice_proto.timeslice.v1 import (
     AcquireRequest,
@@ -228,16 +229,15 @@ class Harness:
             # The strict codec refuses it before a handler runs (validation switched off, a
             # handler would see betterproto2's lenient reading of it).
             assert outcome.status.name == "INVALID_ARGUMENT", f"{case}: {name} {outcome.message}"
-            assert outcome.message.startswith(f"[invalid_argument] malformed {wrong}: "), (
+            assert outcome.kind is ErrorKind.INVALID_ARGUMENT, f"{case}: kind {outcome.kind}"
+            assert outcome.message.startswith(f"malformed {wrong}: "), (
                 f"{case}: {outcome.message!r} is not the strict codec's refusal"
             )
             self.statuses["malformed"] = self.statuses.get("malformed", 0) + 1
         if outcome.refused and outcome.status.name != "DEADLINE_EXCEEDED":
-            if case.method.startswith("/timeslice.v1.TimeSlice/") or outcome.message.startswith(
-                "malformed"
-            ):
+            if case.method.startswith("/timeslice.v1.TimeSlice/") or wrong is not None:
                 # The client API (and the codec, everywhere) names the error kind for the SDK.
-                assert outcome.message.startswith("["), f"{case}: {outcome.message!r}: no kind"
+                assert outcome.kind is not None, f"{case}: {outcome.message!r}: no kind"
             assert outcome.message, f"{case}: a refusal must say why"
             after = self.snapshot()
             assert after == before, f"{case} was refused ({outcome.message}) but changed etcd"

@@ -9,16 +9,22 @@ from contextlib import asynccontextmanager
 from grpclib.client import Channel
 
 from tests.tlsenv import env_context
+from timeslice.status_details import KIND_CODEC
 from timeslice_proto.timeslice.v1 import OpenSessionResponse, TimeSliceStub
 
 
 @asynccontextmanager
-async def raw_stub(target: str, *, insecure: bool = False) -> AsyncIterator[TimeSliceStub]:
+async def raw_stub(
+    target: str, *, insecure: bool = False, plain: bool = False
+) -> AsyncIterator[TimeSliceStub]:
     """A stub on the first of ``target``'s replicas: TLS as the environment says (the
-    session's certificates), plaintext with ``insecure``."""
+    session's certificates), plaintext with ``insecure``. Errors carry the kind decoded from
+    the status details (``GRPCError.details``); with ``plain``, grpclib's own decoding of them
+    (Google's protobuf classes), as any client that knows nothing of timeslice gets them."""
     host, _, port = target.split(",")[0].rpartition(":")
     context = None if insecure else await asyncio.to_thread(env_context)
-    channel = Channel(host, int(port), ssl=context)
+    codec = None if plain else KIND_CODEC
+    channel = Channel(host, int(port), ssl=context, status_details_codec=codec)
     try:
         yield TimeSliceStub(channel, timeout=10)
     finally:

@@ -49,7 +49,7 @@ async def refused(kind: ErrorKind, call: Awaitable[object]) -> str:
         if hasattr(result, "__aiter__"):
             async for _ in cast(AsyncIterable[object], result):
                 pass
-    error = error_from_status(info.value.status, info.value.message)
+    error = error_from_status(info.value.status, info.value.message, info.value.details)
     assert error.kind is kind, f"expected {kind}, got {error.kind}: {error}"
     return error.message
 

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterable, Awaitable
 from typing import TypeVar, cast
 
 import pytest
+from google.rpc import error_details_pb2  # type: ignore[import-untyped]
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
@@ -34,7 +35,7 @@ async def expect(kind: ErrorKind, coro: Awaitable[object]) -> str:
         if hasattr(result, "__aiter__"):
             async for _ in cast(AsyncIterable[object], result):
                 pass
-    err = error_from_status(info.value.status, info.value.message)
+    err = error_from_status(info.value.status, info.value.message, info.value.details)
     assert err.kind is kind, f"expected {kind}, got {err.kind}: {err}"
     assert err.message, "the error must say why"
     return err.message
@@ -232,8 +233,13 @@ async def test_grpc_status_codes_are_meaningful_to_plain_clients(
     cluster_factory: ClusterFactory,
 ) -> None:
     cluster = cluster_factory(agents=0)
-    async with raw_stub(cluster.target) as stub:
+    async with raw_stub(cluster.target, plain=True) as stub:
         with pytest.raises(GRPCError) as info:
             await stub.get_group_status(GetGroupStatusRequest(group_id="missing"))
         assert info.value.status == Status.NOT_FOUND
-        assert info.value.message and info.value.message.startswith("[not_found] ")
+        assert info.value.message and "missing" in info.value.message
+        assert not info.value.message.startswith("["), "the message is plain human text"
+        # The kind, in the standard rich error model: Google's own classes decode it.
+        [detail] = info.value.details
+        assert isinstance(detail, error_details_pb2.ErrorInfo), detail
+        assert (detail.reason, detail.domain) == ("NOT_FOUND", "timeslice.dev")

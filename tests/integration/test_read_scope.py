@@ -21,6 +21,7 @@ from grpclib.exceptions import GRPCError
 from tests.conftest import ClusterFactory
 from tests.integration.rawclient import opened
 from timeslice.errors import ErrorKind, error_from_status
+from timeslice.status_details import KIND_CODEC
 from timeslice.tls import TlsFiles, client_context
 from timeslice_proto.timeslice.v1 import (
     AcquireEvent,
@@ -53,7 +54,7 @@ async def channel_as(cluster: LocalCluster, pki: Pki, pair: CertPair) -> AsyncIt
     context = await asyncio.to_thread(
         client_context, TlsFiles(str(pki.ca), str(pair.cert), str(pair.key))
     )
-    channel = Channel(host, int(port), ssl=context)
+    channel = Channel(host, int(port), ssl=context, status_details_codec=KIND_CODEC)
     try:
         yield channel
     finally:
@@ -64,7 +65,7 @@ async def refused(kind: ErrorKind, call: Awaitable[object]) -> str:
     """``call`` must fail with ``kind``; its message."""
     with pytest.raises(GRPCError) as info:
         await call
-    error = error_from_status(info.value.status, info.value.message)
+    error = error_from_status(info.value.status, info.value.message, info.value.details)
     assert error.kind is kind, f"expected {kind}, got {error.kind}: {error}"
     return error.message
 

@@ -47,7 +47,10 @@ class _Lockstep:
 def _kind(reply: YieldStreamReply) -> ErrorKind | None:
     if reply.status == 0:
         return None
-    return error_from_status(Status(reply.status), reply.message).kind
+    assert not reply.message.startswith("["), reply.message
+    kind = ErrorKind.__members__.get(reply.kind)
+    assert kind is not None, f"reply without its kind: {reply}"
+    return error_from_status(Status(reply.status), reply.message, kind).kind
 
 
 async def test_one_stream_answers_each_yield_with_the_status_of_the_yield_call(

@@ -20,10 +20,18 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpclib
-from grpclib.const import Status
 from grpclib.server import Server
 
-from timeslice.errors import TimeSliceError
+from timeslice.errors import (
+    AlreadyExists,
+    NotHolder,
+    PermissionDenied,
+    SessionExpired,
+    TimeSliceError,
+    Unauthenticated,
+    Unavailable,
+)
+from timeslice.status_details import KIND_CODEC
 from timeslice.tls import TlsFiles, server_context
 from timeslice_proto.timeslice.v1 import (
     AcquireEvent,
@@ -59,7 +67,7 @@ T = TypeVar("T")
 
 def wire_error(error: TimeSliceError) -> grpclib.GRPCError:
     """The gRPC status a real server sends for a typed error."""
-    return grpclib.GRPCError(error.status, error.wire_message())
+    return error.to_grpc()
 
 
 class LoopThread:
@@ -195,13 +203,9 @@ class OrchestratorState:
         the SDK must send it on every call, through failovers and re-attaches)."""
         session = self.sessions.get(session_id)
         if session is None or session.expired:
-            raise grpclib.GRPCError(
-                Status.FAILED_PRECONDITION, f"[session_expired] session {session_id} expired"
-            )
+            raise SessionExpired(f"session {session_id} expired").to_grpc()
         if secret != session.secret:
-            raise grpclib.GRPCError(
-                Status.UNAUTHENTICATED, f"[unauthenticated] session {session_id}: wrong secret"
-            )
+            raise Unauthenticated(f"session {session_id}: wrong secret").to_grpc()
         return session
 
     def end_session(self, session_id: str) -> None:
@@ -289,9 +293,7 @@ class Frontend(TimeSliceBase):
         session = state.live_session(message.session_id, message.session_secret)
         g = state.group(message.group_id)
         if g.holder is not None and g.holder.job == message.job_id:
-            raise grpclib.GRPCError(
-                Status.ALREADY_EXISTS, f"[already_exists] {message.job_id} holds {g.name}"
-            )
+            raise AlreadyExists(f"{message.job_id} holds {g.name}").to_grpc()
         entry = next((e for e in g.queue if e.session_id == session.session_id), None)
         if entry is None:
             entry = Entry(
@@ -309,10 +311,7 @@ class Frontend(TimeSliceBase):
         try:
             while True:
                 if session.expired:
-                    raise grpclib.GRPCError(
-                        Status.FAILED_PRECONDITION,
-                        f"[session_expired] session {session.session_id} expired",
-                    )
+                    raise SessionExpired(f"session {session.session_id} expired").to_grpc()
                 if g.holder is None and g.queue and g.queue[0] is entry:
                     g.queue.pop(0)
                     granted = Hold(entry.job, entry.session_id, state.next_revision())
@@ -355,21 +354,18 @@ class Frontend(TimeSliceBase):
         g = self.state.group(message.group_id)
         holder = g.holder
         if holder is not None and holder.job != message.job_id:
-            raise grpclib.GRPCError(
-                Status.PERMISSION_DENIED, f"[permission_denied] {holder.job} holds {g.name}"
-            )
+            raise PermissionDenied(f"{holder.job} holds {g.name}").to_grpc()
         if holder is None or holder.epoch != message.epoch:
-            raise grpclib.GRPCError(
-                Status.FAILED_PRECONDITION,
-                f"[not_holder] {message.job_id} does not hold {g.name} at epoch {message.epoch}",
-            )
+            raise NotHolder(
+                f"{message.job_id} does not hold {g.name} at epoch {message.epoch}"
+            ).to_grpc()
         g.holder = None
         if self.state.yield_replies_lost > 0:
             self.state.yield_replies_lost -= 1
             if self.state.hand_over_to is not None:
                 g.holder = Hold(self.state.hand_over_to, "other", self.state.next_revision())
             g.notify()
-            raise grpclib.GRPCError(Status.UNAVAILABLE, "[unavailable] etcd: leader changed")
+            raise Unavailable("etcd: leader changed").to_grpc()
         g.notify()
         return YieldResponse()
 
@@ -455,7 +451,7 @@ class FakeOrchestrator:
         frontend = Frontend(self.state)
 
         async def start() -> int:
-            server = Server([frontend])
+            server = Server([frontend], status_details_codec=KIND_CODEC)
             # proto must say TCP, or neither asyncio nor grpclib sets TCP_NODELAY on accepted
             # connections (and every call then waits out a 40 ms delayed ACK).
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)

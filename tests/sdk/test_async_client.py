@@ -166,11 +166,7 @@ async def test_body_exception_is_not_masked_by_a_failing_yield(
     orch: FakeOrchestrator, caplog: pytest.LogCaptureFixture
 ) -> None:
     async with client_for(orch) as client:
-        orch.do(
-            lambda s: s.fail.__setitem__(
-                "Yield", grpclib.GRPCError(Status.INTERNAL, "[internal] store exploded")
-            )
-        )
+        orch.do(lambda s: s.fail.__setitem__("Yield", InternalError("store exploded").to_grpc()))
         with caplog.at_level(logging.ERROR, logger="timeslice"):
             with pytest.raises(ValueError, match="body failed"):
                 async with client.on_accelerators("g1"):
@@ -184,11 +180,7 @@ async def test_body_exception_is_not_masked_by_a_failing_yield(
         # Without a body exception the yield's own error is what the caller sees.
         orch.do(lambda s: s.fail.clear())
         await client.yield_("g1")  # the failed yield left the grant recorded: give it back
-        orch.do(
-            lambda s: s.fail.__setitem__(
-                "Yield", grpclib.GRPCError(Status.INTERNAL, "[internal] store exploded")
-            )
-        )
+        orch.do(lambda s: s.fail.__setitem__("Yield", InternalError("store exploded").to_grpc()))
         with pytest.raises(InternalError, match="store exploded"):
             async with client.on_accelerators("g1"):
                 pass

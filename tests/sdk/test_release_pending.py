@@ -10,9 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import grpclib
 import pytest
-from grpclib.const import Status
 
 from tests.sdk.fakes import FakeOrchestrator, OrchestratorState
 from timeslice import AsyncTimeSliceClient, NotHolder, Timeout, Unavailable
@@ -29,7 +27,7 @@ def _client(orch: FakeOrchestrator, job: str = "job-a") -> AsyncTimeSliceClient:
 
 
 def _yield_unavailable(state: OrchestratorState) -> None:
-    state.fail["Yield"] = grpclib.GRPCError(Status.UNAVAILABLE, "[unavailable] etcd is away")
+    state.fail["Yield"] = Unavailable("etcd is away").to_grpc()
 
 
 def _yield_answers(state: OrchestratorState) -> None:
@@ -152,9 +150,7 @@ async def test_yield_again_after_the_release_failed_for_good_raises_why(
         await _failed_yield(orch, client)
 
         def refuse(state: OrchestratorState) -> None:
-            state.fail["Yield"] = grpclib.GRPCError(
-                Status.INVALID_ARGUMENT, "[invalid_argument] a bug on one side"
-            )
+            state.fail["Yield"] = InvalidArgument("a bug on one side").to_grpc()
 
         orch.do(refuse)
         with pytest.raises(InvalidArgument, match="a bug on one side"):

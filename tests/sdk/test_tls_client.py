@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator
 import pytest
 from grpclib.server import Server
 
-from timeslice._transport import TlsRefused, map_error
+from timeslice._transport import map_error
 from timeslice.aio import AsyncTimeSliceClient
-from timeslice.errors import Unavailable
+from timeslice.errors import TlsRefused, Unavailable, UntrustedCertificate
 from timeslice.tls import CERT_ENV, KEY_ENV, TlsFiles, server_context
 from timeslice_tools.dev.certs import Pki
 
@@ -57,7 +57,7 @@ async def test_no_client_certificate_is_named_at_once(
         elapsed = loop.time() - started
         assert isinstance(info.value, Unavailable)
         assert info.value.final
-        assert "TLS error" in str(info.value), info.value
+        assert "TLS" in str(info.value), info.value
         assert "requires a client certificate" in str(info.value), info.value
         # Not retried until the call's budget ends (5 s): nothing can change without a
         # certificate.
@@ -82,8 +82,9 @@ async def test_a_certificate_from_another_ca_is_named_when_the_budget_ends(
             await client.acquire("g")
     finally:
         await client.close()
-    assert "TLS error" in str(info.value), info.value
-    assert "refused our client certificate" in str(info.value), info.value
+    assert isinstance(info.value, UntrustedCertificate), repr(info.value)
+    assert f"refused our client certificate {other.operator.cert}" in str(info.value)
+    assert "signed by another CA" in str(info.value), info.value
 
 
 @pytest.mark.parametrize(

@@ -11,9 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import grpclib
 import pytest
-from grpclib.const import Status
 from grpclib.server import Server
 
 from tests.sdk.fakes import FakeAgent, LoopThread
@@ -26,6 +24,7 @@ from timeslice import (
     Unavailable,
     register,
 )
+from timeslice.status_details import KIND_CODEC
 from timeslice.worker import check_can_enter
 from timeslice_proto.timeslice.v1 import HookKind, WorkerCommand
 
@@ -43,7 +42,7 @@ class AgentServer:
 
     def start(self, agent: FakeAgent) -> FakeAgent:
         async def start() -> Server:
-            server = Server([agent])
+            server = Server([agent], status_details_codec=KIND_CODEC)
             await server.start(path=str(self.path))
             return server
 
@@ -243,13 +242,7 @@ def test_unreachable_agent_is_unavailable(short_dir: Path) -> None:
 
 
 def test_agent_refusal_is_a_typed_error(agent_server: AgentServer) -> None:
-    agent_server.start(
-        FakeAgent(
-            refuse=grpclib.GRPCError(
-                Status.INVALID_ARGUMENT, "[invalid_argument] group g is not on this node"
-            )
-        )
-    )
+    agent_server.start(FakeAgent(refuse=InvalidArgument("group g is not on this node").to_grpc()))
     with pytest.raises(InvalidArgument, match="not on this node"):
         register("g", job_id="j", socket=str(agent_server.path), timeout=5)
 

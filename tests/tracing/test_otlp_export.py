@@ -7,87 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-
-import grpc
-import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as pb
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as pb_grpc
 
 from tests.conftest import ClusterFactory
+from tests.tracing.otlp import Collector, ReceivedSpan, otlp_env
 from timeslice import AsyncTimeSliceClient, register
-
-
-@dataclass(frozen=True)
-class ReceivedSpan:
-    service: str
-    name: str
-    trace_id: bytes
-    span_id: bytes
-    parent_span_id: bytes
-    attributes: dict[str, object]
-
-
-class Collector(pb_grpc.TraceServiceServicer):
-    """The OTLP TraceService, keeping every span it is sent."""
-
-    def __init__(self) -> None:
-        self.spans: list[ReceivedSpan] = []
-
-    async def Export(  # the proto's method name
-        self, request: pb.ExportTraceServiceRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ExportTraceServiceResponse:
-        for resource_spans in request.resource_spans:
-            service = next(
-                (
-                    a.value.string_value
-                    for a in resource_spans.resource.attributes
-                    if a.key == "service.name"
-                ),
-                "",
-            )
-            for scope_spans in resource_spans.scope_spans:
-                for span in scope_spans.spans:
-                    attributes: dict[str, object] = {}
-                    for a in span.attributes:
-                        kind = a.value.WhichOneof("value")
-                        attributes[a.key] = getattr(a.value, kind) if kind else None
-                    self.spans.append(
-                        ReceivedSpan(
-                            service,
-                            span.name,
-                            span.trace_id,
-                            span.span_id,
-                            span.parent_span_id,
-                            attributes,
-                        )
-                    )
-        return pb.ExportTraceServiceResponse()
-
-
-@pytest.fixture
-async def collector() -> AsyncIterator[tuple[Collector, int]]:
-    server = grpc.aio.server()
-    receiver = Collector()
-    pb_grpc.add_TraceServiceServicer_to_server(receiver, server)  # type: ignore[no-untyped-call]
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        yield receiver, port
-    finally:
-        await server.stop(grace=None)
 
 
 async def test_a_switch_arrives_at_an_otlp_receiver_as_one_trace(
     cluster_factory: ClusterFactory, collector: tuple[Collector, int]
 ) -> None:
     receiver, port = collector
-    env = {
-        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
-        "OTEL_EXPORTER_OTLP_INSECURE": "true",
-        "OTEL_BSP_SCHEDULE_DELAY": "100",  # ms: export soon after each span ends
-    }
+    env = otlp_env(port)
     cluster = cluster_factory(replicas=1, agents=2, env=env, agent_args=["--sim-state-gb", "0.1"])
     sockets = cluster.agent_sockets
     workers = [
@@ -135,7 +65,9 @@ async def test_a_switch_arrives_at_an_otlp_receiver_as_one_trace(
     assert set(phases) == {"timeslice.evict", "timeslice.restore"}
     for phase, kind in (("evict", "checkpoint"), ("restore", "restore")):
         per_node = [s for s in trace if s.parent_span_id == phases[f"timeslice.{phase}"].span_id]
-        assert sorted(s.name for s in per_node) == [f"timeslice.{phase} {n}" for n in nodes]
+        # One operation name for every node; the node is an attribute.
+        assert [s.name for s in per_node] == [f"timeslice.{phase}.node"] * len(nodes)
+        assert sorted(str(s.attributes["timeslice.node"]) for s in per_node) == nodes
         for node_span in per_node:
             # The agent's span, exported by the agent's own process, names the
             # orchestrator's span for its node as its parent: the link crossed processes.

@@ -22,8 +22,10 @@ from timeslice_orchestrator.dashboard import (
     Dashboard,
     DashboardConfig,
     content_security_policy,
+    dashboard_url,
     parse_query,
 )
+from timeslice_orchestrator.dashboard_story import group_color
 from timeslice_orchestrator.holds import HoldTracker
 from timeslice_orchestrator.store.mirror import GroupView, RelayPost
 from timeslice_orchestrator.store.records import (
@@ -37,6 +39,7 @@ from timeslice_orchestrator.store.records import (
     Stored,
     SwitchPhase,
     SwitchRecord,
+    WorkerRecord,
 )
 
 R = TypeVar("R")
@@ -49,6 +52,7 @@ class FakeMirror:
     def __init__(self) -> None:
         self.revision = 1
         self.views: dict[str, GroupView] = {}
+        self.agent_records: dict[str, AgentRecord] = {}
         self.listeners: list[Callable[[set[str]], None]] = []
 
     def group_names(self) -> list[str]:
@@ -73,7 +77,7 @@ class FakeMirror:
         return bool(self.group(group).queue)
 
     def agents(self) -> dict[str, AgentRecord]:
-        return {}
+        return dict(self.agent_records)
 
     def relays(self) -> list[RelayPost]:
         return []
@@ -83,6 +87,11 @@ class FakeMirror:
 
     def remove_listener(self, listener: Callable[[set[str]], None]) -> None:
         self.listeners.remove(listener)
+
+    def set_agents(self, **agents: AgentRecord) -> None:
+        self.agent_records = agents
+        for listener in self.listeners:
+            listener({"agent"})
 
     def set(self, *views: GroupView) -> None:
         self.revision += 1
@@ -104,6 +113,7 @@ def view(
     last_switch: float = 0.0,
     switch: SwitchRecord | None = None,
     nodes: dict[str, list[str]] | None = None,
+    parked: dict[str, list[str]] | None = None,
 ) -> GroupView:
     return GroupView(
         group=group,
@@ -114,7 +124,7 @@ def view(
             QueuedJob(job, stored(QueueRecord("s-" + job, 0, 1000.0), 10 + i))
             for i, job in enumerate(queue)
         ],
-        resident=stored(ResidentRecord(nodes)) if nodes else None,
+        resident=stored(ResidentRecord(nodes or {}, parked or {})) if nodes or parked else None,
         switch=stored(switch) if switch else None,
         driver="r1",
         driver_lease=1,
@@ -301,6 +311,7 @@ async def test_updates_coalesce_to_the_latest_state_and_switch_ends_are_kept(
         "outcome": "committed",
         "seconds": 1.25,
         "at": 0,
+        "emulated": False,
     }
 
 
@@ -379,3 +390,165 @@ async def test_a_stuck_browser_is_dropped_and_holds_bounded_memory() -> None:
         sock.close()
         dash.stop()
         await server.close()
+
+
+def sim_agent(node: str, *jobs: str, group: str = "g", emulated: bool = True) -> AgentRecord:
+    return AgentRecord(
+        node=node,
+        replica="r1",
+        backend="sim" if emulated else "cuda",
+        emulated=emulated,
+        connected_at=1000.0,
+        workers=[WorkerRecord(j, group, 10 + i, 100_000_000) for i, j in enumerate(jobs)],
+    )
+
+
+def test_every_figure_an_emulated_backend_made_says_so() -> None:
+    mirror = FakeMirror()
+    mirror.agent_records = {"n1": sim_agent("n1", "a", "b"), "n2": sim_agent("n2", "a", "b")}
+    mirror.set(view("g", holder="a", nodes={"n1": ["a"], "n2": ["a"]}))
+    dash, _, _ = make(mirror)
+    mirror.set(view("g", holder="b", switches=1, last_switch=0.75, nodes={"n1": ["b"]}))
+    (group,) = dash.snapshot()["groups"]
+    assert group["backends"] == ["sim"] and group["emulated"] is True
+    assert dash.recent[0].emulated and dash.recent[0].to_json()["emulated"] is True
+    switch = next(e for e in group["timeline"] if e["kind"] == "switch")
+    assert switch["emulated"] is True and switch["seconds"] == 0.75
+    # A real backend: nothing is labelled.
+    mirror.set_agents(n1=sim_agent("n1", "a", "b", emulated=False))
+    mirror.set(view("g", holder="a", switches=2, last_switch=0.5, nodes={"n1": ["a"]}))
+    (group,) = dash.snapshot()["groups"]
+    assert group["backends"] == ["cuda"] and group["emulated"] is False
+    assert dash.recent[0].emulated is False
+    dash.stop()
+
+
+def test_the_timeline_shows_who_held_and_how_long_each_switch_took() -> None:
+    mirror = FakeMirror()
+    wall = [5000.0]
+    mirror.set(view("g"))
+    dash = Dashboard(mirror, HoldTracker(), wall=lambda: wall[0])
+    dash.start()
+    mirror.set(view("g", holder="a"))
+    wall[0] = 5010.0
+    record = SwitchRecord(
+        "sw1", "g", "b", 12, [NodeStep("n1", "a", "b")], SwitchPhase.CHECKPOINT, "r1", 5010.0
+    )
+    mirror.set(view("g", queue=("b",), switch=record))  # a's hold ends: the switch starts
+    wall[0] = 5011.25
+    mirror.set(view("g", holder="b", switches=1, last_switch=1.25))
+    (group,) = dash.snapshot()["groups"]
+    assert group["timeline"] == [
+        {"kind": "hold", "job": "a", "start": 5000.0, "end": 5010.0},
+        {
+            "kind": "switch",
+            "from": "a",
+            "to": "b",
+            "start": 5010.0,
+            "end": 5011.25,
+            "seconds": 1.25,
+            "outcome": "committed",
+            "emulated": False,
+        },
+        {"kind": "hold", "job": "b", "start": 5011.25, "end": None},
+    ]
+    # Quiet for longer than the chart goes back: the timeline goes with it.
+    mirror.set(view("g", switches=1))
+    wall[0] += dash.config.history_seconds + 1
+    dash.sample()
+    assert "g" not in dash.story.timelines
+    mirror.views.clear()
+    mirror.set()
+    dash.stop()
+
+
+def test_colours_are_per_name_and_a_new_group_recolours_nothing() -> None:
+    mirror = FakeMirror()
+    mirror.set(view("train", holder="a"))
+    dash, tracker, _ = make(mirror)
+    tracker.observe("train", 1, 0.0)
+    first = {g["name"]: g["color"] for g in dash.snapshot()["groups"]}
+    mirror.set(view("aaa-new", holder="b"))  # sorts first: a colour by position would move
+    tracker.observe("aaa-new", 2, 0.0)
+    snap = dash.snapshot()
+    second = {g["name"]: g["color"] for g in snap["groups"]}
+    assert second["train"] == first["train"] == group_color("train")
+    assert second["aaa-new"] == group_color("aaa-new") != second["train"]
+    point = snap["history"][-1]
+    assert point["colors"] == {g: group_color(g) for g in point["duty"]}
+    dash.stop()
+
+
+def test_duty_is_shown_over_the_time_watched() -> None:
+    """A group that appeared 30 s ago and was held 18 s of them: 60% over 30 s."""
+    mirror = FakeMirror()
+    clock = [600.0]
+    tracker = HoldTracker(window=300)
+    tracker.begin(0.0, [])
+    dash = Dashboard(mirror, tracker, clock=lambda: clock[0])
+    dash.start()
+    mirror.set(view("g"))
+    tracker.observe("g", 0, 600.0)
+    for k in range(3):
+        tracker.observe("g", 10 + k, 600.0 + 10 * k)
+        tracker.observe("g", 0, 606.0 + 10 * k)
+    clock[0] = 630.0
+    (group,) = dash.snapshot()["groups"]
+    assert (group["duty"], group["duty_over"]) == (0.6, 30.0)
+    dash.stop()
+
+
+def test_the_nodes_view_shows_backend_connection_and_parked_bytes() -> None:
+    mirror = FakeMirror()
+    mirror.agent_records = {
+        "n1": sim_agent("n1", "a", "b"),
+        "n2": sim_agent("n2", "c", group="h", emulated=False),
+    }
+    mirror.set(view("g", holder="b", nodes={"n1": ["b"]}, parked={"n1": ["a"]}))
+    dash, _, _ = make(mirror)
+    nodes = {n["node"]: n for n in dash.snapshot()["nodes"]}
+    assert nodes["n1"]["backend"] == "sim" and nodes["n1"]["emulated"] is True
+    assert nodes["n1"]["parked"] == ["a"] and nodes["n1"]["parked_bytes"] == 100_000_000
+    assert nodes["n1"]["connected_at"] == 1000.0 and nodes["n1"]["host_free_bytes"] is None
+    assert nodes["n2"]["backend"] == "cuda" and nodes["n2"]["emulated"] is False
+    assert nodes["n2"]["parked_bytes"] == 0
+    dash.stop()
+
+
+def test_dashboard_url_is_one_people_can_open() -> None:
+    assert dashboard_url("127.0.0.1", 8080) == "http://127.0.0.1:8080/"
+    assert dashboard_url("0.0.0.0", 9090) == "http://localhost:9090/"
+    assert dashboard_url("::", 9090) == "http://localhost:9090/"
+    assert dashboard_url("::1", 80) == "http://[::1]:80/"
+    assert dashboard_url("orch.example", 8081) == "http://orch.example:8081/"
+
+
+def test_timelines_are_bounded_in_groups_and_entries() -> None:
+    mirror = FakeMirror()
+    dash, _, _ = make(mirror, timeline_groups=3, timeline_entries=4)
+    for i in range(10):
+        mirror.set(*(view(f"g{k}", holder=f"j{i}") for k in range(6)))
+    assert len(dash.story.timelines) == 3  # the first three to be held (in a set's order)
+    # Four kept, and the hold in progress.
+    assert all(len(t.entries(since=0)) == 4 + 1 for t in dash.story.timelines.values())
+    dash.stop()
+
+
+async def test_a_stream_gets_the_nodes_view_again_only_when_parked_jobs_change(
+    served: tuple[FakeMirror, Dashboard, TestServer, CollectorRegistry],
+) -> None:
+    mirror, _, server, _ = served
+    mirror.set_agents(n1=sim_agent("n1", "a", "b"))
+    async with aiohttp.ClientSession() as http:
+        async with http.get(server.make_url("/events")) as resp:
+            ((name, snap),) = await read_events(resp, 1)
+            assert name == "snapshot" and isinstance(snap, dict)
+            assert [n["node"] for n in snap["nodes"]] == ["n1"]
+            mirror.set(view("g", holder="a", queue=("c",), nodes={"n1": ["a"]}))
+            ((name, update),) = await read_events(resp, 1)
+            assert name == "groups" and isinstance(update, dict) and "nodes" not in update
+            mirror.set(view("g", holder="b", nodes={"n1": ["b"]}, parked={"n1": ["a"]}))
+            ((name, update),) = await read_events(resp, 1)
+            assert name == "groups" and isinstance(update, dict)
+            (node,) = update["nodes"]
+            assert node["parked"] == ["a"] and node["parked_bytes"] == 100_000_000

@@ -40,6 +40,10 @@ def sections(options: ServiceOptions) -> dict[str, list[str]]:
     }
 
 
+# argparse's own options: no variable, no group of a concern.
+BUILT_IN = ("-h", "--version")
+
+
 @pytest.mark.parametrize(
     ("options", "titles"),
     [(orchestrator_parser({}), ORCHESTRATOR_GROUPS), (agent_parser({}), AGENT_GROUPS)],
@@ -47,9 +51,10 @@ def sections(options: ServiceOptions) -> dict[str, list[str]]:
 )
 def test_help_is_sectioned_by_concern(options: ServiceOptions, titles: list[str]) -> None:
     groups = sections(options)
-    # Every option sits in a titled group of its concern; argparse's own group holds --help.
+    # Every option sits in a titled group of its concern; argparse's own group holds --help
+    # and --version.
     assert list(groups) == ["positional arguments", "options", *titles]
-    assert groups["options"] == ["-h"] and groups["positional arguments"] == []
+    assert groups["options"] == list(BUILT_IN) and groups["positional arguments"] == []
     text = options.parser.format_help()
     assert all(f"\n{title}:\n" in text for title in titles), text
     assert text.rstrip().endswith(UNITS.split()[-1]) and "Units: a duration is in seconds" in text
@@ -66,7 +71,7 @@ def test_every_option_names_its_variable_and_units_follow_the_convention(
 ) -> None:
     for action in options.parser._actions:
         flag = action.option_strings[0]
-        if flag == "-h" or isinstance(action, argparse._AppendAction):
+        if flag in BUILT_IN or isinstance(action, argparse._AppendAction):
             continue
         assert f"[env {prefix}{flag[2:].replace('-', '_').upper()}]" in str(action.help), flag
         # A unit in a name is one the help's convention explains; any other (-mb, -s, -kib)
@@ -134,7 +139,7 @@ def test_configuration_doc_lists_every_group_and_option() -> None:
     ):
         section = doc.split(f"### {service}\n", 1)[1].split("\n### ", 1)[0]
         for title, flags in sections(options).items():
-            shown = [f for f in flags if f != "-h"]
+            shown = [f for f in flags if f not in BUILT_IN]
             if shown:
                 row = f"| {title} | {', '.join(f'`{f}`' for f in shown)} |"
                 assert row in section, f"docs/configuration.md ({service}) lacks: {row}"

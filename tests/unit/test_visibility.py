@@ -329,14 +329,14 @@ KNOWN_FIELDS: dict[type, set[str]] = {
         "policy", "missing_members",
     },
     QueueEntry: {"job_id", "priority", "enqueued_at", "revision"},
-    NodeResidency: {"node", "resident_job_id", "resident_jobs"},
+    NodeResidency: {"node", "resident_job_id", "resident_jobs", "backend", "emulated"},
     SwitchStatus: {"switch_id", "epoch", "from_job_id", "to_job_id", "phase", "started_at"},
     FaultedJob: {"job_id", "reason"},
     JobUsage: {"job_id", "held_seconds", "holds", "first_seen", "last_seen"},
     GroupSummary: {"group_id", "holder_job_id", "queue_length", "switching"},
     AcquireEvent: {
         "state", "queue_position", "epoch", "waited_seconds", "restored", "previous_job_id",
-        "switch_seconds", "ticket",
+        "switch_seconds", "ticket", "warning",
     },
     v1alpha1.GetGroupStatusResponse: {"group", "agent_job_states"},
     v1alpha1.GroupStatus: {

@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import argparse
 import enum
+import json
+import logging
 import signal
+import sys
 import threading
 from types import FrameType
 
+from timeslice._acquire import GRANT_WARNING
 from timeslice.cli.base import (
     Commands,
     Interrupted,
+    add_json_option,
     add_target_option,
     non_negative_float,
     out,
@@ -36,6 +41,15 @@ def register(commands: Commands) -> None:
         "acquire",
         cmd_acquire,
         help="acquire a group as a job, hold it, then yield (for operators and tests)",
+        description="Acquire GROUP as job J (waiting in its queue), print the grant, hold it "
+        "for --hold seconds or until SIGINT/SIGTERM, then yield. Exits 5 if --timeout passes "
+        "first (the queue entry is removed), 6 if no orchestrator can be reached. With --json "
+        "each event is one JSON object per line. A group that is not known (no node serves "
+        "it, no operator created it: a mistyped name?) is granted with a warning on stderr, "
+        "or refused with --strict (not found).",
+        epilog="examples:\n"
+        "  timeslice acquire trainer-group --job job-a --hold 30\n"
+        "  timeslice acquire trainer-group --job job-a --timeout 60 --hold 0 --json",
     )
     acquire.add_argument("group", metavar="GROUP")
     acquire.add_argument("--job", required=True, metavar="J")
@@ -47,6 +61,12 @@ def register(commands: Commands) -> None:
         metavar="SECONDS",
         help="hold for this long (default: until SIGINT/SIGTERM)",
     )
+    acquire.add_argument(
+        "--strict",
+        action="store_true",
+        help="refuse a group that is not known instead of creating it (docs/groups.md)",
+    )
+    add_json_option(acquire)
 
 
 class _SignalMode(enum.Enum):
@@ -74,24 +94,55 @@ def cmd_acquire(args: argparse.Namespace) -> int:
             stop.set()
         # FINISHING: the yield is under way; a second Ctrl-C must not cut it short.
 
-    client = TimeSliceOrchestratorClient(targets, job_id=job)
+    client = TimeSliceOrchestratorClient(targets, job_id=job, strict_groups=args.strict)
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    # The grant's warning is printed below, once, in this command's words.
+    sdk_log = logging.getLogger("timeslice")
+    sdk_log.addFilter(_not_grant_warning)
     try:
         try:
             grant = client.acquire(group, timeout=args.timeout)
         except Interrupted:
             raise Cancelled(f"interrupted while waiting for {group}") from None
         stage = _SignalMode.HOLDING
-        out(f"granted epoch={grant.epoch} waited={grant.waited_seconds:.3f}")
+        if grant.warning:
+            print(f"warning: {grant.warning}", file=sys.stderr, flush=True)
+        if args.json:
+            warning = {"warning": grant.warning} if grant.warning else {}
+            _event(
+                "granted",
+                group,
+                job,
+                epoch=grant.epoch,
+                waited_seconds=grant.waited_seconds,
+                **warning,
+            )
+        else:
+            out(f"granted epoch={grant.epoch} waited={grant.waited_seconds:.3f}")
         stop.wait(timeout=args.hold)
         stage = _SignalMode.FINISHING
         client.yield_(group)
-        out("yielded")
+        if args.json:
+            _event("yielded", group, job)
+        else:
+            out("yielded")
     finally:
         stage = _SignalMode.FINISHING
+        sdk_log.removeFilter(_not_grant_warning)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         # Ends the session: if we were interrupted between the grant and the yield, this is
         # what releases the hold.
         client.close()
     return 0
+
+
+def _not_grant_warning(record: logging.LogRecord) -> bool:
+    """Leave out the SDK's log record of a grant's warning (the command prints it)."""
+    return not getattr(record, GRANT_WARNING, False)
+
+
+def _event(event: str, group: str, job: str, **fields: object) -> None:
+    """One ``--json`` line: a compact object per event, so a script can read them as they
+    come (JSON Lines)."""
+    out(json.dumps({"event": event, "group_id": group, "job_id": job, **fields}))

@@ -4,9 +4,11 @@ A command group is a module with a ``register(commands)`` function that adds its
 to a :class:`Commands` and names the handler of each. :func:`run` builds the parser from a list
 of such functions, runs the chosen handler and turns errors into the CLI's error format.
 
-Errors go to stderr as ``error: <kind>: <message>``; the exit status is 2 for bad input and 1
-for every other failure (``run`` passes its command's status through and has codes of its own
-for its failures: :mod:`timeslice.cli.wrap`).
+Errors go to stderr as ``error: <kind>: <message>`` (with ``--json``, as one JSON object:
+``{"error": kind, "message": ..., "exit_code": N}``); the exit status tells the failures a
+script may act on apart (:class:`ExitCode`, mapped from the error's class by
+:data:`EXIT_CODES`). ``run`` passes its command's status through and has codes of its own for
+its failures (:mod:`timeslice.cli.wrap`).
 
 Commands talk to the orchestrator through the SDK's transport (:func:`call`): every replica is
 asked once, in order, and the first one that answers wins. They never open a session (an
@@ -17,18 +19,24 @@ jobs.
 from __future__ import annotations
 
 import argparse
+import enum
+import json
 import os
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import NoReturn, TypeVar
 
 from timeslice._transport import ReplicasUnreachable, Transport
+from timeslice.argv import VersionAction, version_line
 from timeslice.errors import (
     Cancelled,
-    ErrorKind,
     InvalidArgument,
+    NotFound,
+    NotHolder,
+    PermissionDenied,
     Timeout,
     TimeSliceError,
+    Unauthenticated,
     Unavailable,
 )
 from timeslice.targets import DEFAULT_TARGET, TARGET_ENV, Target, targets_from_env
@@ -38,34 +46,76 @@ from timeslice_proto.timeslice.v1 import TimeSliceStub
 __all__ = [
     "CALL_TIMEOUT",
     "EXIT_BAD_INPUT",
+    "EXIT_CODES",
     "EXIT_FAILURE",
     "OPERATOR_TOKEN_ENV",
     "OPERATOR_TOKEN_FILE_ENV",
     "Commands",
+    "ExitCode",
     "Handler",
     "Interrupted",
     "Parser",
     "Register",
+    "add_json_option",
     "add_operator_option",
     "add_target_option",
     "build_parser",
     "call",
     "count",
     "epoch",
+    "exit_code",
     "fail",
     "non_negative_float",
     "operator_metadata",
     "out",
     "parse_targets",
     "positive_float",
+    "print_json",
     "report",
     "run",
+    "version_line",
 ]
 
 CALL_TIMEOUT = 10.0
 """Seconds each orchestrator replica gets to answer one call."""
-EXIT_FAILURE = 1
-EXIT_BAD_INPUT = 2
+
+
+class ExitCode(enum.IntEnum):
+    """The exit statuses of every ``timeslice`` command (``run`` adds its own: 125-127 and
+    128+N, :mod:`timeslice.cli.wrap`). Documented in docs/dashboard.md ("timeslice in
+    scripts"); scripts rely on the numbers."""
+
+    OK = 0
+    FAILURE = 1
+    """Any other failure (a faulted group, a refused request, an interrupt, ...)."""
+    USAGE = 2
+    """Bad input: a flag, an ID, an address, a file (argparse's own status for usage)."""
+    NOT_FOUND = 3
+    """The group (or session) does not exist."""
+    NOT_HOLDER = 4
+    """The job does not hold the group under that epoch."""
+    TIMEOUT = 5
+    """A deadline passed (``--timeout`` of ``acquire``, or no replica answered in time)."""
+    UNREACHABLE = 6
+    """No orchestrator replica could be reached."""
+    DENIED = 7
+    """The caller may not do this, or did not prove who it is (token, certificate)."""
+
+
+EXIT_CODES: tuple[tuple[type[TimeSliceError], ExitCode], ...] = (
+    (InvalidArgument, ExitCode.USAGE),
+    (NotFound, ExitCode.NOT_FOUND),
+    (NotHolder, ExitCode.NOT_HOLDER),
+    (Timeout, ExitCode.TIMEOUT),
+    (Unavailable, ExitCode.UNREACHABLE),
+    (PermissionDenied, ExitCode.DENIED),
+    (Unauthenticated, ExitCode.DENIED),
+)
+"""Error class -> exit status, first match by ``isinstance``: a subclass (a more precise
+connection error, say) exits as its base does. Any other error exits :attr:`ExitCode.FAILURE`."""
+
+EXIT_FAILURE = ExitCode.FAILURE
+EXIT_BAD_INPUT = ExitCode.USAGE
 
 T = TypeVar("T")
 
@@ -81,7 +131,14 @@ class Interrupted(BaseException):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with our error format (``error: invalid_argument: ...``, exit 2)."""
+    """argparse with our error format (``error: invalid_argument: ...``, exit 2).
+
+    Help keeps the line breaks of descriptions and epilogs (the examples are laid out).
+    """
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
     def error(self, message: str) -> NoReturn:
         # One line, as every entry point fails at start (timeslice.argv).
@@ -113,22 +170,46 @@ Register = Callable[[Commands], None]
 """A command group: adds its subcommands to a :class:`Commands`."""
 
 
-def build_parser(groups: Sequence[Register]) -> tuple[Parser, dict[str, Handler]]:
-    """The ``timeslice`` parser with the subcommands of ``groups``, and their handlers."""
+def _exit_code_table() -> str:
+    lines = ["exit status:"]
+    for code in ExitCode:
+        lines.append(f"  {int(code)}  {code.name.lower().replace('_', ' ')}")
+    lines.append(
+        "  (run: also CMD's own status, 125 not started, 126/127 CMD not executable/found)"
+    )
+    return "\n".join(lines)
+
+
+def build_parser(
+    groups: Sequence[Register], *, package: str = "timeslice"
+) -> tuple[Parser, dict[str, Handler]]:
+    """The ``timeslice`` parser with the subcommands of ``groups``, and their handlers.
+
+    ``--version`` names the distribution that provides the import package ``package``.
+    """
     parser = Parser(
         prog="timeslice",
         description="Co-operative accelerator time-slicing for RL post-training jobs.",
+        epilog=f"{_exit_code_table()}\n\n'timeslice COMMAND --help' shows a command's "
+        "options and an example.",
     )
+    parser.add_argument("--version", action=VersionAction, package=package)
     commands = Commands(parser)
     for register in groups:
         register(commands)
     return parser, commands.handlers
 
 
-def run(argv: Sequence[str], groups: Sequence[Register]) -> int:
+def run(argv: Sequence[str], groups: Sequence[Register], *, package: str = "timeslice") -> int:
     """Parse ``argv``, run the chosen command, report errors; returns the exit status."""
-    parser, handlers = build_parser(groups)
-    args = parser.parse_args(list(argv))
+    global _json_errors
+    argv = list(argv)
+    # Known before parsing, so that a usage error of a --json command is JSON too; the
+    # arguments of `run`'s CMD (after "--") are CMD's, not ours.
+    _json_errors = "--json" in (argv[: argv.index("--")] if "--" in argv else argv)
+    parser, handlers = build_parser(groups, package=package)
+    args = parser.parse_args(argv)
+    _json_errors = bool(getattr(args, "json", False))
     try:
         return handlers[args.command](args)
     except TimeSliceError as exc:
@@ -239,20 +320,56 @@ def parse_targets(text: str | None) -> list[Target]:
 # -- errors and output -----------------------------------------------------------------------
 
 
-def report(error: TimeSliceError) -> None:
-    """Print ``error`` in the CLI's format (for a command that chooses its own exit status)."""
-    print(f"error: {error.kind.value}: {error.message}", file=sys.stderr, flush=True)
+# Whether errors are printed as JSON: set by `run` from the command's --json.
+_json_errors = False
+
+
+def exit_code(error: TimeSliceError) -> ExitCode:
+    """The exit status of a command that failed with ``error`` (:data:`EXIT_CODES`)."""
+    for cls, code in EXIT_CODES:
+        if isinstance(error, cls):
+            return code
+    return ExitCode.FAILURE
+
+
+def report(error: TimeSliceError, code: int | None = None) -> None:
+    """Print ``error`` in the CLI's format on stderr (for a command that chooses its own exit
+    status, ``code``; default the one :func:`exit_code` gives)."""
+    if _json_errors:
+        document = {
+            "error": error.kind.value,
+            "message": error.message,
+            "exit_code": int(exit_code(error) if code is None else code),
+        }
+        print(json.dumps(document), file=sys.stderr, flush=True)
+    else:
+        print(f"error: {error.kind.value}: {error.message}", file=sys.stderr, flush=True)
 
 
 def fail(error: TimeSliceError) -> NoReturn:
-    """Print ``error`` in the CLI's format and exit (2 for bad input, else 1)."""
-    report(error)
-    raise SystemExit(EXIT_BAD_INPUT if error.kind is ErrorKind.INVALID_ARGUMENT else EXIT_FAILURE)
+    """Print ``error`` in the CLI's format and exit with its status (:data:`EXIT_CODES`)."""
+    code = exit_code(error)
+    report(error, code)
+    raise SystemExit(int(code))
 
 
 def out(line: str) -> None:
     """Print one line of a command's result on stdout, at once."""
     print(line, flush=True)
+
+
+def print_json(value: object) -> None:
+    """Print ``value`` as one JSON document on stdout (a command's ``--json`` result)."""
+    out(json.dumps(value, indent=2))
+
+
+def add_json_option(parser: argparse.ArgumentParser) -> None:
+    """``--json``: the result as JSON on stdout, and errors as one JSON object on stderr."""
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help='print the result as JSON; errors as {"error", "message", "exit_code"} on stderr',
+    )
 
 
 # -- talking to the orchestrator -------------------------------------------------------------

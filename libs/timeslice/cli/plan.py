@@ -10,6 +10,7 @@ from dataclasses import asdict
 
 from timeslice.cli.base import (
     Commands,
+    add_json_option,
     add_target_option,
     non_negative_float,
     out,
@@ -26,7 +27,15 @@ __all__ = ["cmd_plan", "register"]
 def register(commands: Commands) -> None:
     """Add ``plan``."""
     plan = commands.add(
-        "plan", cmd_plan, help="propose which jobs should share which group, from recorded usage"
+        "plan",
+        cmd_plan,
+        help="propose which jobs should share which group, from recorded usage",
+        description="Read every group's usage ledger (how long each job held and waited) and "
+        "propose which jobs could share one group without its load passing --cap, counting "
+        "--switch-seconds per hand-over against a shared group.",
+        epilog="examples:\n"
+        "  timeslice plan --cap 0.8 --switch-seconds 2\n"
+        "  timeslice plan --json | jq '.[] | .predicted_duty'",
     )
     add_target_option(plan)
     plan.add_argument(
@@ -38,7 +47,7 @@ def register(commands: Commands) -> None:
         default=0.0,
         help="cost of one context switch, to count against shared groups",
     )
-    plan.add_argument("--json", action="store_true", help="print JSON")
+    add_json_option(plan)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

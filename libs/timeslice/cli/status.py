@@ -8,13 +8,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from timeslice.cli.base import Commands, add_target_option, call, out, parse_targets
+from timeslice.cli.base import (
+    Commands,
+    add_json_option,
+    add_target_option,
+    call,
+    out,
+    parse_targets,
+    print_json,
+)
 from timeslice.ids import validate_group_id
 from timeslice.targets import Target
 from timeslice_proto.timeslice.v1 import (
@@ -27,9 +34,11 @@ from timeslice_proto.timeslice.v1 import (
 )
 
 __all__ = [
+    "NodeBackendView",
     "QueueView",
     "StatusView",
     "SwitchView",
+    "backend_label",
     "format_group_line",
     "format_status",
     "get_status",
@@ -41,14 +50,33 @@ __all__ = [
 
 def register(commands: Commands) -> None:
     """Add ``groups`` and ``status``."""
-    groups = commands.add("groups", cmd_groups, help="list groups, one line each")
+    groups = commands.add(
+        "groups",
+        cmd_groups,
+        help="list groups, one line each",
+        description="List every group the orchestrator knows: its holder, how many jobs wait "
+        "and whether a switch is in flight. Opens no session.",
+        epilog="examples:\n"
+        "  timeslice groups --target 10.0.0.5:50051\n"
+        "  timeslice groups --json | jq -r '.[] | select(.queue_length > 0) | .group_id'",
+    )
     add_target_option(groups)
-    groups.add_argument("--json", action="store_true", help="print JSON")
+    add_json_option(groups)
 
-    status = commands.add("status", cmd_status, help="a group's status (all groups without GROUP)")
+    status = commands.add(
+        "status",
+        cmd_status,
+        help="a group's status (all groups without GROUP)",
+        description="One group's holder, queue, nodes (with each node's backend; emulated "
+        "ones labelled), the switch in flight, faults and its driver replica. Without GROUP, "
+        "as 'timeslice groups'. Exits 3 if the group does not exist.",
+        epilog="examples:\n"
+        "  timeslice status trainer-group\n"
+        "  timeslice status trainer-group --json | jq .holder_job_id",
+    )
     status.add_argument("group", nargs="?", metavar="GROUP")
     add_target_option(status)
-    status.add_argument("--json", action="store_true", help="print JSON")
+    add_json_option(status)
 
 
 @dataclass(frozen=True)
@@ -75,6 +103,16 @@ class SwitchView:
 
 
 @dataclass(frozen=True)
+class NodeBackendView:
+    """The backend a node's agent registered with."""
+
+    backend: str
+    """``sim``, ``freeze``, ``app``, ``cuda``; empty while no agent is connected."""
+    emulated: bool
+    """The backend only models data movement: its switch times are not measurements."""
+
+
+@dataclass(frozen=True)
 class StatusView:
     """What ``timeslice status GROUP`` shows, decoupled from the wire message."""
 
@@ -92,6 +130,8 @@ class StatusView:
     driver_replica: str
     # Pinned nodes with no agent connected: the group cannot switch until they are back.
     missing_members: list[str] = field(default_factory=list)
+    # Node -> its backend (a separate map, so that ``nodes`` keeps its JSON shape).
+    node_backends: dict[str, NodeBackendView] = field(default_factory=dict)
 
 
 def _since(t: float, now: float) -> float | None:
@@ -137,7 +177,16 @@ def status_view(status: GroupStatus, now: float) -> StatusView:
         switches=status.switches,
         driver_replica=status.driver_replica,
         missing_members=list(status.missing_members),
+        node_backends={n.node: NodeBackendView(n.backend, n.emulated) for n in status.nodes},
     )
+
+
+def backend_label(backend: str, emulated: bool) -> str:
+    """How every view names a node's backend: ``cuda``, ``sim, emulated``; ``no agent`` when
+    no agent is connected for the node (so no backend is known)."""
+    if not backend:
+        return "no agent"
+    return f"{backend}, emulated" if emulated else backend
 
 
 def _secs(value: float | None) -> str:
@@ -166,7 +215,9 @@ def format_status(view: StatusView) -> str:
     if view.nodes:
         lines.append("  nodes:")
         for node, job in sorted(view.nodes.items()):
-            lines.append(f"    {node}: {job or '(nothing resident)'}")
+            known = view.node_backends.get(node)
+            backend = "" if known is None else f"  [{backend_label(known.backend, known.emulated)}]"
+            lines.append(f"    {node}: {job or '(nothing resident)'}{backend}")
     else:
         lines.append("  nodes:      none")
     if view.switch is not None:
@@ -234,7 +285,7 @@ def cmd_groups(args: argparse.Namespace) -> int:
     targets = parse_targets(args.target)
     groups = asyncio.run(list_groups(targets))
     if args.json:
-        out(json.dumps([_summary_dict(g) for g in groups], indent=2))
+        print_json([_summary_dict(g) for g in groups])
     elif not groups:
         print("(no groups)", file=sys.stderr, flush=True)
     else:
@@ -251,5 +302,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     targets = parse_targets(args.target)
     status = asyncio.run(get_status(targets, group))
     view = status_view(status, time.time())
-    out(json.dumps(asdict(view), indent=2) if args.json else format_status(view))
+    if args.json:
+        print_json(asdict(view))
+    else:
+        out(format_status(view))
     return 0

@@ -122,7 +122,10 @@ def register(commands: Commands) -> None:
         "set, yield when CMD exits. Signals are forwarded to CMD's process group.",
         epilog="exit status: CMD's own; 128+N if CMD was killed by signal N (or the wrapper "
         "was, while waiting); 125 if the group could not be acquired (CMD not started); "
-        "126/127 if CMD cannot be executed / is not found; 2 for bad input",
+        "126/127 if CMD cannot be executed / is not found; 2 for bad input\n\n"
+        "examples:\n"
+        "  timeslice run --group trainer-group --job job-a -- python train.py --steps 100\n"
+        "  TIMESLICE_GROUP=trainer-group TIMESLICE_JOB_ID=job-a timeslice run -- ./step.sh",
     )
     run.add_argument("--group", metavar="G", help=f"the group to hold (default: ${GROUP_ENV})")
     run.add_argument("--job", metavar="J", help=f"the job to hold it as (default: ${JOB_ENV})")

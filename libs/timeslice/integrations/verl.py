@@ -92,6 +92,10 @@ SETUP_HOOK = "timeslice.integrations.verl.register_trainers"
 
 JOB_ENV = "TIMESLICE_JOB_ID"
 GROUP_ENV = "TIMESLICE_GROUP"
+POOL_ENV = "TIMESLICE_POOL"
+"""Instead of ``TIMESLICE_GROUP``: the placement pool the trainer's role is placed in."""
+ROLE_ENV = "TIMESLICE_ROLE"
+"""With ``TIMESLICE_POOL``: the trainer's role in the pool (default ``trainer``)."""
 NODE_ENV = "TIMESLICE_NODE"
 TARGET_ENV = "TIMESLICE_TARGET"
 TIMEOUT_ENV = "TIMESLICE_ACQUIRE_TIMEOUT"
@@ -199,7 +203,8 @@ class Slicer(GroupHold):
     def from_env(cls, env: Mapping[str, str] | None = None) -> Slicer:
         """A slicer with a client made from the environment (see :func:`runtime_env_vars`)."""
         env = os.environ if env is None else env
-        missing = [name for name in (JOB_ENV, GROUP_ENV, TARGET_ENV) if not env.get(name)]
+        where = GROUP_ENV if env.get(GROUP_ENV) or not env.get(POOL_ENV) else POOL_ENV
+        missing = [name for name in (JOB_ENV, where, TARGET_ENV) if not env.get(name)]
         if missing:
             raise InvalidArgument(
                 f"time-sliced veRL needs {', '.join(missing)} in the Ray runtime_env "
@@ -212,6 +217,15 @@ class Slicer(GroupHold):
         from timeslice.client import TimeSliceOrchestratorClient
 
         client = TimeSliceOrchestratorClient(env[TARGET_ENV], job_id=env[JOB_ENV])
+        if where == POOL_ENV:
+            # The orchestrator places the role (docs/placement.md); the agent still finds
+            # the workers by TIMESLICE_GROUP, which the launcher sets from `timeslice place`.
+            try:
+                group = client.group_for(env[POOL_ENV], env.get(ROLE_ENV) or "trainer")
+            except BaseException:
+                client.close()
+                raise
+            return cls(client, group, timeout=timeout)
         return cls(client, env[GROUP_ENV], timeout=timeout)
 
     def switch(self) -> None:

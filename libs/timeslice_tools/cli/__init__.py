@@ -6,12 +6,13 @@
     timeslice orchestrator ARGS...        # exec python -m timeslice_orchestrator ARGS
     timeslice agent ARGS...               # exec python -m timeslice_agent ARGS
     timeslice groups | status | plan | acquire | run | yield | members ...   # timeslice.cli
-    timeslice top [--once] [--target T]   # every group, live (timeslice_tools.cli.top)
+    timeslice top [--once] [--json] [--target T]   # every group, live; q quits
+    timeslice --version
 
 The operator commands live in the SDK (:mod:`timeslice.cli`), which a job installs; this
 package adds :mod:`~timeslice_tools.cli.dev` and :mod:`~timeslice_tools.cli.services`, which
-only developers and the service images need. Errors go to stderr as
-``error: <kind>: <message>``; the exit status is 2 for bad input and 1 for every other failure.
+only developers and the service images need. Errors and exit statuses are those of
+:mod:`timeslice.cli.base` (:class:`~timeslice.cli.base.ExitCode`).
 """
 
 from __future__ import annotations
@@ -45,10 +46,13 @@ COMMANDS: tuple[Register, ...] = (
 )
 """Every command group of ``timeslice``, in the order ``--help`` lists them."""
 
+# --version names the distribution that ships this command (timeslice-tools, or the workspace).
+_PACKAGE = "timeslice_tools"
+
 
 def build_parser() -> Parser:
     """The full ``timeslice`` argument parser (exposed for tests and docs)."""
-    return _build_parser(COMMANDS)[0]
+    return _build_parser(COMMANDS, package=_PACKAGE)[0]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -58,4 +62,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     # included, reaches the service untouched.
     if args and args[0] in services.SERVICES:
         services.exec_service(args[0], args[1:])
-    return run(args, COMMANDS)
+    return run(args, COMMANDS, package=_PACKAGE)

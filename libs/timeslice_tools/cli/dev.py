@@ -12,10 +12,12 @@ the Compose and Kubernetes deployments), made by :class:`timeslice_tools.dev.cer
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
@@ -24,9 +26,11 @@ from timeslice.cli.base import (
     Commands,
     Interrupted,
     Parser,
+    add_json_option,
     count,
     out,
     positive_float,
+    print_json,
 )
 from timeslice.errors import InvalidArgument, Unavailable
 from timeslice.targets import TARGET_ENV, parse_address
@@ -46,14 +50,28 @@ JOB_ID_ENV = "TIMESLICE_JOB_ID"
 
 def register(commands: Commands) -> None:
     """Add ``dev`` and its subcommands."""
-    dev = commands.add("dev", cmd_dev, help="local development tools")
+    dev = commands.add(
+        "dev",
+        cmd_dev,
+        help="local development tools",
+        description="Development tools: a whole cluster on this machine (dev cluster), and "
+        "the certificates of a deployment (dev certs).",
+        epilog="examples:\n"
+        "  timeslice dev cluster --agents 2 --backend sim\n"
+        "  timeslice dev certs --out ./certs --nodes node-0 --jobs job-a",
+    )
     dev_sub = dev.add_subparsers(dest="dev_command", metavar="DEV_COMMAND", parser_class=Parser)
     dev_sub.required = True
     cluster = dev_sub.add_parser(
         "cluster",
         help="run etcd, orchestrators and agents locally in the foreground",
         description="Run a local cluster until SIGINT/SIGTERM. Prints 'ready <targets>' once it "
-        "serves.",
+        "serves, then the exports a client needs (with --json: one JSON object with all of it, "
+        'then {"event": "stopped"} on the way out).',
+        epilog="examples:\n"
+        "  timeslice dev cluster --replicas 2 --agents 2\n"
+        "  timeslice dev cluster --no-tls --backend freeze --base-dir /tmp/ts\n"
+        "  timeslice dev cluster --json | head -n1 | jq -r .target",
     )
     cluster.add_argument("--replicas", type=count(1), default=1, help="orchestrator replicas")
     cluster.add_argument("--agents", type=count(0), default=1, help="node agents")
@@ -98,6 +116,10 @@ def register(commands: Commands) -> None:
         "--out: orchestrator, etcd (server, replicas' client, root; from the etcd CA), an "
         "operator, and one per node and job given (never named root or timeslice: etcd's "
         "users). Keep ca.key and etcd-ca.key away from the services.",
+        epilog="examples:\n"
+        "  timeslice dev certs --out ./certs --nodes node-0 node-1 --jobs job-a job-b\n"
+        "  timeslice dev certs --out ./certs --hosts orchestrator.ns.svc --force\n"
+        "  timeslice dev certs --out ./certs --split-etcd-ca --json",
     )
     certs.add_argument("--out", type=Path, required=True, metavar="DIR", help="where to write")
     certs.add_argument("--nodes", nargs="*", default=[], metavar="NODE", help="agents' node names")
@@ -111,6 +133,8 @@ def register(commands: Commands) -> None:
         "localhost (Service names, say)",
     )
     certs.add_argument("--days", type=count(1), default=DEFAULT_DAYS, help="validity")
+    add_json_option(certs)
+    add_json_option(cluster)
     certs.add_argument(
         "--force", action="store_true", help="replace a CA already in --out (a new CA)"
     )
@@ -165,8 +189,8 @@ def cmd_dev_certs(args: argparse.Namespace) -> int:
         pki = Pki(out_dir)
         if not pki.split_etcd_ca(days=args.days):
             raise InvalidArgument(f"{out_dir} already has its own etcd CA ({pki.etcd_ca.name})")
-        for path in (pki.etcd_ca, pki.etcd_server.cert, pki.etcd_client.cert, pki.etcd_root.cert):
-            out(str(path))
+        written = (pki.etcd_ca, pki.etcd_server.cert, pki.etcd_client.cert, pki.etcd_root.cert)
+        _paths(args, written)
         return 0
     if (out_dir / "ca.crt").exists() and not args.force:
         raise InvalidArgument(
@@ -175,10 +199,24 @@ def cmd_dev_certs(args: argparse.Namespace) -> int:
         )
     _check_names([*args.nodes, *args.jobs])
     pki = Pki.create(out_dir, nodes=args.nodes, jobs=args.jobs, hosts=args.hosts, days=args.days)
-    for path in sorted(pki.directory.iterdir()):
-        if path.suffix in (".crt", ".key") and not path.name.startswith("."):
-            out(str(path))
+    _paths(
+        args,
+        [
+            path
+            for path in sorted(pki.directory.iterdir())
+            if path.suffix in (".crt", ".key") and not path.name.startswith(".")
+        ],
+    )
     return 0
+
+
+def _paths(args: argparse.Namespace, paths: Sequence[Path]) -> None:
+    """The files ``dev certs`` wrote: one per line, or a JSON list with ``--json``."""
+    if args.json:
+        print_json([str(path) for path in paths])
+    else:
+        for path in paths:
+            out(str(path))
 
 
 def _check_names(names: list[str]) -> None:
@@ -232,28 +270,11 @@ def cmd_dev_cluster(args: argparse.Namespace) -> int:
             cluster.start()
         except (ClusterError, EtcdError) as exc:
             raise Unavailable(f"the local cluster did not start: {exc}") from None
-        out(f"ready {cluster.target}")
-        out(f"export {TARGET_ENV}={cluster.target}")
-        out(f"export {OPERATOR_TOKEN_FILE_ENV}={cluster.operator_token_file}")
-        if cluster.pki is None:
-            for name, value in cluster.client_env.items():
-                out(f"export {name}={value}")
+        if args.json:
+            out(json.dumps(_ready_document(cluster, args.jobs)))
         else:
-            # The CA for everyone; a certificate per job, and the operator's for operator
-            # commands only (it may act as any job, and all its clients share one bucket).
-            out(f"export {CA_ENV}={cluster.pki.ca}")
-            for job in args.jobs:
-                out(f"job {job}: export {JOB_ID_ENV}={job} {_cert_exports(cluster.job_env(job))}")
-            out(f"operator (groups, status, top, members): export "
-                f"{_cert_exports(cluster.client_env)}")  # fmt: skip
-        for node, path in cluster.agent_sockets.items():
-            out(f"agent {node}: export TIMESLICE_AGENT_SOCKET={path}")
-        out(f"etcd {cluster.etcd_endpoint} prefix {cluster.prefix}")
-        kept = "" if args.base_dir is not None else " (removed on exit; --base-dir keeps them)"
-        out(f"logs {cluster.log_dir}{kept}")
-        pids = " ".join(f"{name}={p.pid}" for name, p in cluster.processes.items())
-        out(f"pids {pids}")
-        out("stop with Ctrl-C (SIGINT) or SIGTERM")
+            _print_ready(cluster, args)
+            out("stop with Ctrl-C (SIGINT) or SIGTERM")
         reported: set[str] = set()
         while True:
             time.sleep(0.5)
@@ -275,5 +296,59 @@ def cmd_dev_cluster(args: argparse.Namespace) -> int:
         # leaked one would turn the caller's next Ctrl-C into a no-op.
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    out("stopped")
+    if args.json:
+        out(json.dumps({"event": "stopped"}))
+    else:
+        out("stopped")
     return 0
+
+
+def _print_ready(cluster: LocalCluster, args: argparse.Namespace) -> None:
+    """What a running ``dev cluster`` prints for people: the targets and the exports."""
+    out(f"ready {cluster.target}")
+    for replica, url in cluster.dashboard_urls.items():
+        out(f"dashboard {replica}: {url}")
+    out(f"export {TARGET_ENV}={cluster.target}")
+    out(f"export {OPERATOR_TOKEN_FILE_ENV}={cluster.operator_token_file}")
+    if cluster.pki is None:
+        for name, value in cluster.client_env.items():
+            out(f"export {name}={value}")
+    else:
+        # The CA for everyone; a certificate per job, and the operator's for operator
+        # commands only (it may act as any job, and all its clients share one bucket).
+        out(f"export {CA_ENV}={cluster.pki.ca}")
+        for job in args.jobs:
+            out(f"job {job}: export {JOB_ID_ENV}={job} {_cert_exports(cluster.job_env(job))}")
+        out(f"operator (groups, status, top, members): export "
+            f"{_cert_exports(cluster.client_env)}")  # fmt: skip
+    for node, path in cluster.agent_sockets.items():
+        out(f"agent {node}: export TIMESLICE_AGENT_SOCKET={path}")
+    out(f"etcd {cluster.etcd_endpoint} prefix {cluster.prefix}")
+    kept = "" if args.base_dir is not None else " (removed on exit; --base-dir keeps them)"
+    out(f"logs {cluster.log_dir}{kept}")
+    pids = " ".join(f"{name}={p.pid}" for name, p in cluster.processes.items())
+    out(f"pids {pids}")
+
+
+def _ready_document(cluster: LocalCluster, jobs: Sequence[str]) -> dict[str, object]:
+    """What a running ``dev cluster --json`` prints, as one object on one line: the targets,
+    the environment of a job and of the operator, the agents' sockets, etcd, logs, pids."""
+    common = {TARGET_ENV: cluster.target, OPERATOR_TOKEN_FILE_ENV: str(cluster.operator_token_file)}
+    if cluster.pki is not None:
+        common[CA_ENV] = str(cluster.pki.ca)
+    return {
+        "event": "ready",
+        "target": cluster.target,
+        "dashboards": cluster.dashboard_urls,
+        "tls": cluster.pki is not None,
+        "env": {**common, **cluster.client_env},
+        "jobs": {
+            job: {**common, JOB_ID_ENV: job, **cluster.job_env(job)}
+            for job in (jobs if cluster.pki is not None else [])
+        },
+        "agent_sockets": {node: str(path) for node, path in cluster.agent_sockets.items()},
+        "etcd": cluster.etcd_endpoint,
+        "prefix": cluster.prefix,
+        "logs": str(cluster.log_dir),
+        "pids": {name: p.pid for name, p in cluster.processes.items()},
+    }

@@ -23,6 +23,9 @@ def register(commands: Commands) -> None:
             name,
             None,
             help=f"run {module} in the foreground (arguments are passed through)",
+            description=f"Replace this process with 'python -m {module}', every argument "
+            "(--help included) passed to it untouched: the container images' entry point.",
+            epilog=f"examples:\n  timeslice {name} --help\n  timeslice {name} --version",
             add_help=False,
         )
 

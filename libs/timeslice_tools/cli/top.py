@@ -6,7 +6,13 @@ dashboard's HTTP port is plaintext and meant for a trusted network. Groups come 
 ``ListGroups`` (asked again every ``--refresh`` seconds, to see new groups); each shown group
 is followed with a ``WatchGroup`` stream, so a change shows as soon as the replica's watch
 sees it. The screen is redrawn with plain ANSI escapes, at most every ``--interval`` seconds;
-``--once`` prints one frame and exits. Ctrl-C exits cleanly (status 0).
+``--once`` prints one frame and exits, ``--json`` prints the same snapshot as JSON (each group
+as ``timeslice status --json`` shows it). ``q`` (when stdin is a terminal, read in cbreak mode
+without blocking the loop) and Ctrl-C exit cleanly (status 0).
+
+Every node is shown with the backend its agent registered with; a backend that only models
+data movement (``sim``) is labelled ``emulated``, as are the switches of groups on such nodes:
+their times are not measurements.
 
 "Recent switches" are the hand-overs this terminal saw (a new holder, or one more switch in
 the group's count). A switch's duration is timed from its ``started_at`` to the first status
@@ -19,26 +25,37 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import shutil
 import signal
 import sys
+import termios
 import time
+import tty
 from collections import deque
-from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass
-from typing import cast
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, cast
 
 from timeslice._streams import retrying_stream
 from timeslice._transport import Transport
 from timeslice.cli.base import (
     CALL_TIMEOUT,
     Commands,
+    add_json_option,
     add_target_option,
     count,
     parse_targets,
     positive_float,
+    print_json,
 )
-from timeslice.cli.status import _phase_name, get_status, list_groups
+from timeslice.cli.status import (
+    _phase_name,
+    backend_label,
+    get_status,
+    list_groups,
+    status_view,
+)
 from timeslice.targets import Target
 from timeslice.tls import client_tls
 from timeslice_proto.timeslice.v1 import (
@@ -65,9 +82,21 @@ CLOSE_SECONDS = 5.0
 
 def register(commands: Commands) -> None:
     """Add ``top``."""
-    top = commands.add("top", cmd_top, help="every group, live, in the terminal (Ctrl-C ends)")
+    top = commands.add(
+        "top",
+        cmd_top,
+        help="every group, live, in the terminal (q or Ctrl-C ends)",
+        description="Every group, live: holder, queue, nodes (each with its backend; emulated "
+        "ones labelled), the switch in flight and the switches seen, redrawn as they change. "
+        "Press q (or Ctrl-C) to quit. --once prints one frame, --json one snapshot as JSON.",
+        epilog="examples:\n"
+        "  timeslice top --target 10.0.0.5:50051,10.0.0.6:50051\n"
+        "  timeslice top --once\n"
+        "  timeslice top --json | jq '.groups[].node_backends'",
+    )
     add_target_option(top)
     top.add_argument("--once", action="store_true", help="print one frame and exit")
+    add_json_option(top)
     top.add_argument(
         "--interval",
         type=positive_float,
@@ -97,6 +126,8 @@ class RecentSwitch:
     to_job: str
     seconds: float | None
     at: float
+    emulated: bool = False
+    """The group's nodes only model data movement: ``seconds`` is no measurement."""
 
 
 def _secs(value: float) -> str:
@@ -152,7 +183,8 @@ def render_frame(
             )
         )
         nodes = "  ".join(
-            f"{_printable(n.node)}={','.join(_printable(j) for j in n.resident_jobs) or '-'}"
+            f"{_printable(n.node)}={','.join(_printable(j) for j in n.resident_jobs) or '-'} "
+            f"({_printable(backend_label(n.backend, n.emulated))})"
             for n in s.nodes
         )
         lines.append(_clip(f"    nodes: {nodes or '-'}", width))
@@ -169,6 +201,12 @@ def render_frame(
             )
         if s.last_error:
             lines.append(_clip(f"    last error: {_printable(s.last_error)}", width))
+    if any(n.emulated for s in statuses for n in s.nodes):
+        lines += [
+            "",
+            f"{dim}emulated: those nodes only model data movement; their switch times are "
+            f"not measurements{reset}",
+        ]
     lines += ["", f"{bold}recent switches{reset}"]
     if not recent:
         lines.append("  (none seen yet)")
@@ -178,7 +216,7 @@ def render_frame(
             _clip(
                 f"  {time.strftime('%H:%M:%S', time.localtime(r.at))}  "
                 f"{_printable(r.group)}  {_printable(r.from_job) or '(none)'} -> "
-                f"{_printable(r.to_job)}  {took}",
+                f"{_printable(r.to_job)}  {took}{' (emulated)' if r.emulated else ''}",
                 width,
             )
         )
@@ -222,8 +260,9 @@ class Top:
             if before.switch is not None and before.switch.started_at > 0:
                 seconds = max(0.0, now - before.switch.started_at)
             from_job = before.switch.from_job_id if before.switch is not None else last
+            emulated = any(n.emulated for n in (*before.nodes, *status.nodes))
             self.recent.appendleft(
-                RecentSwitch(group, from_job, status.holder_job_id, seconds, now)
+                RecentSwitch(group, from_job, status.holder_job_id, seconds, now, emulated)
             )
         self.changed.set()
 
@@ -294,7 +333,8 @@ class Top:
         )
 
 
-async def _once(targets: Sequence[Target], max_groups: int) -> str:
+async def _snapshot(targets: Sequence[Target], max_groups: int) -> tuple[list[GroupStatus], int]:
+    """The shown groups' statuses (busiest first) and how many groups were left out."""
     summaries = await list_groups(targets)
     ranked = sorted(
         summaries,
@@ -302,21 +342,70 @@ async def _once(targets: Sequence[Target], max_groups: int) -> str:
     )
     shown = ranked[:max_groups]
     statuses = await asyncio.gather(*(get_status(targets, g.group_id) for g in shown))
+    return _busy_first(statuses), len(summaries) - len(shown)
+
+
+async def _once(targets: Sequence[Target], max_groups: int) -> str:
+    statuses, omitted = await _snapshot(targets, max_groups)
     return render_frame(
-        _busy_first(statuses),
+        statuses,
         [],
         time.time(),
         width=shutil.get_terminal_size((120, 40)).columns,
         source=",".join(str(t) for t in targets),
-        omitted=len(summaries) - len(shown),
+        omitted=omitted,
     )
+
+
+class _QuitKey:
+    """``q`` ends top: stdin (a terminal) in cbreak mode, read by the event loop when a key
+    arrives, so that waiting for a key never blocks the redraws. Ctrl-C still signals."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_quit: Callable[[], None]) -> None:
+        self._loop = loop
+        self._on_quit = on_quit
+        self._fd: int | None = None
+        self._saved: list[Any] | None = None
+
+    def __enter__(self) -> _QuitKey:
+        try:
+            fd = sys.stdin.fileno()
+            if not os.isatty(fd):
+                return self
+            self._saved = termios.tcgetattr(fd)
+            tty.setcbreak(fd)
+        except (OSError, ValueError, termios.error):
+            return self  # no terminal to read from (or not ours to set): Ctrl-C still works
+        self._fd = fd
+        self._loop.add_reader(fd, self._read)
+        return self
+
+    def _read(self) -> None:
+        assert self._fd is not None
+        try:
+            keys = os.read(self._fd, 64)
+        except OSError:
+            keys = b""
+        if not keys:  # the terminal went away: stop listening, keep running
+            self._loop.remove_reader(self._fd)
+        elif b"q" in keys.lower():
+            self._on_quit()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is None:
+            return
+        self._loop.remove_reader(self._fd)
+        if self._saved is not None:
+            with contextlib.suppress(termios.error):
+                termios.tcsetattr(self._fd, termios.TCSADRAIN, self._saved)
+        self._fd = None
 
 
 async def _live(targets: Sequence[Target], args: argparse.Namespace) -> None:
     top = Top(targets, args.max_groups)
-    tty = sys.stdout.isatty()
+    screen = sys.stdout.isatty()  # a terminal: redraw in place
     loop = asyncio.get_running_loop()
-    # Ctrl-C and SIGTERM end the loop through an event, not by cancelling this task: on
+    # q, Ctrl-C and SIGTERM end the loop through an event, not by cancelling this task: on
     # Python 3.11 a cancellation that arrives as the redraw wait's own timeout fires is
     # turned into that TimeoutError and lost, and top then ran on after Ctrl-C.
     stop = asyncio.Event()
@@ -329,30 +418,31 @@ async def _live(targets: Sequence[Target], args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stopping)
     next_discovery = 0.0
     try:
-        if tty:
-            sys.stdout.write(_HIDE_CURSOR)
-        while not stop.is_set():
-            if loop.time() >= next_discovery:
-                await top.discover()
-                next_discovery = loop.time() + args.refresh
-            error = top.failed()
-            if error is not None:
-                raise error
-            width = shutil.get_terminal_size((120, 40)).columns
-            frame = top.frame(color=tty, width=width)
-            sys.stdout.write((_CLEAR + frame if tty else frame + "\n\n") + "\n")
-            sys.stdout.flush()
-            top.changed.clear()
-            # Redraw on a change (at most every --interval), and every second for the ages.
-            await asyncio.sleep(args.interval)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(0.0, 1.0 - args.interval)):
-                    await top.changed.wait()
+        with _QuitKey(loop, stopping):
+            if screen:
+                sys.stdout.write(_HIDE_CURSOR)
+            while not stop.is_set():
+                if loop.time() >= next_discovery:
+                    await top.discover()
+                    next_discovery = loop.time() + args.refresh
+                error = top.failed()
+                if error is not None:
+                    raise error
+                width = shutil.get_terminal_size((120, 40)).columns
+                frame = top.frame(color=screen, width=width)
+                sys.stdout.write((_CLEAR + frame if screen else frame + "\n\n") + "\n")
+                sys.stdout.flush()
+                top.changed.clear()
+                # Redraw on a change (at most every --interval), and every second for the ages.
+                await asyncio.sleep(args.interval)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(max(0.0, 1.0 - args.interval)):
+                        await top.changed.wait()
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         await top.close()
-        if tty:
+        if screen:
             sys.stdout.write(_SHOW_CURSOR)
             sys.stdout.flush()
 
@@ -360,6 +450,17 @@ async def _live(targets: Sequence[Target], args: argparse.Namespace) -> None:
 def cmd_top(args: argparse.Namespace) -> int:
     """``timeslice top``."""
     targets = parse_targets(args.target)
+    if args.json:
+        statuses, omitted = asyncio.run(_snapshot(targets, args.max_groups))
+        now = time.time()
+        print_json(
+            {
+                "at": now,
+                "groups": [asdict(status_view(s, now)) for s in statuses],
+                "omitted": omitted,
+            }
+        )
+        return 0
     if args.once:
         print(asyncio.run(_once(targets, args.max_groups)), flush=True)
         return 0

@@ -352,6 +352,11 @@ class LocalCluster:
         return [r.http for r in self._replicas]
 
     @property
+    def dashboard_urls(self) -> dict[str, str]:
+        """Each replica's live dashboard (``/`` of its HTTP port), by replica id."""
+        return {r.name: f"http://{r.http}/" for r in self._replicas}
+
+    @property
     def agent_http(self) -> dict[str, str]:
         return {node: a.http for node, a in self._agents.items()}
 

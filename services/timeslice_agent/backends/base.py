@@ -27,9 +27,11 @@ class BackendError(Exception):
 
 
 class BackendUnavailable(Exception):
-    """The backend cannot run on this machine (no driver, no binary); the message says why.
+    """The backend cannot run on this machine (no driver, no binary, no right to act); the
+    message says what is missing and how to fix it.
 
-    The agent then refuses to start (exit status 2): it never falls back to another backend.
+    Raised by a backend's ``create`` or :meth:`Backend.preflight`; the agent then refuses to
+    start (exit status 2, one line): it never falls back to another backend.
     """
 
 
@@ -170,6 +172,15 @@ class Backend(abc.ABC):
     def admit_restore(self, job: JobContext) -> None:
         """Raise :class:`BackendRefused` if a restore of ``job`` must not even start."""
         return None
+
+    @abc.abstractmethod
+    async def preflight(self) -> None:
+        """Check, before the agent starts, that this backend can act on this machine.
+
+        Raises :class:`BackendUnavailable` naming what is missing and how to fix it, so that
+        a node that could not move a job's state refuses to start instead of failing at its
+        first switch. Runs once, before the worker socket exists and before any job is known.
+        """
 
     @abc.abstractmethod
     async def checkpoint(self, job: JobContext) -> Transfer:

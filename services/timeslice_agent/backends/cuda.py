@@ -170,7 +170,10 @@ class DriverApi:
         try:
             (err,) = driver.cuInit(0)
         except RuntimeError as exc:  # cuda.pathfinder's DynamicLibNotFoundError
-            raise CudaUnavailable(f"libcuda.so.1 not found ({_first_line(exc)})") from None
+            raise CudaUnavailable(
+                f"libcuda.so.1 not found ({_first_line(exc)}); install the NVIDIA driver "
+                "(r570 or newer) on this node, or choose another --backend"
+            ) from None
         if err != driver.CUresult.CUDA_SUCCESS:
             raise CudaUnavailable(f"cuInit failed: {_error_name(err)}")
         err, version = driver.cuDriverGetVersion()
@@ -241,6 +244,15 @@ class DriverApi:
 
         return (Step("restore", self.restore, self.checkpoint), Step("unlock", self.unlock, relock))
 
+    async def check(self) -> None:
+        """Raise :class:`CudaUnavailable` unless the driver still answers (cuDriverGetVersion)."""
+        err, _ = await asyncio.to_thread(self._driver.cuDriverGetVersion)
+        if err != self._driver.CUresult.CUDA_SUCCESS:
+            raise CudaUnavailable(
+                f"the NVIDIA driver does not answer cuDriverGetVersion ({_error_name(err)}); "
+                "check the driver installation (nvidia-smi) on this node"
+            )
+
 
 _STATE_BY_NAME = {s.name: s for s in ProcessState}
 
@@ -286,8 +298,19 @@ class CheckpointCli:
     def __init__(self, binary: str) -> None:
         found = shutil.which(binary)
         if found is None:
-            raise CudaUnavailable(f"{binary} not found on PATH")
+            raise CudaUnavailable(
+                f"{binary} not found on PATH (put NVIDIA's cuda-checkpoint there, or name it "
+                "with --cuda-checkpoint-bin)"
+            )
         self.binary = found
+
+    def check(self) -> None:
+        """Raise :class:`CudaUnavailable` unless the binary is still there to run."""
+        if not os.access(self.binary, os.X_OK):
+            raise CudaUnavailable(
+                f"{self.binary} is not executable by the agent (uid {os.geteuid()}); fix its "
+                "mode, or name another cuda-checkpoint with --cuda-checkpoint-bin"
+            )
 
     async def _run(self, step: str, pid: int, *args: str) -> str:
         proc = await asyncio.create_subprocess_exec(
@@ -396,6 +419,16 @@ class CudaBackend(Backend):
     @property
     def mechanism(self) -> str:
         return self._driver.mechanism
+
+    async def preflight(self) -> None:
+        """The driver was opened by :func:`create` (libcuda loadable, every checkpoint entry
+        point present, cuInit done, CUDA 12.8 or newer; or the cuda-checkpoint binary found),
+        which refuses the start naming what is missing; here it must still answer."""
+        driver = self._driver
+        if isinstance(driver, DriverApi):
+            await driver.check()
+        elif isinstance(driver, CheckpointCli):
+            driver.check()
 
     def _pids(self, job: JobContext, pids: tuple[int, ...] | None = None) -> tuple[int, ...]:
         """``pids`` (default: all of the job's), refusing pid 1 and the agent itself."""

@@ -15,20 +15,35 @@ is sent (a violation refuses the directive and signals nothing):
 
 A checkpoint waits until every process really is stopped (``T`` in /proc/<pid>/stat); if any
 step fails, the processes it already stopped are resumed, so a failure leaves nothing frozen.
+
+**The right to signal, checked at start** (:meth:`FreezeBackend.preflight`). The workers are not
+known when the agent starts (they register later), so the check is the kernel's rule for
+``kill(2)`` applied to every process that could register: a sender with ``CAP_KILL`` may signal
+anyone; any other may signal only processes whose real or saved uid is its own real or
+effective uid. Who can register is who can connect to the worker socket (mode 0660): the
+agent's own uid and the users of the socket's group (its members, and those whose primary
+group it is). So an agent with ``CAP_KILL`` (root) starts; one without it starts only if no
+other user is in that group, and otherwise refuses naming them. Root-owned workers (root can
+connect to any socket) are not counted: a non-root agent serving root's workers is refused at
+their first switch, as before.
 """
 
 from __future__ import annotations
 
 import asyncio
+import grp
 import logging
 import os
+import pwd
 import signal
 import time
+from pathlib import Path
 
 from timeslice_agent.backends.base import (
     Backend,
     BackendError,
     BackendRefused,
+    BackendUnavailable,
     JobContext,
     SavedJob,
     Transfer,
@@ -43,6 +58,67 @@ log = logging.getLogger(__name__)
 STOP_WAIT_SECONDS = 10.0
 _POLL_SECONDS = 0.002
 _HAVE_PIDFD = hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal")
+CAP_KILL = 5  # linux/capability.h
+_NAMED_AT_MOST = 5
+
+
+def has_cap_kill(status: Path = Path("/proc/self/status")) -> bool:
+    """Whether this process may signal any process: ``CAP_KILL`` in its effective set (where
+    there is no /proc, being root)."""
+    try:
+        text = status.read_text()
+    except OSError:
+        return os.geteuid() == 0
+    for line in text.splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> CAP_KILL & 1)
+    return os.geteuid() == 0
+
+
+def group_users(gid: int) -> dict[int, str]:
+    """The users of group ``gid`` by uid: its members and those whose primary group it is
+    (as the user database lists them; blocking)."""
+    users: dict[int, str] = {}
+    try:
+        members = grp.getgrgid(gid).gr_mem
+    except KeyError:
+        members = []
+    for name in members:
+        try:
+            users[pwd.getpwnam(name).pw_uid] = name
+        except KeyError:
+            continue
+    for entry in pwd.getpwall():
+        if entry.pw_gid == gid:
+            users[entry.pw_uid] = entry.pw_name
+    return users
+
+
+def signal_refusal(socket_group: int | None) -> str | None:
+    """Why this process could not signal every worker that may register over a worker socket
+    of group ``socket_group`` (None: its own group), or None when it can (blocking)."""
+    if has_cap_kill():
+        return None
+    own = {os.getuid(), os.geteuid()}
+    gid = os.getgid() if socket_group is None else socket_group
+    others = sorted((u, n) for u, n in group_users(gid).items() if u not in own and u != 0)
+    if not others:
+        return None
+    try:
+        group = f"{grp.getgrgid(gid).gr_name} (gid {gid})"
+    except KeyError:
+        group = f"gid {gid}"
+    named = ", ".join(f"{n} (uid {u})" for u, n in others[:_NAMED_AT_MOST])
+    if len(others) > _NAMED_AT_MOST:
+        named += f" and {len(others) - _NAMED_AT_MOST} more"
+    uid = os.geteuid()
+    return (
+        f"no permission to signal the workers: the agent runs as uid {uid} without CAP_KILL, "
+        f"so it may stop only processes of uid {uid}, but the worker socket's group {group} "
+        f"lets {named} register workers too. Run the agent as root, grant it CAP_KILL "
+        "(setcap cap_kill+ep, or capabilities add KILL in its container), or pass "
+        "--worker-socket-group naming a group no other user is in"
+    )
 
 
 class _Handles:
@@ -87,9 +163,24 @@ class FreezeBackend(Backend):
     name = "freeze"
     emulated = False
 
-    def __init__(self, *, own_pid: int | None = None, stop_wait: float = STOP_WAIT_SECONDS) -> None:
+    def __init__(
+        self,
+        *,
+        own_pid: int | None = None,
+        stop_wait: float = STOP_WAIT_SECONDS,
+        socket_group: int | None = None,
+    ) -> None:
         self._own_pid = os.getpid() if own_pid is None else own_pid
         self._stop_wait = stop_wait
+        # The worker socket's group (None: the agent's own): whose processes may register.
+        self._socket_group = socket_group
+
+    async def preflight(self) -> None:
+        """Refuse to start unless the agent may signal every worker that can register (see
+        the module docstring)."""
+        refusal = await asyncio.to_thread(signal_refusal, self._socket_group)
+        if refusal is not None:
+            raise BackendUnavailable(refusal)
 
     def _never_signal(self, pid: int) -> str | None:
         if pid <= 1:
@@ -266,4 +357,4 @@ class FreezeBackend(Backend):
 
 def create(config: AgentConfig) -> FreezeBackend:
     """The backend for ``--backend freeze`` (see :mod:`timeslice_agent.backends`)."""
-    return FreezeBackend()
+    return FreezeBackend(socket_group=config.worker_socket_group)

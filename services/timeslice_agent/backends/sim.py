@@ -164,6 +164,9 @@ class SimBackend(Backend):
         )
         return None
 
+    async def preflight(self) -> None:
+        return None  # an emulation: nothing on this machine is needed to move nothing
+
     def devices(self, discovered: list[Device]) -> list[Device]:
         if discovered:
             return discovered

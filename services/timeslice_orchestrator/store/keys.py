@@ -28,6 +28,11 @@ split back into its parts.
     groups/<group>/faulted/<job>       why a waiter was given up on, attached to its session
     groups/<group>/operations/<id>     an operator snapshot / restore of one job on one node,
                                        attached to its own lease (the retention)
+    pools/<pool>/config                a placement pool: its groups, cap and operator rules
+                                       (not mirrored: read and written by store/pools.py)
+    pools/<pool>/assignments           every job's role -> group in the pool, one key so that
+                                       one compare covers the pool's load
+    pools/<pool>/audit                 the pool's last placements and rule changes (bounded)
 """
 
 from __future__ import annotations
@@ -172,6 +177,25 @@ class Keyspace:
 
     def known_node(self, node: str) -> bytes:
         return self._k("nodes", node)
+
+    # -- placement pools (docs/placement.md) ---------------------------------------------------
+
+    def pools(self) -> bytes:
+        """The prefix of every pool's keys."""
+        return self._k("pools", "")
+
+    def pool_root(self, pool: str) -> bytes:
+        """The prefix of every key of ``pool``."""
+        return self._k("pools", pool, "")
+
+    def pool_config(self, pool: str) -> bytes:
+        return self._k("pools", pool, "config")
+
+    def pool_assignments(self, pool: str) -> bytes:
+        return self._k("pools", pool, "assignments")
+
+    def pool_audit(self, pool: str) -> bytes:
+        return self._k("pools", pool, "audit")
 
     # -- groups -----------------------------------------------------------------------------
 

@@ -198,6 +198,14 @@ class MirrorIndex:
         """Groups whose first Acquire was ``job``'s, until the idle clean-up removes them."""
         return self._owners.groups_per_job.get(job, 0)
 
+    def group_creator(self, group: str) -> str | None:
+        """``group``'s meta record's job ("": an operator or an older replica; None: none)."""
+        kv = self._kv(KeyRef(Kind.META, group))
+        try:
+            return None if kv is None else GroupMetaRecord.job_of(kv.value)
+        except CorruptRecord:
+            return None
+
     def group_revision(self, group: str) -> int:
         """The newest mod revision among the group's keys (0: no keys)."""
         keys = self._topics.get(group_topic(group), {})
@@ -244,8 +252,7 @@ class MirrorIndex:
             return None
 
     def stats(self, group: str) -> GroupStats | None:
-        """The group's statistics as last seen, decoded once per write (callers must not
-        change the record; a whole :meth:`group` view hands out a copy)."""
+        """The group's statistics as last seen, decoded once per write (not to be changed)."""
         ref = KeyRef(Kind.STATS, group)
         kv = self._kv(ref)
         return self._decoded_record(ref, kv, GroupStats) if kv else None

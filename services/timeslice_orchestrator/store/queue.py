@@ -66,6 +66,8 @@ class EnqueueRequest:
     priority: int
     request_id: str = ""  # the client's name for the call, the same on its retries
     attempt: str = ""  # this replica's stamp for the call: one per Acquire it serves
+    # The Acquire's span (W3C trace context), kept in the queue entry for the switch's link.
+    trace_context: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def job(self) -> str:
@@ -157,6 +159,7 @@ class QueueStore(StoreBase):
             enqueued_at=time.time(),
             request_id=req.request_id,
             attempt=req.attempt,
+            trace_context=req.trace_context,
         )
         value = entry.encode()
         result = await self.etcd.txn(
@@ -186,7 +189,10 @@ class QueueStore(StoreBase):
         queued = Stored.of(current, QueueRecord.decode(current.value))
         if queued.record.session != req.session_id:
             raise AlreadyExists(f"job {job} already waits for group {group} in another session")
-        restamped = dataclasses.replace(queued.record, attempt=req.attempt)
+        # The Acquire now waiting is this one: the switch that serves it links to its span.
+        restamped = dataclasses.replace(
+            queued.record, attempt=req.attempt, trace_context=req.trace_context
+        )
         stamped = await self._restamp(k.queue_entry(group, job), queued, restamped)
         if stamped is None:
             return None

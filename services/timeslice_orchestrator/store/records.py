@@ -105,6 +105,9 @@ class QueueRecord(_Record):
     enqueued_at: float
     request_id: str = ""
     attempt: str = ""
+    # The W3C trace context of the Acquire that queued (its server span): the switch that
+    # serves this waiter, driven by any replica, links to it. Empty when tracing is off.
+    trace_context: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -465,3 +468,107 @@ class RelayRecord(_Record):
     driver: str
     directive: str
     ack: str = ""
+
+
+@dataclass(slots=True)
+class PoolPin:
+    job: str
+    role: str
+    group: str
+
+
+@dataclass(slots=True)
+class PoolRecord(_Record):
+    """A placement pool (``pools/<pool>/config``): its groups in order (the order breaks the
+    optimizer's ties), the load cap of a shared group, and the operators' rules."""
+
+    groups: list[str]
+    cap: float
+    created_at: float
+    pins: list[PoolPin] = field(default_factory=list)
+    excluded: list[list[str]] = field(default_factory=list)  # pairs of jobs, each sorted
+    drained: list[str] = field(default_factory=list)
+
+    @classmethod
+    def _from_dict(cls, data: dict[str, Any]) -> Self:
+        data = dict(data)
+        data["pins"] = [PoolPin(**p) for p in data.get("pins", [])]
+        return cls(**data)
+
+
+@dataclass(slots=True)
+class DeclaredProfile:
+    """A role's profile as the job declared it, or as it was measured (source)."""
+
+    busy: float
+    period_seconds: float
+    cv: float
+    mode: str  # "sync" / "async"
+    switch_seconds: float
+    source: str  # "measured" / "declared" / "default"
+
+
+@dataclass(slots=True)
+class RoleAssignment:
+    """Where one role of one job was placed, why, and the usage of its group when it was (the
+    measured profile at the next restart point is the usage since then)."""
+
+    group: str
+    decision: str
+    reason: str
+    profile: DeclaredProfile
+    placed_at: float
+    replica: str
+    predicted_duty: float = 0.0
+    held_seconds: float = 0.0  # the job's usage of the group when placed
+    holds: int = 0
+    last_seen: float = 0.0
+    own_reason: str = ""  # the reason with other jobs' ids hidden (the job's own reads)
+
+    @classmethod
+    def _from_dict(cls, data: dict[str, Any]) -> Self:
+        data = dict(data)
+        data["profile"] = DeclaredProfile(**data["profile"])
+        return cls(**data)
+
+
+@dataclass(slots=True)
+class PoolAssignmentsRecord(_Record):
+    """Every assignment of a pool (``pools/<pool>/assignments``), by job then role: one key,
+    so that one compare covers the whole pool's load when a placement is written."""
+
+    jobs: dict[str, dict[str, RoleAssignment]] = field(default_factory=dict)
+    # Expected duty per group as the last placement predicted it.
+    expected: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def _from_dict(cls, data: dict[str, Any]) -> Self:
+        jobs = {
+            job: {role: RoleAssignment._from_dict(a) for role, a in roles.items()}
+            for job, roles in data["jobs"].items()
+        }
+        return cls(jobs, dict(data.get("expected", {})))
+
+
+@dataclass(slots=True)
+class AuditEntryRecord:
+    at: float
+    what: str
+    job: str = ""
+    role: str = ""
+    group: str = ""
+    previous_group: str = ""
+    reason: str = ""
+    replica: str = ""
+    own_reason: str = ""  # the reason with other jobs' ids hidden (the job's own reads)
+
+
+@dataclass(slots=True)
+class PoolAuditRecord(_Record):
+    """The pool's last placements and rule changes (``pools/<pool>/audit``), oldest first."""
+
+    entries: list[AuditEntryRecord] = field(default_factory=list)
+
+    @classmethod
+    def _from_dict(cls, data: dict[str, Any]) -> Self:
+        return cls([AuditEntryRecord(**e) for e in data["entries"]])

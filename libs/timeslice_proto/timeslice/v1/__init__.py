@@ -446,6 +446,12 @@ class AcquireEvent(betterproto2.Message):
     The create revision of the job's queue entry: its place in line (FIFO order).
     """
 
+    warning: "str" = betterproto2.field(9, betterproto2.TYPE_STRING)
+    """
+    Set on GRANTED when the grant is likely not what the job meant: the group is not known
+    (no node serves it, no operator created it; a mistyped name). "" when all is well.
+    """
+
 
 default_message_pool.register_message("timeslice.v1", "AcquireEvent", AcquireEvent)
 
@@ -473,6 +479,14 @@ class AcquireRequest(betterproto2.Message):
     session_secret: "str" = betterproto2.field(6, betterproto2.TYPE_STRING)
     """
     from OpenSessionResponse
+    """
+
+    strict_groups: "bool" = betterproto2.field(7, betterproto2.TYPE_BOOL)
+    """
+    Refuse (NOT_FOUND) a group that is not known: no agent has a worker registered in it,
+    no nodes are pinned to it and no operator created it (docs/groups.md). Without it the
+    group is created on first acquire and the grant carries a warning; a replica started
+    with --strict-groups refuses either way.
     """
 
 
@@ -992,6 +1006,18 @@ class NodeResidency(betterproto2.Message):
     every job whose state is on the devices, oldest first
     """
 
+    backend: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
+    """
+    The backend the node's agent registered with ("sim", "freeze", "app", "cuda"); empty
+    while no agent is connected for the node.
+    """
+
+    emulated: "bool" = betterproto2.field(5, betterproto2.TYPE_BOOL)
+    """
+    True when that backend only models data movement (sim): its switch times are not
+    measurements, and every view labels them so.
+    """
+
 
 default_message_pool.register_message("timeslice.v1", "NodeResidency", NodeResidency)
 
@@ -1286,6 +1312,17 @@ class YieldRequest(betterproto2.Message):
     from OpenSessionResponse
     """
 
+    trace_context: "dict[str, str]" = betterproto2.field(
+        6,
+        betterproto2.TYPE_MAP,
+        map_meta=betterproto2.map_meta(betterproto2.TYPE_STRING, betterproto2.TYPE_STRING),
+    )
+    """
+    The W3C trace context (traceparent, tracestate) of the span the job yielded in: a yield
+    sent on a shared YieldStream gets its parent from here, not from the stream's metadata
+    (that is the context of whichever yield opened the stream). Empty: no span.
+    """
+
 
 default_message_pool.register_message("timeslice.v1", "YieldRequest", YieldRequest)
 
@@ -1302,10 +1339,17 @@ default_message_pool.register_message("timeslice.v1", "YieldResponse", YieldResp
 class YieldStreamReply(betterproto2.Message):
     status: "int" = betterproto2.field(1, betterproto2.TYPE_UINT32)
     """
-    The gRPC status code the Yield call would have ended with (0: OK), and its message.
+    The gRPC status code the Yield call would have ended with (0: OK), and its plain message.
     """
 
     message: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+
+    kind: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+    """
+    The error's kind, as a Yield call's status details carry it (google.rpc.ErrorInfo reason,
+    domain "timeslice.dev"): NOT_HOLDER, SESSION_EXPIRED, ... Empty when OK, or when the
+    server did not say (the client then classes the error by its status code).
+    """
 
 
 default_message_pool.register_message("timeslice.v1", "YieldStreamReply", YieldStreamReply)

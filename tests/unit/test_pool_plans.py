@@ -1,0 +1,121 @@
+"""The Placement service's pure parts: measured profiles from the usage ledger, the plan of one
+Place over a pool's recorded state, and the operators' rules."""
+
+from __future__ import annotations
+
+import pytest
+
+from timeslice.errors import InvalidArgument
+from timeslice.placement import Decision, Source
+from timeslice_orchestrator.pool_plans import MIN_HOLDS, measured_profile, plan_place, rule_change
+from timeslice_orchestrator.store.pools import PoolState
+from timeslice_orchestrator.store.records import (
+    DeclaredProfile,
+    JobUsageRecord,
+    PoolAssignmentsRecord,
+    PoolAuditRecord,
+    PoolRecord,
+    RoleAssignment,
+)
+from timeslice_orchestrator.visibility import OTHER_JOB
+from timeslice_proto.timeslice.placement.v1 import RuleKind, UpdatePoolRequest
+
+DECLARED = DeclaredProfile(0.2, 1.0, 0.5, "sync", 0.0, "declared")
+
+
+def _assigned(group: str, *, placed_at: float = 100.0, holds: int = 0) -> RoleAssignment:
+    return RoleAssignment(
+        group, "placed", "", DECLARED, placed_at, "r0", held_seconds=holds * 0.1, holds=holds,
+        last_seen=placed_at - 1 if holds else 0.0,
+    )  # fmt: skip
+
+
+def test_measured_from_the_holds_since_the_placement() -> None:
+    a = _assigned("g1", placed_at=100.0)
+    # Too few holds: still the declared profile.
+    few = JobUsageRecord(held_seconds=1.0, holds=MIN_HOLDS - 1, first_seen=101.0, last_seen=104)
+    assert measured_profile(a, few).source is Source.DECLARED
+    assert measured_profile(a, None).busy == 0.2
+    # 5 holds of 0.6 s, one every second, the first granted at 101 (start-up left out).
+    usage = JobUsageRecord(held_seconds=3.0, holds=5, first_seen=101.0, last_seen=105.6)
+    p = measured_profile(a, usage)
+    assert p.source is Source.MEASURED
+    assert p.period_seconds == pytest.approx(1.0)
+    assert p.busy == pytest.approx(0.6)
+    # A job re-placed on a group it used before: only the holds since count.
+    again = _assigned("g1", placed_at=200.0, holds=10)
+    later = JobUsageRecord(held_seconds=1.0 + 4 * 0.5, holds=14, first_seen=50.0, last_seen=202.0)
+    p = measured_profile(again, later)
+    assert p.period_seconds == pytest.approx(0.5) and p.busy == pytest.approx(1.0)
+
+
+def _state(**jobs: dict[str, RoleAssignment]) -> PoolState:
+    config = PoolRecord(groups=["g1", "g2"], cap=0.5, created_at=0.0)
+    return PoolState("p", config, PoolAssignmentsRecord(dict(jobs)), PoolAuditRecord())
+
+
+def test_a_running_job_keeps_its_group_and_nothing_is_written() -> None:
+    heavy = JobUsageRecord(held_seconds=4.0, holds=5, first_seen=101.0, last_seen=106.0)
+    state = _state(a={"s": _assigned("g1")}, b={"s": _assigned("g1")})
+
+    def usage(group: str, job: str) -> JobUsageRecord | None:
+        return heavy if (group, job) == ("g1", "a") else None
+
+    change, results = plan_place(
+        state, "a", ["s"], {}, usage=usage, running=True, replica="r0", now=300.0
+    )
+    assert [(r.group, r.decision) for r in results] == [("g1", Decision.KEPT)]
+    assert change.empty
+    # The same job at its restart point moves off the group b keeps (over the cap).
+    change, results = plan_place(
+        state, "a", ["s"], {}, usage=usage, running=False, replica="r0", now=300.0
+    )
+    assert [(r.group, r.decision, r.previous_group) for r in results] == [
+        ("g2", Decision.MOVED, "g1")
+    ]
+    assert change.assignments is not None
+    moved = change.assignments.jobs["a"]["s"]
+    assert (moved.group, moved.holds, moved.placed_at) == ("g2", 0, 300.0)
+    assert change.assignments.jobs["b"] == state.assignments.jobs["b"]
+    assert [(e.what, e.job, e.group, e.previous_group) for e in change.audit] == [
+        ("moved", "a", "g2", "g1")
+    ]
+
+
+def test_a_new_role_without_a_profile_is_placed_provisionally() -> None:
+    change, results = plan_place(
+        _state(), "n", ["main"], {}, usage=lambda g, j: None, running=False, replica="r", now=1.0
+    )
+    (r,) = results
+    assert r.decision is Decision.PLACED and r.provisional and r.source is Source.DEFAULT
+    assert change.assignments is not None and "n" in change.assignments.jobs
+
+
+def test_rules_are_checked_and_applied() -> None:
+    config = PoolRecord(groups=["g1", "g2"], cap=0.9, created_at=0.0)
+    pinned = rule_change(config, UpdatePoolRequest("p", RuleKind.PIN, "a", "s", "g2"))
+    assert [(p.job, p.role, p.group) for p in pinned.pins] == [("a", "s", "g2")]
+    assert rule_change(pinned, UpdatePoolRequest("p", RuleKind.UNPIN, "a", "s")).pins == []
+    excluded = rule_change(config, UpdatePoolRequest("p", RuleKind.EXCLUDE, "b", other_job_id="a"))
+    assert excluded.excluded == [["a", "b"]]
+    drained = rule_change(config, UpdatePoolRequest("p", RuleKind.DRAIN, group_id="g1"))
+    assert drained.drained == ["g1"]
+    for bad in (
+        UpdatePoolRequest("p", RuleKind.PIN, "a", "s", "elsewhere"),
+        UpdatePoolRequest("p", RuleKind.EXCLUDE, "a", other_job_id="a"),
+        UpdatePoolRequest("p", RuleKind.DRAIN, group_id="../x"),
+        UpdatePoolRequest("p", RuleKind.UNSPECIFIED),
+    ):
+        with pytest.raises(InvalidArgument):
+            rule_change(config, bad)
+    assert config.pins == [] and config.drained == []  # nothing changed in place
+
+
+def test_a_job_reads_no_other_jobs_id_in_its_reasons() -> None:
+    state = _state(b={"s": _assigned("g1")})
+    _, (r,) = plan_place(
+        state, "a", ["s"], {"s": DECLARED}, usage=lambda g, j: None, running=False,
+        replica="r", now=1.0,
+    )  # fmt: skip
+    assert "with b/s" in r.reason
+    assert "b/s" not in r.own_reason and f"with {OTHER_JOB}/s" in r.own_reason
