@@ -8,7 +8,10 @@ the switch back cleanly.
 
 Available memory is the kernel's ``MemAvailable`` (``/proc/meminfo``), which already accounts
 for states parked earlier; with a modelled host size (``--host-memory-gb``, for the sim
-backend and tests) it is that size minus the bytes this agent has parked.
+backend and tests) it is that size minus the bytes this agent has parked
+(:meth:`~timeslice_agent.jobtable.JobTable.parked_bytes`). The same figure goes to the
+orchestrator in the agent's hello and every heartbeat (:meth:`HostMemory.report`), for the
+dashboard's nodes view.
 """
 
 from __future__ import annotations
@@ -37,6 +40,20 @@ class HostMemory:
         if self.modelled_bytes:
             return self.modelled_bytes - parked_bytes
         return mem_available()
+
+    @property
+    def modelled(self) -> bool:
+        """True when the figures are a modelled host's (an emulated figure, not a reading)."""
+        return self.modelled_bytes > 0
+
+    def report(self, parked_bytes: int) -> int | None:
+        """What the agent reports as host memory free: :meth:`available` (never below 0), or
+        None when the kernel cannot be read (no ``/proc/meminfo``): the orchestrator then shows
+        "not reported" rather than a guess."""
+        try:
+            return max(0, self.available(parked_bytes))
+        except (OSError, ValueError):
+            return None
 
     def refusal(self, needed_bytes: int, parked_bytes: int) -> str | None:
         """Why a checkpoint of ``needed_bytes`` must not start, or None if it fits."""

@@ -64,6 +64,15 @@ class JobTable:
     def get(self, job_id: str) -> Job | None:
         return self.jobs.get(job_id)
 
+    def parked_bytes(self) -> int:
+        """The host memory this node's jobs hold now: the states parked (SAVED) and the host
+        copies kept by jobs on the device. Host-memory admission and the host figure the agent
+        reports both count from it, so they cannot disagree."""
+        return sum(
+            job.saved_bytes if job.state is JobState.SAVED else self.host_kept.get(job_id, 0)
+            for job_id, job in self.jobs.items()
+        )
+
     def __iter__(self) -> Iterator[Job]:
         return iter(self.jobs.values())
 

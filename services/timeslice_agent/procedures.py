@@ -284,20 +284,11 @@ class Checkpoint(Procedure):
         p = self.parts
         if p.host_memory is None:
             return None
-        jobs = p.table.jobs
-        parked = sum(j.saved_bytes for j in jobs.values() if j.state is JobState.SAVED)
-        # A job on the device whose workers keep a host copy holds that memory too (a
-        # modelled host must count it; the kernel's MemAvailable already does).
-        parked += sum(
-            kept
-            for job_id, kept in p.table.host_kept.items()
-            if job_id != ctx.job_id
-            and (job := jobs.get(job_id)) is not None
-            and job.state is not JobState.SAVED
-        )
+        # The job's own kept host copy is taken already (counted in the parked bytes): the
+        # checkpoint needs only what it adds to it.
         needed = max(p.backend.checkpoint_bytes(ctx), measured)
         needed -= p.table.host_kept.get(ctx.job_id, 0)
-        return p.host_memory.refusal(needed, parked)
+        return p.host_memory.refusal(needed, p.table.parked_bytes())
 
     async def _refresh_processes(self, clock: Clock) -> None:
         rescan = self.parts.rescan

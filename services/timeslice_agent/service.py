@@ -185,6 +185,7 @@ class Agent:
             targets=config.orchestrators,
             hello=self._hello,
             workers=self.registry.workers,
+            host_available=self._host_available,
             on_directive=self.executor.handle,
             metrics=self.metrics,
             on_welcome=self._welcomed,
@@ -338,7 +339,18 @@ class Agent:
             discovery=self.finder.source if self.finder is not None else "off",
             fence_revision=self.executor.fence_revision,
             heartbeats=True,
+            host_available_bytes=self._host_available(),
+            host_memory_modelled=host.modelled if (host := self._host) is not None else False,
         )
+
+    @property
+    def _host(self) -> HostMemory | None:
+        return self.executor.parts.host_memory
+
+    def _host_available(self) -> int | None:
+        """Host memory free for parking now, as admission counts it (hello and heartbeats)."""
+        host = self._host
+        return host.report(self.executor.table.parked_bytes()) if host is not None else None
 
     # ----- life cycle ------------------------------------------------------------------------
 

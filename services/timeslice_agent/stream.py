@@ -90,6 +90,7 @@ class OrchestratorLink:
     """Keeps one stream to an orchestrator replica up; see the module docstring.
 
     ``hello`` builds the current AgentHello, ``workers`` the current worker list,
+    ``host_available`` the host memory free each heartbeat carries (None: not said),
     ``on_directive`` takes each directive (it must not block).
     """
 
@@ -107,6 +108,7 @@ class OrchestratorLink:
         on_welcome: Callable[[Welcome], None] | None = None,
         settle: Callable[[], Awaitable[None]] | None = None,
         tls: TlsFiles | None = None,
+        host_available: Callable[[], int | None] | None = None,
     ) -> None:
         if not targets:
             raise ValueError("at least one orchestrator target is needed")
@@ -114,6 +116,7 @@ class OrchestratorLink:
         self._targets = list(targets)
         self._hello = hello
         self._workers = workers
+        self._host_available = host_available or (lambda: None)
         self._on_directive = on_directive
         self._metrics = metrics
         self._welcome_timeout = welcome_timeout
@@ -420,9 +423,12 @@ class OrchestratorLink:
             if self._heartbeat_due:
                 self._heartbeat_due = False
                 self._heartbeat_seq += 1
-                await stream.send_message(
-                    AgentMessage(heartbeat=Heartbeat(seq=self._heartbeat_seq))
+                # Host memory free rides along (a small read of /proc/meminfo): the
+                # dashboard's nodes view shows the latest the orchestrator heard.
+                beat = Heartbeat(
+                    seq=self._heartbeat_seq, host_available_bytes=self._host_available()
                 )
+                await stream.send_message(AgentMessage(heartbeat=beat))
             if self._workers_dirty:
                 self._workers_dirty = False
                 changed = WorkersChanged(workers=self._workers(), seq=self._workers_version)

@@ -41,6 +41,7 @@ from timeslice_orchestrator.cleanup import IdleGroupCleaner
 from timeslice_orchestrator.compat import CompatService
 from timeslice_orchestrator.config import OrchestratorConfig
 from timeslice_orchestrator.dashboard import Dashboard, dashboard_url
+from timeslice_orchestrator.dashboard_pools import PoolsPanel
 from timeslice_orchestrator.driver import SwitchDriver
 from timeslice_orchestrator.group_metrics import GroupMetrics
 from timeslice_orchestrator.http import make_app
@@ -122,6 +123,7 @@ class Orchestrator:
             config.dashboard,
             replica=config.replica_id,
             registry=self.metrics.registry,
+            pools=PoolsPanel(PoolStore(self.etcd, self.keys), self._placement_duty),
         )
         # The replica cannot live without its mirror and its membership loop: either ending
         # is fatal. Losing the lease is not (see the module docstring).
@@ -180,6 +182,7 @@ class Orchestrator:
         self._hub = hub = AgentHub(
             self.store, cfg.replica_id, cfg.agent_ttl, self.metrics, cfg.agent_liveness_timeout
         )
+        self.dashboard.hosts = hub  # the host memory free its agents report (nodes view)
         self._locks = locks = LockService(
             self.store, self.mirror, self.metrics, cfg.session_ttl, cfg.policy, cfg.max_hold
         )

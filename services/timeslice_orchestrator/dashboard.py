@@ -2,7 +2,9 @@
 
 Everything shown comes from this replica's mirror (every replica mirrors every group, so the
 page works behind any of them) and from the :class:`~.holds.HoldTracker` that feeds the
-``/metrics`` duty cycle: nothing here reads etcd, and no figure is computed twice.
+``/metrics`` duty cycle: nothing here reads etcd, and no figure is computed twice. The
+placement pools, which the mirror does not follow, are the exception: read from etcd while a
+page is open, at most every few seconds, under a deadline (:mod:`.dashboard_pools`).
 
 A stream is a server-sent event stream. What it owes its browser is kept as a *set* of the
 group names that changed since its last write (plus two flags), never as a list of messages:
@@ -39,7 +41,8 @@ from typing import Any, Protocol
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from timeslice_orchestrator.dashboard_story import Story, SwitchSpan, group_color
+from timeslice_orchestrator.dashboard_pools import PoolsPanel
+from timeslice_orchestrator.dashboard_story import HostReports, Story, SwitchSpan, group_color
 from timeslice_orchestrator.holds import HoldTracker
 from timeslice_orchestrator.store.mirror import GroupView, RelayPost
 from timeslice_orchestrator.store.records import (
@@ -179,6 +182,8 @@ class _Stream:
     recent: bool = False
     duty: bool = False
     nodes_sent: int = -1  # the parked version its nodes view was last sent at
+    hosts_sent: int = -1  # the host reports' version it was last sent at (see _update)
+    pools: bool = False  # the pools were read again and changed
     closed: bool = False
 
 
@@ -292,9 +297,13 @@ class Dashboard:
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        pools: PoolsPanel | None = None,
     ) -> None:
         self.config = config or DashboardConfig()
         self._mirror = mirror
+        # Placement pools, read from etcd while a page is open (dashboard_pools.py).
+        self.pools = pools
+        self._page_open = asyncio.Event()
         self._tracker = tracker
         self._replica = replica
         self._clock = clock
@@ -309,6 +318,8 @@ class Dashboard:
         # parked on each node as the group's residency last showed it (groups shown).
         self.story = Story(self.config.timeline_groups, self.config.timeline_entries)
         self._agents: dict[str, AgentRecord] | None = None  # decoded once per agents change
+        # The host memory free of the agents this replica holds (the hub, set once it is up).
+        self.hosts: HostReports | None = None
         self._started = False
         self.streams_gauge = Gauge(
             "timeslice_dashboard_streams", "Dashboard event streams open", registry=registry
@@ -362,10 +373,25 @@ class Dashboard:
             stream.wake.set()
 
     async def run(self) -> None:
-        """Sample the duty cycle every ``sample_seconds``, for ever."""
+        """Sample the duty cycle every ``sample_seconds``, and read the pools while a page is
+        open, for ever."""
+        async with asyncio.TaskGroup() as tasks:
+            if self.pools is not None:
+                tasks.create_task(self._follow_pools(self.pools))
+            while True:
+                await asyncio.sleep(self.config.sample_seconds)
+                self.sample()
+
+    async def _follow_pools(self, pools: PoolsPanel) -> None:
+        """Read the pools every ``refresh_seconds`` while a stream is open; a read that
+        changed them is sent to every stream (a stream never waits for a read)."""
         while True:
-            await asyncio.sleep(self.config.sample_seconds)
-            self.sample()
+            await self._page_open.wait()
+            if await pools.fresh():
+                for stream in self._streams:
+                    stream.pools = True
+                    stream.wake.set()
+            await asyncio.sleep(pools.config.refresh_seconds)
 
     def _seen_now(self, group: str) -> tuple[_Seen, GroupStats]:
         """What the group shows now, and its statistics. Runs on every change of every group,
@@ -569,10 +595,11 @@ class Dashboard:
             "window": self._tracker.window,
             "span": self.config.history_seconds,  # how far back the chart and timelines go
             "groups": self._groups_json(chosen, agents, acked),
-            "nodes": self.story.nodes_json(agents),
+            "nodes": self._nodes_json(agents),
             "omitted": omitted,
             "recent": [s.to_json() for s in self.recent],
             "history": self._history_json(),
+            "pools": self.pools.json() if self.pools is not None else None,
         }
 
     def _groups_json(
@@ -600,6 +627,12 @@ class Dashboard:
         points = [*self.history, self._point()]
         return [_point_json(t, duty) for t, duty in points]
 
+    def _nodes_json(self, agents: dict[str, AgentRecord]) -> list[dict[str, Any]]:
+        hosts = self.hosts
+        if hosts is None:
+            return self.story.nodes_json(agents)
+        return self.story.nodes_json(agents, hosts.host_report, self._replica)
+
     def _acked(self) -> set[str]:
         """Directive ids answered in the relay (directives to another replica's agents)."""
         return {post.directive_id for post in self._mirror.relays() if post.posted.record.ack}
@@ -608,7 +641,7 @@ class Dashboard:
         """The events a stream owes, built from the state now; clears what it owed."""
         chunks: list[bytes] = []
         if stream.resync:
-            stream.resync = stream.recent = False
+            stream.resync = stream.recent = stream.pools = False
             stream.dirty.clear()
             chunks.append(_event("snapshot", self.snapshot(stream.only)))
             stream.nodes_sent = self.story.parked_version
@@ -626,16 +659,25 @@ class Dashboard:
                 "removed": removed,
             }
             if stream.nodes_sent != self.story.parked_version:  # parked jobs changed
-                update["nodes"] = self.story.nodes_json(agents)
+                update["nodes"] = self._nodes_json(agents)
                 stream.nodes_sent = self.story.parked_version
             chunks.append(_event("groups", update))
         if stream.recent:
             stream.recent = False
             chunks.append(_event("recent", {"recent": [s.to_json() for s in self.recent]}))
+        if stream.pools and self.pools is not None:
+            stream.pools = False
+            chunks.append(_event("pools", self.pools.json()))
         if stream.duty:
             stream.duty = False
             t, duty = self.history[-1]
             chunks.append(_event("duty", {"now": self._wall(), "point": _point_json(t, duty)}))
+            # Host memory figures change with every heartbeat: sent at most once a sample.
+            hosts = self.hosts
+            if hosts is not None and stream.hosts_sent != hosts.host_version:
+                stream.hosts_sent = hosts.host_version
+                nodes = self._nodes_json(self._mirror.agents())
+                chunks.append(_event("nodes", {"now": self._wall(), "nodes": nodes}))
         return b"".join(chunks)
 
     # -- HTTP -----------------------------------------------------------------------------
@@ -671,6 +713,8 @@ class Dashboard:
         except web.HTTPBadRequest:
             self.refused.labels(reason="bad_query").inc()
             raise
+        if self.pools is not None:
+            await self.pools.fresh()  # bounded by its deadline
         body = json.dumps(self.snapshot(query.get("group")), separators=(",", ":"))
         return web.Response(
             text=body,
@@ -702,6 +746,7 @@ class Dashboard:
         stream = _Stream(only=query.get("group"))
         self._streams.add(stream)
         self.streams_gauge.set(len(self._streams))
+        self._page_open.set()
         try:
             await response.prepare(request)
             await self._pump(request, response, stream)
@@ -711,6 +756,8 @@ class Dashboard:
             stream.closed = True
             self._streams.discard(stream)
             self.streams_gauge.set(len(self._streams))
+            if not self._streams:
+                self._page_open.clear()
         return response
 
     async def _pump(

@@ -10,8 +10,10 @@ Pure parts, fed by :class:`~.dashboard.Dashboard` with what the mirror shows:
   Bounded: at most ``max_entries`` entries a group, the oldest dropped first.
 - :func:`node_json`: a node as the nodes view shows it: its backend (and whether it only
   models data movement), since when its agent is connected, the jobs parked there and their
-  bytes. Host memory free is shown only when the agent reports it; agents do not report it to
-  the orchestrator today, so the page says "not reported" rather than guess.
+  bytes, and the host memory free its agent last reported, with when. Agents report it in
+  their hello and heartbeats to the replica holding their stream, which keeps it in memory
+  only (not in etcd): another replica's page says which replica holds the figure ("reported
+  to r1") rather than guess, and a modelled host's figure is labelled emulated.
 """
 
 from __future__ import annotations
@@ -19,14 +21,36 @@ from __future__ import annotations
 import colorsys
 import hashlib
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+from timeslice_orchestrator.hub import HostReport
 from timeslice_orchestrator.store.records import AgentRecord
 
-__all__ = ["GroupTimeline", "Hold", "Story", "SwitchSpan", "group_color", "node_json"]
+__all__ = [
+    "GroupTimeline",
+    "Hold",
+    "HostReports",
+    "Story",
+    "SwitchSpan",
+    "group_color",
+    "node_json",
+]
 
 DEFAULT_TIMELINE_ENTRIES = 30
+
+
+class HostReports(Protocol):
+    """Where the host memory free of the agents whose streams this replica holds is kept
+    (the agent hub)."""
+
+    @property
+    def host_version(self) -> int:
+        """Counts the reports heard: a change means the nodes view is worth sending again."""
+        ...
+
+    def host_report(self, node: str) -> HostReport | None: ...
 
 
 def group_color(name: str) -> str:
@@ -126,9 +150,18 @@ class GroupTimeline:
         return [e.to_json() for e in self.entries(since)]
 
 
-def node_json(agent: AgentRecord, parked: list[str]) -> dict[str, Any]:
+def node_json(
+    agent: AgentRecord,
+    parked: list[str],
+    host: HostReport | None = None,
+    replica: str | None = None,
+) -> dict[str, Any]:
     """A node as the nodes view shows it; ``parked``: the jobs whose state is parked there
-    (from the residency records of the groups this dashboard has shown)."""
+    (from the residency records of the groups this dashboard has shown); ``host``: the host
+    memory free its agent last reported on a stream this replica holds; ``replica``: this
+    replica's id, to name the replica that holds the figure when this one does not (None: the
+    dashboard sees no agent streams, so it names none)."""
+    elsewhere = host is None and replica is not None and agent.replica != replica
     return {
         "node": agent.node,
         "backend": agent.backend,
@@ -140,8 +173,11 @@ def node_json(agent: AgentRecord, parked: list[str]) -> dict[str, Any]:
         "jobs": sorted({w.job for w in agent.workers}),
         "parked": sorted(parked),
         "parked_bytes": sum(agent.job_bytes(job) for job in set(parked)),
-        # Agents do not report host memory to the orchestrator (yet): say so, never guess.
-        "host_free_bytes": None,
+        # Heard by this replica only (heartbeats are not written to etcd): never guessed.
+        "host_free_bytes": host.available_bytes if host is not None else None,
+        "host_heard_at": host.heard_at if host is not None else None,
+        "host_emulated": host.modelled if host is not None else False,
+        "host_reported_to": agent.replica if elsewhere else None,
     }
 
 
@@ -188,10 +224,19 @@ class Story:
             self._parked[group] = by_node
             self.parked_version += 1
 
-    def nodes_json(self, agents: dict[str, AgentRecord]) -> list[dict[str, Any]]:
-        """Every connected node, with the jobs parked there as the groups seen say."""
+    def nodes_json(
+        self,
+        agents: dict[str, AgentRecord],
+        host: Callable[[str], HostReport | None] | None = None,
+        replica: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """Every connected node, with the jobs parked there as the groups seen say, and the
+        host memory free ``host`` has for it (see :func:`node_json`)."""
         parked: dict[str, list[str]] = {}
         for by_node in self._parked.values():
             for node, jobs in by_node.items():
                 parked.setdefault(node, []).extend(jobs)
-        return [node_json(agents[n], parked.get(n, [])) for n in sorted(agents)]
+        return [
+            node_json(agents[n], parked.get(n, []), host(n) if host is not None else None, replica)
+            for n in sorted(agents)
+        ]

@@ -9,11 +9,20 @@ A deployment may have 100,000 groups; a scrape exports at most ``max_groups`` of
 busiest first (held, switching or with waiters, then those held within the duty-cycle
 window, by duty cycle), and says how many it left out (``timeslice_group_series_omitted``).
 A scrape costs in proportion to those groups, not to all of them.
+
+Acquire wait per group (:class:`AcquireWaits`): every grant's holder record carries how long
+its job waited, and every replica's mirror sees every grant, so each replica keeps the waits of
+each group's grants within the duty-cycle window (at most ``WAITS_PER_GROUP`` a group, the
+newest) and exports their p50 and p99 as gauges: the same figures on every replica, without a
+histogram's dozen series per group. The deployment-wide histogram
+``timeslice_acquire_wait_seconds`` is observed by the granting replica alone.
 """
 
 from __future__ import annotations
 
+import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 
 from prometheus_client import Histogram
@@ -22,9 +31,53 @@ from prometheus_client.registry import Collector
 
 from timeslice_orchestrator.holds import HoldTracker
 from timeslice_orchestrator.store.follower import Mirror
+from timeslice_orchestrator.store.records import CorruptRecord
 
 DEFAULT_MAX_GROUPS = 1000
 _GROUP_PREFIX = "group:"
+# Grants a group's acquire wait quantiles are over at most (the newest within the window): a
+# p99 of 64 grants is their largest but one, which is what a busy group's owner asks about.
+WAITS_PER_GROUP = 64
+WAIT_QUANTILES = (0.5, 0.99)
+
+
+class AcquireWaits:
+    """How long the jobs of each group's recent grants waited: those granted within the last
+    ``window`` seconds, at most ``per_group`` a group (the newest). Memory follows the grants
+    made within the window, and a group with none is forgotten."""
+
+    def __init__(self, window: float, per_group: int = WAITS_PER_GROUP) -> None:
+        self.window = window
+        self.per_group = per_group
+        self._waits: dict[str, deque[tuple[float, float]]] = {}  # (granted, waited)
+
+    def add(self, group: str, waited: float, now: float) -> None:
+        waits = self._waits.get(group)
+        if waits is None:
+            waits = self._waits[group] = deque(maxlen=self.per_group)
+        waits.append((now, max(0.0, waited)))
+
+    def forget(self, group: str) -> None:
+        self._waits.pop(group, None)
+
+    def expire(self, now: float) -> None:
+        """Drop the waits of grants older than the window, and the groups left with none."""
+        horizon = now - self.window
+        for group, waits in list(self._waits.items()):
+            while waits and waits[0][0] < horizon:
+                waits.popleft()
+            if not waits:
+                del self._waits[group]
+
+    def count(self, group: str) -> int:
+        return len(self._waits.get(group, ()))
+
+    def quantile(self, group: str, q: float) -> float | None:
+        """The nearest-rank ``q`` quantile of the group's waits kept (None: none kept)."""
+        waits = sorted(w for _, w in self._waits.get(group, ()))
+        if not waits:
+            return None
+        return waits[max(0, math.ceil(q * len(waits)) - 1)]
 
 
 class GroupMetrics(Collector):
@@ -46,12 +99,16 @@ class GroupMetrics(Collector):
         # Groups held, switching or with waiters, kept up to date on every change: a scrape
         # looks at these and at the recently held ones, not at every group of the mirror.
         self._active: set[str] = set()
+        self.waits = AcquireWaits(self.tracker.window)
+        self._epochs: dict[str, int] = {}  # the hold epoch of each group held (a new one: a grant)
 
     def start(self) -> None:
         """Track the holds the mirror has now, then every change."""
         names = self._mirror.group_names()
         # Groups there now are watched from now; any later one from when it appears.
         self.tracker.begin(self._clock(), names)
+        # Holds granted before this replica watched are not grants it saw.
+        self._epochs = {g: e for g in names if (e := self._mirror.hold_epoch(g))}
         self.on_change({_GROUP_PREFIX + g for g in names})
         self._mirror.add_listener(self.on_change)
 
@@ -66,8 +123,11 @@ class GroupMetrics(Collector):
                 if not self._mirror.has_group(group):
                     self.tracker.forget(group)  # removed: a group of that name is a new one
                     self._active.discard(group)
+                    self.waits.forget(group)
+                    self._epochs.pop(group, None)
                     continue
                 epoch = self._mirror.hold_epoch(group)
+                self._granted(group, epoch, now)
                 ended = self.tracker.observe(group, epoch, now)
                 if ended is not None:
                     self._hold_seconds.observe(ended)
@@ -76,10 +136,26 @@ class GroupMetrics(Collector):
                 else:
                     self._active.discard(group)
 
+    def _granted(self, group: str, epoch: int, now: float) -> None:
+        """Note the wait of the grant that made hold ``epoch``, if it is a new hold."""
+        if not epoch:
+            self._epochs.pop(group, None)
+            return
+        if self._epochs.get(group) == epoch:
+            return
+        self._epochs[group] = epoch
+        try:
+            hold = self._mirror.holder(group)
+        except CorruptRecord:
+            return  # the switch driver reports an undecodable hold; no wait to note here
+        if hold is not None:
+            self.waits.add(group, hold.record.waited_seconds, now)
+
     def collect(self) -> Iterator[Metric]:
         now = self._clock()
         mirror, tracker = self._mirror, self.tracker
         tracker.expire(now)
+        self.waits.expire(now)
         for gone in [g for g in tracker.groups() if not mirror.has_group(g)]:
             tracker.forget(gone)
         self._active = {g for g in self._active if mirror.has_group(g)}
@@ -121,6 +197,16 @@ class GroupMetrics(Collector):
         faults = counter(
             "timeslice_group_faults", "Waiters given up on after their switch failed for good"
         )
+        wait = GaugeMetricFamily(
+            "timeslice_group_acquire_wait_seconds",
+            f"Acquire wait of the group's grants within the last {self.waits.window:g} s "
+            f"(at most the newest {self.waits.per_group}), by quantile (nearest rank)",
+            labels=["group", "quantile"],
+        )
+        waits = gauge(
+            "timeslice_group_acquire_waits",
+            "Grants the group's acquire wait quantiles are over",
+        )
         for group in chosen:
             view = mirror.group(group)
             labels = [group]
@@ -135,7 +221,11 @@ class GroupMetrics(Collector):
             grants.add_metric(labels, view.stats.grants)
             rollbacks.add_metric(labels, view.stats.rollbacks)
             faults.add_metric(labels, view.stats.faults)
-        yield from (duty, depth, held, age, switching, last_switch)
+            if n := self.waits.count(group):
+                waits.add_metric(labels, n)
+                for q in WAIT_QUANTILES:
+                    wait.add_metric([group, f"{q:g}"], self.waits.quantile(group, q) or 0.0)
+        yield from (duty, depth, held, age, switching, last_switch, wait, waits)
         yield from (held_total, switches, grants, rollbacks, faults)
         omitted = GaugeMetricFamily(
             "timeslice_group_series_omitted",

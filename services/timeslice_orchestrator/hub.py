@@ -16,6 +16,10 @@ reports, and the Welcome tells it the fence revision, below which it refuses eve
 An agent that says it cannot write its state file (``StateUnwritable``: a full or read-only
 disk) is fenced out the same way, at once: it answers no directive until it can write again,
 and then says hello again.
+
+Host memory free: each hello and heartbeat carries what the agent can still park into. It
+changes too often for etcd, so the hub keeps only the latest on the connection
+(:class:`HostReport`), and the dashboard of this replica shows it for the agents it holds.
 """
 
 from __future__ import annotations
@@ -77,6 +81,15 @@ class AgentFenced(AgentGone):
 Fencer = Callable[[str, str], Awaitable[None]]
 
 
+@dataclass(frozen=True, slots=True)
+class HostReport:
+    """The latest host memory free an agent reported on its stream to this replica."""
+
+    available_bytes: int
+    heard_at: float  # wall clock of the hello or heartbeat that said it
+    modelled: bool  # a modelled host (--host-memory-gb, the sim default): an emulated figure
+
+
 @dataclass(eq=False)
 class AgentConnection:
     """One agent's stream on this replica: what it sends us, and the acks we wait for."""
@@ -93,6 +106,15 @@ class AgentConnection:
     fence_revision: int = 0  # the node's fence as its hello found it (0: never fenced)
     record_revision: int = 0  # the revision of this stream's last write of the agent record
     unwritable: bool = False  # the agent said it cannot write its state file: being fenced
+    host: HostReport | None = None  # the latest host memory free heard (None: never said)
+    host_modelled: bool = False  # the hello said its host figures are a modelled host's
+
+    def heard_host(self, available: int | None) -> bool:
+        """Keep a host memory figure the agent said; False when it said none."""
+        if available is None:
+            return False
+        self.host = HostReport(available, time.time(), self.host_modelled)
+        return True
 
     def fail_pending(self, reason: str, error: type[AgentUnavailable] = AgentUnavailable) -> None:
         for fut in self.pending.values():
@@ -137,6 +159,7 @@ class AgentHub(AgentHubBase):
         self._agent_ttl = agent_ttl
         self._metrics = metrics
         self._connections: dict[str, AgentConnection] = {}
+        self._host_version = 0
         # 0 disables heartbeats (and so fencing on silence; a missed deadline still fences).
         self._liveness_timeout = liveness_timeout
         self.fencer: Fencer = self._fence_alone
@@ -156,6 +179,16 @@ class AgentHub(AgentHubBase):
         """End every agent stream from our side, so agents reconnect elsewhere at once."""
         for conn in self._connections.values():
             conn.closed.set()
+
+    @property
+    def host_version(self) -> int:
+        """Counts host memory reports heard here (the dashboard re-sends on a change)."""
+        return self._host_version
+
+    def host_report(self, node: str) -> HostReport | None:
+        """``node``'s latest host memory free, if this replica holds its stream."""
+        conn = self._connections.get(node)
+        return conn.host if conn is not None else None
 
     def holds(self, node: str) -> bool:
         """Whether this replica holds ``node``'s agent stream."""
@@ -185,7 +218,14 @@ class AgentHub(AgentHubBase):
             default_state_bytes=hello.default_state_bytes,
         )
         loop = asyncio.get_running_loop()
-        conn = AgentConnection(node, record, heartbeats=hello.heartbeats, last_heard=loop.time())
+        conn = AgentConnection(
+            node,
+            record,
+            heartbeats=hello.heartbeats,
+            last_heard=loop.time(),
+            host_modelled=hello.host_memory_modelled,
+        )
+        self._host_version += conn.heard_host(hello.host_available_bytes)
         previous = self._connections.get(node)
         if previous is not None:
             previous.fail_pending("agent reconnected")
@@ -452,6 +492,7 @@ class AgentHub(AgentHubBase):
         async for msg in messages:
             conn.last_heard = loop.time()
             if msg.heartbeat is not None:
+                self._host_version += conn.heard_host(msg.heartbeat.host_available_bytes)
                 continue
             if msg.state_unwritable is not None:
                 self._state_unwritable(conn, msg.state_unwritable.reason)

@@ -795,3 +795,42 @@ async def test_host_admission_does_not_ask_again_for_a_kept_host_copy(rig: Rig) 
     )
     assert (await rig.run("d5", CKPT, "j1", 2)).status == AckStatus.OK
     await hook
+
+
+async def test_the_host_figure_reported_is_the_one_admission_counts(rig: Rig) -> None:
+    """Parked states and kept host copies (the checkpointing job's own included) are what a
+    modelled host has given away: admission refuses from that figure, and it is the figure the
+    agent reports as host memory free."""
+    from timeslice_agent.hostmem import HostMemory
+
+    host = HostMemory(reserve_bytes=0, modelled_bytes=int(2.2 * GB))
+    rig.executor.parts.host_memory = host
+    table = rig.executor.table
+
+    def free() -> int | None:
+        return host.report(table.parked_bytes())
+
+    keeper = rig.worker("j1", gb=2.0, app_callbacks=True)
+    rig.worker("j2", group="g2", gb=0.5)
+    assert (table.parked_bytes(), free()) == (0, int(2.2 * GB))
+    hook = asyncio.create_task(_answer_with(keeper, rig, HookKind.BEFORE_CHECKPOINT, "j1"))
+    assert (await rig.run("d1", CKPT, "j1", 1)).status == AckStatus.OK
+    await hook
+    assert (table.parked_bytes(), free()) == (2 * GB, int(0.2 * GB))
+    hook = asyncio.create_task(
+        _answer_with(keeper, rig, HookKind.AFTER_RESTORE, "j1", bytes_moved=GB, host_bytes_kept=GB)
+    )
+    assert (await rig.run("d2", REST, "j1", 1)).status == AckStatus.OK
+    await hook
+    # j1 is back on the device and keeps a 1 GB host copy: still taken.
+    assert (table.parked_bytes(), free()) == (GB, int(1.2 * GB))
+    assert (await rig.run("d3", CKPT, "j2", 1, group="g2")).status == AckStatus.OK
+    assert (table.parked_bytes(), free()) == (int(1.5 * GB), int(0.7 * GB))
+    # j1's 2 GB checkpoint adds 1 GB to the copy it keeps, and 0.7 GB is free: refused.
+    refused = await rig.run("d4", CKPT, "j1", 2)
+    assert refused.status == AckStatus.REFUSED and "host memory admission" in refused.error
+    assert "needs 1.00 GB" in refused.error and "0.70 GB" in refused.error
+    assert keeper.commands.empty()
+    # A modelled host given away past its size reports 0 free, not a negative figure.
+    overfull = HostMemory(reserve_bytes=0, modelled_bytes=GB)
+    assert overfull.report(table.parked_bytes()) == 0

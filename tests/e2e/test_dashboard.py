@@ -10,6 +10,7 @@ The browser must be installed (``.ci/run`` installs it): a missing browser fails
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import time
 import urllib.request
@@ -28,8 +29,11 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from tests.conftest import ClusterFactory
 from tests.integration.etcdview import etcd_client
 from timeslice import AsyncTimeSliceClient, register
+from timeslice.cli.base import call, parse_targets
 from timeslice_orchestrator.store.keys import Keyspace
 from timeslice_orchestrator.store.records import GroupStats
+from timeslice_proto.timeslice.placement.v1 import CreatePoolRequest, PlacementStub
+from timeslice_proto.timeslice.v1 import TimeSliceStub
 from timeslice_tools.dev.cluster import LocalCluster
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,6 +41,8 @@ ARTIFACTS = ROOT / "artifacts"
 SIM = ["--sim-state-gb", "0.25", "--sim-bandwidth-gbps", "5"]
 # A group name no client may use (the API checks ids), written to etcd directly: the page
 # must show it as text. No '/' (it would split the key).
+POOL = "dash-pool"
+POOL_GROUPS = ["pool-g1", "pool-g2"]
 EVIL = "x<script>window.__xss=1<\\script><img src=x onerror=window.__xss=2>"
 
 
@@ -113,17 +119,25 @@ def cell(driver: WebDriver, group: str, field: str) -> str:
     return str(text)
 
 
-def node_backend(driver: WebDriver, node: str) -> str:
-    """The backend cell of a node's row in the nodes view."""
+def node_backend(driver: WebDriver, node: str, field: str = "backend") -> str:
+    """The backend (or another ``field``) cell of a node's row in the nodes view."""
     text = driver.execute_script(
         """
         const row = document.querySelector('#nodes tbody tr[data-node="' + arguments[0] + '"]');
-        const c = row ? row.querySelector('[data-field="backend"]') : null;
+        const c = row ? row.querySelector('[data-field="' + arguments[1] + '"]') : null;
         return c ? c.textContent : "";
         """,
         node,
+        field,
     )
     return str(text)
+
+
+def host_shown(text: str) -> bool:
+    """A host memory cell as the page must show it: the figure this replica heard (a sim
+    agent's modelled host: emulated) with its age, or the replica that holds it."""
+    heard = re.fullmatch(r"[0-9.]+ [kMGT]?B freeemulated[0-9.]+ s ago", text)
+    return heard is not None or re.fullmatch(r"reported to r[0-9]+", text) is not None
 
 
 def swatch_color(driver: WebDriver, group: str) -> str:
@@ -165,6 +179,35 @@ def recent_groups(driver: WebDriver) -> list[str]:
     return [str(g) for g in found]
 
 
+async def place_one(cluster: LocalCluster, client: AsyncTimeSliceClient) -> str:
+    """Create a placement pool (as the operator) and place one role of ``client``'s job in
+    it; the placement's reason."""
+
+    async def create(stub: TimeSliceStub, timeout: float) -> object:
+        request = CreatePoolRequest(POOL, POOL_GROUPS)
+        return await PlacementStub(stub.channel).create_pool(request, timeout=timeout)
+
+    await call(parse_targets(cluster.target), "CreatePool", create)
+    answer = await client.place(POOL, ["sampler"])
+    (role,) = answer.roles
+    assert role.group_id == POOL_GROUPS[0], answer
+    return role.reason
+
+
+def pool_text(driver: WebDriver, table: str) -> str:
+    """The text of one table (groups, assignments) of the pool's part of the pools view."""
+    text = driver.execute_script(
+        """
+        const pool = document.querySelector('#pools [data-pool="' + arguments[0] + '"]');
+        const t = pool ? pool.querySelector('[data-field="' + arguments[1] + '"]') : null;
+        return t ? Array.from(t.rows).slice(1).map((r) => r.textContent).join("\\n") : "";
+        """,
+        POOL,
+        table,
+    )
+    return str(text)
+
+
 async def write_evil_group(cluster: LocalCluster) -> None:
     etcd = etcd_client(cluster)
     try:
@@ -194,6 +237,8 @@ async def test_the_page_follows_a_switch_live(
             AsyncTimeSliceClient(cluster.targets, job_id="eval-c") as c,
         ):
             await a.acquire("train", timeout=30)
+            # A placement pool with one role placed: the page reads pools from etcd.
+            reason = await place_one(cluster, a)
             await asyncio.to_thread(browser.get, url)
             await wait_for(
                 browser, "the live stream", lambda d: "live" in d.find_element(By.ID, "conn").text
@@ -215,6 +260,11 @@ async def test_the_page_follows_a_switch_live(
                 browser,
                 "every node's backend, emulated",
                 lambda d: all(node_backend(d, n) == "simemulated" for n in sockets),
+            )
+            await wait_for(
+                browser,
+                "every node's host memory free, or the replica holding it",
+                lambda d: all(host_shown(node_backend(d, n, "host")) for n in sockets),
             )
             assert "over " in cell(browser, "train", "duty")  # the span the duty is over
             train_color = await asyncio.to_thread(swatch_color, browser, "train")
@@ -283,6 +333,24 @@ async def test_the_page_follows_a_switch_live(
             assert await asyncio.to_thread(browser.save_screenshot, str(shot))
             ARTIFACTS.mkdir(exist_ok=True)
             shutil.copy(shot, ARTIFACTS / "dashboard.png")
+            # The pools section: the pool, its groups' duty, the role's group and reason.
+            await wait_for(
+                browser,
+                "the placement pool",
+                lambda d: (
+                    pool_text(d, "groups").startswith(f"{POOL_GROUPS[0]}")
+                    and reason in pool_text(d, "assignments")
+                ),
+            )
+            assert "rollout-a/sampler" in await asyncio.to_thread(pool_text, browser, "groups")
+            assignments = await asyncio.to_thread(pool_text, browser, "assignments")
+            assert POOL_GROUPS[0] in assignments and "provisional" in assignments, assignments
+            await asyncio.to_thread(
+                browser.execute_script, 'document.getElementById("pools").scrollIntoView()'
+            )
+            pools_shot = tmp_path / "dashboard-pools.png"
+            assert await asyncio.to_thread(browser.save_screenshot, str(pools_shot))
+            shutil.copy(pools_shot, ARTIFACTS / "dashboard-pools.png")
             # And the story below: the timeline and the nodes view.
             await asyncio.to_thread(
                 browser.execute_script, 'document.getElementById("timeline").scrollIntoView()'

@@ -109,6 +109,14 @@ async def test_metrics_answer_operators_questions(cluster_factory: ClusterFactor
         assert value(samples, "timeslice_group_rollbacks_total", group="g") == 0
         assert value(samples, "timeslice_group_faults_total", group="g") == 0
         assert value(samples, "timeslice_group_last_switch_seconds", group="g") > 0
+        # Acquire wait per group, from the grants' holder records: a's (at once) and b's
+        # (behind a for over half a second).
+        assert value(samples, "timeslice_group_acquire_waits", group="g") == 2
+        p50, p99 = (
+            value(samples, "timeslice_group_acquire_wait_seconds", group="g", quantile=q)
+            for q in ("0.5", "0.99")
+        )
+        assert p50 < 0.5 <= p99 < 30, (p50, p99)
         # Holds: a's and b's.
         assert value(samples, "timeslice_hold_seconds_count") == 2
         assert value(samples, "timeslice_hold_seconds_sum") > 0.6

@@ -58,7 +58,7 @@ def test_the_pool_view_shows_duty_rules_reasons_and_the_audit() -> None:
     assert "g1: expected duty 30%, measured 25%; a/s" in text
     assert "g2: expected duty 0%, measured 0%; -  (drained)" in text
     assert "pin a/s -> g1" in text
-    assert "a/s -> g1 (provisional): pinned to g1" in text
+    assert "a/s -> g1 (pinned; provisional): pinned to g1" in text
     assert "00:00:00 pinned a/s g1" in text
 
 

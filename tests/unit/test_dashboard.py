@@ -27,6 +27,7 @@ from timeslice_orchestrator.dashboard import (
 )
 from timeslice_orchestrator.dashboard_story import group_color
 from timeslice_orchestrator.holds import HoldTracker
+from timeslice_orchestrator.hub import HostReport
 from timeslice_orchestrator.store.mirror import GroupView, RelayPost
 from timeslice_orchestrator.store.records import (
     AgentRecord,
@@ -552,3 +553,50 @@ async def test_a_stream_gets_the_nodes_view_again_only_when_parked_jobs_change(
             assert name == "groups" and isinstance(update, dict)
             (node,) = update["nodes"]
             assert node["parked"] == ["a"] and node["parked_bytes"] == 100_000_000
+
+
+class FakeHosts:
+    """The hub's host memory reports, as the dashboard reads them."""
+
+    def __init__(self) -> None:
+        self.reports: dict[str, HostReport] = {}
+        self.host_version = 0
+
+    def host_report(self, node: str) -> HostReport | None:
+        return self.reports.get(node)
+
+    def heard(self, node: str, available: int, at: float) -> None:
+        self.reports[node] = HostReport(available, at, modelled=True)
+        self.host_version += 1
+
+
+async def test_host_memory_free_is_shown_for_streams_held_here_and_resent_with_samples(
+    served: tuple[FakeMirror, Dashboard, TestServer, CollectorRegistry],
+) -> None:
+    mirror, dash, server, _ = served
+    hosts = FakeHosts()
+    dash.hosts = hosts
+    other = sim_agent("n2")
+    other.replica = "r2"  # its stream is held by another replica
+    mirror.set_agents(n1=sim_agent("n1", "a"), n2=other)
+    hosts.heard("n1", 12_300_000_000, 1004.0)
+    async with aiohttp.ClientSession() as http:
+        async with http.get(server.make_url("/events")) as resp:
+            ((name, snap),) = await read_events(resp, 1)
+            assert name == "snapshot" and isinstance(snap, dict)
+            n1, n2 = snap["nodes"]
+            assert (n1["host_free_bytes"], n1["host_heard_at"]) == (12_300_000_000, 1004.0)
+            assert n1["host_emulated"] is True and n1["host_reported_to"] is None
+            assert n2["host_free_bytes"] is None and n2["host_reported_to"] == "r2"
+            # A heartbeat's new figure reaches the page with the next sample.
+            hosts.heard("n1", 9_000_000_000, 1009.0)
+            dash.sample()
+            events = dict(await read_events(resp, 2))
+            assert set(events) == {"duty", "nodes"}
+            update = events["nodes"]
+            assert isinstance(update, dict)
+            assert update["nodes"][0]["host_free_bytes"] == 9_000_000_000
+            # Nothing new heard: the next sample sends no nodes view.
+            dash.sample()
+            ((name, _),) = await read_events(resp, 1)
+            assert name == "duty"

@@ -14,6 +14,7 @@ from timeslice_orchestrator.dashboard_story import (
     group_color,
     node_json,
 )
+from timeslice_orchestrator.hub import HostReport
 from timeslice_orchestrator.store.records import AgentRecord, WorkerRecord
 
 
@@ -106,7 +107,24 @@ def test_a_node_row_shows_its_backend_emulation_and_parked_bytes() -> None:
         "parked": ["a", "a", "b"],
         "parked_bytes": 250_000_000 + 40_000_000,  # b announced none: the default
         "host_free_bytes": None,
+        "host_heard_at": None,
+        "host_emulated": False,
+        "host_reported_to": None,
     }
+
+
+def test_host_memory_is_shown_where_heard_and_elsewhere_names_the_replica() -> None:
+    agent = AgentRecord("node-0", "r1", "sim", True, 1000.0, [])
+    heard = HostReport(available_bytes=12_300_000_000, heard_at=1004.0, modelled=True)
+    row = node_json(agent, [], heard, "r1")
+    assert (row["host_free_bytes"], row["host_heard_at"]) == (12_300_000_000, 1004.0)
+    assert row["host_emulated"] is True and row["host_reported_to"] is None
+    # Another replica holds the agent's stream: it is named, no figure is made up.
+    row = node_json(agent, [], None, "r2")
+    assert row["host_free_bytes"] is None and row["host_reported_to"] == "r1"
+    # Held here but not reported (an agent that does not say): neither.
+    row = node_json(agent, [], None, "r1")
+    assert row["host_free_bytes"] is None and row["host_reported_to"] is None
 
 
 def test_the_story_counts_parked_changes_and_forgets_quiet_groups() -> None:

@@ -100,3 +100,18 @@ def test_a_job_owner_finds_acquire_wait_and_an_operator_agents_connected() -> No
     assert wait["gridPos"]["y"] == 0  # first thing on the page
     agents = by_title["Agents connected"]
     assert any("timeslice_agents_connected" in t["expr"] for t in agents["targets"])
+
+
+def test_acquire_wait_is_shown_per_group_under_the_group_variable() -> None:
+    (per_group,) = [p for p in panels() if p["title"].startswith("Acquire wait p50 / p99 by group")]
+    exprs = [t["expr"] for t in per_group["targets"]]
+    assert per_group["fieldConfig"]["defaults"]["unit"] == "s"
+    for q in ("0.5", "0.99"):
+        # Every replica exports the same per-group figure: max, never sum.
+        assert any(
+            e.startswith("max by (group) (timeslice_group_acquire_wait_seconds{")
+            and 'group=~"$group"' in e
+            and f'quantile="{q}"' in e
+            for e in exprs
+        ), (q, exprs)
+    assert all("{{group}}" in t["legendFormat"] for t in per_group["targets"])

@@ -18,6 +18,7 @@ import threading
 from types import FrameType
 
 from timeslice._acquire import GRANT_WARNING
+from timeslice._roles import DEFAULT_ROLE
 from timeslice.cli.base import (
     Commands,
     Interrupted,
@@ -29,8 +30,8 @@ from timeslice.cli.base import (
     positive_float,
 )
 from timeslice.client import TimeSliceOrchestratorClient
-from timeslice.errors import Cancelled
-from timeslice.ids import validate_group_id, validate_job_id
+from timeslice.errors import Cancelled, InvalidArgument
+from timeslice.ids import validate_group_id, validate_id, validate_job_id
 
 __all__ = ["cmd_acquire", "register"]
 
@@ -46,13 +47,23 @@ def register(commands: Commands) -> None:
         "first (the queue entry is removed), 6 if no orchestrator can be reached. With --json "
         "each event is one JSON object per line. A group that is not known (no node serves "
         "it, no operator created it: a mistyped name?) is granted with a warning on stderr, "
-        "or refused with --strict (not found).",
+        "or refused with --strict (not found). With --pool POOL --role R instead of GROUP, "
+        "the group is the one the orchestrator places the job's role on (as "
+        "on_accelerators(pool=, role=) does; docs/placement.md), printed on stderr (with "
+        "--json: the events' group_id, pool and role).",
         epilog="examples:\n"
         "  timeslice acquire trainer-group --job job-a --hold 30\n"
-        "  timeslice acquire trainer-group --job job-a --timeout 60 --hold 0 --json",
+        "  timeslice acquire trainer-group --job job-a --timeout 60 --hold 0 --json\n"
+        "  timeslice acquire --pool h100-pool --role sampler --job job-a --hold 10",
     )
-    acquire.add_argument("group", metavar="GROUP")
+    acquire.add_argument("group", nargs="?", metavar="GROUP")
     acquire.add_argument("--job", required=True, metavar="J")
+    acquire.add_argument(
+        "--pool", metavar="POOL", help="acquire the group of a role in this placement pool"
+    )
+    acquire.add_argument(
+        "--role", metavar="R", help=f"with --pool: the job's role (default {DEFAULT_ROLE})"
+    )
     add_target_option(acquire)
     acquire.add_argument("--timeout", type=positive_float, metavar="S", help="give up after S s")
     acquire.add_argument(
@@ -78,9 +89,10 @@ class _SignalMode(enum.Enum):
 
 
 def cmd_acquire(args: argparse.Namespace) -> int:
-    """``timeslice acquire GROUP --job J``."""
-    group = validate_group_id(args.group)
+    """``timeslice acquire GROUP --job J`` or ``timeslice acquire --pool P --role R --job J``."""
     job = validate_job_id(args.job)
+    place = _placement(args)
+    group = "" if place is not None else validate_group_id(args.group)
     targets = [str(t) for t in parse_targets(args.target)]
 
     stop = threading.Event()
@@ -101,12 +113,22 @@ def cmd_acquire(args: argparse.Namespace) -> int:
     sdk_log.addFilter(_not_grant_warning)
     try:
         try:
+            if place is not None:
+                group = client.group_for(*place)
+                if not args.json:
+                    print(
+                        f"placed: {job}/{place[1]} in pool {place[0]} -> group {group}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             grant = client.acquire(group, timeout=args.timeout)
         except Interrupted:
-            raise Cancelled(f"interrupted while waiting for {group}") from None
+            raise Cancelled(f"interrupted while waiting for {group or 'a placement'}") from None
         stage = _SignalMode.HOLDING
         if grant.warning:
             print(f"warning: {grant.warning}", file=sys.stderr, flush=True)
+        # The pool and role the group was resolved from, in every event.
+        placed = {} if place is None else {"pool": place[0], "role": place[1]}
         if args.json:
             warning = {"warning": grant.warning} if grant.warning else {}
             _event(
@@ -115,6 +137,7 @@ def cmd_acquire(args: argparse.Namespace) -> int:
                 job,
                 epoch=grant.epoch,
                 waited_seconds=grant.waited_seconds,
+                **placed,
                 **warning,
             )
         else:
@@ -123,7 +146,7 @@ def cmd_acquire(args: argparse.Namespace) -> int:
         stage = _SignalMode.FINISHING
         client.yield_(group)
         if args.json:
-            _event("yielded", group, job)
+            _event("yielded", group, job, **placed)
         else:
             out("yielded")
     finally:
@@ -135,6 +158,23 @@ def cmd_acquire(args: argparse.Namespace) -> int:
         # what releases the hold.
         client.close()
     return 0
+
+
+def _placement(args: argparse.Namespace) -> tuple[str, str] | None:
+    """``(pool, role)`` for ``--pool``/``--role``; None for a GROUP. Exactly one of the two.
+
+    Raises:
+        InvalidArgument: both, neither, or ``--role`` without ``--pool``.
+    """
+    if args.pool is None:
+        if args.role is not None:
+            raise InvalidArgument("--role needs --pool")
+        if args.group is None:
+            raise InvalidArgument("acquire needs a GROUP, or --pool POOL [--role R]")
+        return None
+    if args.group is not None:
+        raise InvalidArgument("acquire takes a GROUP or --pool POOL, not both")
+    return validate_id(args.pool, "pool"), validate_id(args.role or DEFAULT_ROLE, "role")
 
 
 def _not_grant_warning(record: logging.LogRecord) -> bool:

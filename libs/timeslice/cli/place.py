@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+from collections.abc import Sequence
 
 from timeslice.cli.base import (
     Commands,
@@ -37,6 +38,7 @@ from timeslice.cli.base import (
 )
 from timeslice.errors import InvalidArgument
 from timeslice.ids import validate_group_id, validate_id, validate_job_id
+from timeslice.targets import Target
 from timeslice_proto.timeslice.placement.v1 import (
     CreatePoolRequest,
     GetPoolRequest,
@@ -51,7 +53,16 @@ from timeslice_proto.timeslice.placement.v1 import (
 )
 from timeslice_proto.timeslice.v1 import TimeSliceStub
 
-__all__ = ["cmd_place", "cmd_pool", "env_lines", "parse_profile", "pool_view", "register"]
+__all__ = [
+    "cmd_place",
+    "cmd_pool",
+    "env_lines",
+    "get_pool",
+    "parse_profile",
+    "pool_view",
+    "register",
+    "show_pool",
+]
 
 _RULES = {
     "pin": RuleKind.PIN,
@@ -147,7 +158,7 @@ def cmd_place(args: argparse.Namespace) -> int:
     """``timeslice place POOL --job J --role R ...`` or ``--show``."""
     pool = validate_id(args.pool, "pool")
     if args.show:
-        return _show(args, pool)
+        return show_pool(args, pool)
     if not args.job or not args.role:
         raise InvalidArgument("place needs --job and at least one --role (or --show)")
     job = validate_job_id(args.job)
@@ -185,8 +196,8 @@ def env_lines(answer: PlaceResponse) -> list[str]:
     return lines
 
 
-def _show(args: argparse.Namespace, pool: str) -> int:
-    metadata = operator_metadata(args)
+async def get_pool(targets: Sequence[Target], pool: str, metadata: dict[str, str]) -> Pool:
+    """``GetPool``: the pool as the caller may see it (NotFound: no such pool)."""
 
     async def rpc(stub: TimeSliceStub, timeout: float) -> Pool:
         request = GetPoolRequest(pool=pool)
@@ -194,7 +205,13 @@ def _show(args: argparse.Namespace, pool: str) -> int:
             request, timeout=timeout, metadata=metadata
         )
 
-    answer = asyncio.run(call(parse_targets(args.target), f"GetPool({pool})", rpc))
+    return await call(targets, f"GetPool({pool})", rpc)
+
+
+def show_pool(args: argparse.Namespace, pool: str) -> int:
+    """Print ``pool`` (:func:`pool_view`, or the wire message with ``--json``): what
+    ``place --show``, ``pool show`` and ``status --pool`` print."""
+    answer = asyncio.run(get_pool(parse_targets(args.target), pool, operator_metadata(args)))
     if args.json:
         print_json(answer.to_dict(include_default_values=True))
     else:
@@ -204,7 +221,9 @@ def _show(args: argparse.Namespace, pool: str) -> int:
 
 
 def pool_view(pool: Pool) -> list[str]:
-    """The pool for people: groups with their duty, rules, assignments, the audit's tail."""
+    """The pool for people: groups with their expected and measured duty, rules, each
+    assignment with its decision, whether it is provisional and its reason, the audit's tail.
+    The one rendering of a pool (``place --show``, ``pool show``, ``status --pool``)."""
     lines = [f"pool {pool.pool}: cap {pool.cap:.0%}, groups {', '.join(pool.groups)}"]
     for d in pool.duty:
         flag = "  (drained)" if d.drained else ""
@@ -220,7 +239,9 @@ def pool_view(pool: Pool) -> list[str]:
     lines.append("assignments:")
     for a in pool.assignments:
         kind = "provisional" if a.provisional else "measured"
-        lines.append(f"  {a.job_id}/{a.role} -> {a.group_id} ({kind}): {a.reason}")
+        lines.append(
+            f"  {a.job_id}/{a.role} -> {a.group_id} ({a.decision or '?'}; {kind}): {a.reason}"
+        )
     lines.append("audit (latest last):")
     for entry in pool.audit[-20:]:
         when = datetime.datetime.fromtimestamp(entry.at, datetime.UTC).strftime("%H:%M:%S")
@@ -233,7 +254,7 @@ def cmd_pool(args: argparse.Namespace) -> int:
     """``timeslice pool ACTION POOL ...``."""
     pool = validate_id(args.pool, "pool")
     if args.action == "show":
-        return _show(args, pool)
+        return show_pool(args, pool)
     metadata = operator_metadata(args)
     if args.action == "create":
         if not args.groups:

@@ -16,13 +16,16 @@ from dataclasses import asdict, dataclass, field
 from timeslice.cli.base import (
     Commands,
     add_json_option,
+    add_operator_option,
     add_target_option,
     call,
     out,
     parse_targets,
     print_json,
 )
-from timeslice.ids import validate_group_id
+from timeslice.cli.place import show_pool
+from timeslice.errors import InvalidArgument
+from timeslice.ids import validate_group_id, validate_id
 from timeslice.targets import Target
 from timeslice_proto.timeslice.v1 import (
     GetGroupStatusRequest,
@@ -66,16 +69,24 @@ def register(commands: Commands) -> None:
     status = commands.add(
         "status",
         cmd_status,
-        help="a group's status (all groups without GROUP)",
+        help="a group's status (all groups without GROUP), or a placement pool's (--pool)",
         description="One group's holder, queue, nodes (with each node's backend; emulated "
         "ones labelled), the switch in flight, faults and its driver replica. Without GROUP, "
-        "as 'timeslice groups'. Exits 3 if the group does not exist.",
+        "as 'timeslice groups'. Exits 3 if the group does not exist. With --pool POOL "
+        "instead of GROUP: the pool's placement decisions, as 'timeslice place POOL --show' "
+        "prints them (each role's group, decision, reason and whether it is provisional or "
+        "measured; each group's expected and measured duty); exits 3 if the pool does not "
+        "exist.",
         epilog="examples:\n"
         "  timeslice status trainer-group\n"
-        "  timeslice status trainer-group --json | jq .holder_job_id",
+        "  timeslice status trainer-group --json | jq .holder_job_id\n"
+        "  timeslice status --pool h100-pool\n"
+        "  timeslice status --pool h100-pool --json | jq '.assignments[] | .reason'",
     )
     status.add_argument("group", nargs="?", metavar="GROUP")
+    status.add_argument("--pool", metavar="POOL", help="a placement pool's decisions instead")
     add_target_option(status)
+    add_operator_option(status)
     add_json_option(status)
 
 
@@ -295,7 +306,11 @@ def cmd_groups(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """``timeslice status [GROUP]``."""
+    """``timeslice status [GROUP]`` or ``timeslice status --pool POOL``."""
+    if args.pool is not None:
+        if args.group is not None:
+            raise InvalidArgument("status takes a GROUP or --pool POOL, not both")
+        return show_pool(args, validate_id(args.pool, "pool"))
     if args.group is None:
         return cmd_groups(args)
     group = validate_group_id(args.group)

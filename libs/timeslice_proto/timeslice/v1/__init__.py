@@ -545,6 +545,20 @@ class AgentHello(betterproto2.Message):
     True when the agent sends a Heartbeat every heartbeat_interval_ms its Welcome asks for.
     """
 
+    host_available_bytes: "int | None" = betterproto2.field(
+        15, betterproto2.TYPE_UINT64, optional=True
+    )
+    """
+    Host memory the agent can still park job states into now (the kernel's MemAvailable, or
+    a modelled host's size less the bytes parked); absent: the agent does not say.
+    """
+
+    host_memory_modelled: "bool" = betterproto2.field(16, betterproto2.TYPE_BOOL)
+    """
+    True when host_available_bytes comes from a modelled host (--host-memory-gb, the sim
+    backend's default): an emulated figure, not a measurement.
+    """
+
 
 default_message_pool.register_message("timeslice.v1", "AgentHello", AgentHello)
 
@@ -859,6 +873,13 @@ class Heartbeat(betterproto2.Message):
     """
 
     seq: "int" = betterproto2.field(1, betterproto2.TYPE_UINT64)
+
+    host_available_bytes: "int | None" = betterproto2.field(
+        2, betterproto2.TYPE_UINT64, optional=True
+    )
+    """
+    As AgentHello.host_available_bytes, now: the orchestrator keeps the latest in memory.
+    """
 
 
 default_message_pool.register_message("timeslice.v1", "Heartbeat", Heartbeat)
