@@ -36,6 +36,7 @@ from bench._common import machine_info, machine_line, running_cluster
 from bench.analysis import Stats
 from bench.controlplane import hand_over_once
 from bench.floor import export_build
+from timeslice_tools.dev.cluster import LocalCluster
 
 _ROOT = Path(__file__).resolve().parent.parent
 _GROUP = "paired"
@@ -76,6 +77,7 @@ async def _child() -> None:
             for i in range(2)
         ]
         try:
+            await _operator_group(cluster, _GROUP)
             holder, waiter = clients
             await holder.acquire(_GROUP, timeout=_CALL_TIMEOUT)
             for _ in range(_WARMUP):
@@ -88,6 +90,30 @@ async def _child() -> None:
                 print(measured.handoff_seconds, flush=True)
         finally:
             await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+
+
+async def _operator_group(cluster: LocalCluster, group: str) -> None:
+    """Create ``group`` as an operator does (``timeslice members GROUP --clear``): a known
+    group, as a group its nodes serve is in a deployment, so the hand-over measured is not
+    also the unknown-group warning path (docs/groups.md)."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "timeslice.cli",
+        "members",
+        group,
+        "--clear",
+        "--target",
+        ",".join(cluster.targets),
+        "--token-file",
+        str(cluster.operator_token_file),
+        env={**os.environ, **cluster.client_env},
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await asyncio.wait_for(process.communicate(), _CALL_TIMEOUT)
+    if process.returncode != 0:
+        raise RuntimeError(f"timeslice members {group} --clear: {err.decode().strip()}")
 
 
 class _Build:

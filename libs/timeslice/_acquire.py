@@ -48,6 +48,12 @@ ProgressCallback = Callable[[AcquireProgress], None]
 _DRAIN_SECONDS = 0.02
 
 
+def log_grant_warning(job_id: str, group: str, warning: str) -> None:
+    """Say a grant's warning (likely not what the job meant: a mistyped group) where the
+    job's operator looks; the client says it once per group (:class:`~._core.ClientCore`)."""
+    log.warning("acquire of %s by job %s: %s", group, job_id, warning, extra={GRANT_WARNING: True})
+
+
 class _Moved:
     pass
 
@@ -353,16 +359,6 @@ class AcquireCall:
         stage = AcquireStage.from_wire(event.state)
         if stage is AcquireStage.GRANTED:
             self.granted = event
-            if event.warning:
-                # A grant that is likely not what the job meant (a mistyped group): said
-                # where the job's operator looks, and kept on the Grant for the caller.
-                log.warning(
-                    "acquire of %s by job %s: %s",
-                    self._group,
-                    self._job_id,
-                    event.warning,
-                    extra={GRANT_WARNING: True},
-                )
             return
         if stage is None:
             log.warning("ignoring Acquire event with unknown state %r", event.state)

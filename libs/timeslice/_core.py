@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from timeslice import _trace_context
-from timeslice._acquire import AcquireCall, ProgressCallback
+from timeslice._acquire import AcquireCall, ProgressCallback, log_grant_warning
 from timeslice._release import PendingRelease
 from timeslice._session import Session
 from timeslice._sweep import sweep
@@ -82,6 +82,9 @@ class ClientCore:
         self.job_id = job_id
         # Sent with every Acquire: refuse a group that is not known (docs/groups.md).
         self._strict_groups = strict_groups
+        # Groups whose grant warning was logged: once per group and client, not every step
+        # of a loop (every Grant still carries it).
+        self._warned: set[str] = set()
         self._transport = transport
         self._session_ttl = session_ttl
         self._call_timeout = call_timeout
@@ -194,6 +197,9 @@ class ClientCore:
         try:
             grant = await self._until_granted(tenure, call, timeout, on_progress)
             tenure.acquired(grant)
+            if grant.warning and group not in self._warned:
+                self._warned.add(group)
+                log_grant_warning(self.job_id, group, grant.warning)
             return grant
         except BaseException:
             session = call.session

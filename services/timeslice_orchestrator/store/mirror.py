@@ -56,6 +56,7 @@ _R = TypeVar(
     FaultRecord,
     OperationRecord,
     FeaturesRecord,
+    AgentRecord,
 )
 
 __all__ = [
@@ -297,11 +298,11 @@ class MirrorIndex:
         return out
 
     def agents(self) -> dict[str, AgentRecord]:
-        """Every node's agent record, by node; corrupt records are logged and left out."""
+        """Every node's agent record (decoded once per write: not to be changed), by node."""
         out: dict[str, AgentRecord] = {}
         for ref, kv in sorted(self._topics.get(AGENTS_TOPIC, {}).items(), key=_by_key):
             try:
-                out[ref.name] = AgentRecord.decode(kv.value)
+                out[ref.name] = self._decoded_record(ref, kv, AgentRecord)
             except CorruptRecord:
                 log.exception("ignoring corrupt agent record of %s", ref.name)
         return out
