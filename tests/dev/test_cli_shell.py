@@ -226,7 +226,17 @@ def test_not_found_not_holder_and_timeout_exit_codes(cluster: LocalCluster) -> N
     assert json_error(missing)["error"] == "not_found"
 
     # acquire --json: one object per event.
-    held = run("acquire", "shell-g", "--job", "shell-a", "--hold", "0", "--json", *target)
+    held = run(
+        "acquire",
+        "shell-g",
+        "--job",
+        "shell-a",
+        "--allow-unknown",
+        "--hold",
+        "0",
+        "--json",
+        *target,
+    )
     assert held.returncode == 0, held.stderr
     events = [json.loads(line) for line in held.stdout.splitlines()]
     assert [e["event"] for e in events] == ["granted", "yielded"]
@@ -234,7 +244,16 @@ def test_not_found_not_holder_and_timeout_exit_codes(cluster: LocalCluster) -> N
     assert events[0]["epoch"] > 0 and events[0]["waited_seconds"] >= 0
 
     holder = subprocess.Popen(
-        [*TIMESLICE, "acquire", "shell-g", "--job", "shell-h", "--json", *target],
+        [
+            *TIMESLICE,
+            "acquire",
+            "shell-g",
+            "--job",
+            "shell-h",
+            "--allow-unknown",
+            "--json",
+            *target,
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -253,8 +272,8 @@ def test_not_found_not_holder_and_timeout_exit_codes(cluster: LocalCluster) -> N
         assert text.returncode == 4 and text.stderr.startswith("error: not_holder: ")
         # Another job waits with a short timeout while shell-h holds: timeout.
         started = time.monotonic()
-        waited = run("acquire", "shell-g", "--job", "shell-w", "--timeout", "0.5", "--json",
-                     *target)  # fmt: skip
+        waited = run("acquire", "shell-g", "--job", "shell-w", "--allow-unknown",
+                     "--timeout", "0.5", "--json", *target)  # fmt: skip
         assert time.monotonic() - started < DEADLINE
         assert waited.returncode == 5, waited.stderr
         assert json_error(waited)["error"] == "timeout"

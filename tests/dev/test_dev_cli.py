@@ -82,7 +82,7 @@ def test_installed_entry_point_runs() -> None:
     [
         ((), "the following arguments are required: COMMAND"),
         (("frob",), "invalid choice: 'frob'"),
-        (("acquire", "g"), "the following arguments are required: --job"),
+        (("acquire", "g"), "no job: pass --job J or set TIMESLICE_JOB_ID"),
         (("yield", "g", "--job", "j", "--epoch", "0"), "'0' is not a valid epoch"),
         (("yield", "g", "--job", "j", "--epoch", "x"), "'x' is not an integer"),
         (("acquire", "g", "--job", "j", "--hold", "-1"), "'-1' must not be negative"),
@@ -208,7 +208,17 @@ def test_groups_and_status_on_an_empty_cluster(cluster: LocalCluster) -> None:
 
 
 def test_acquire_hold_and_yield(cluster: LocalCluster) -> None:
-    result = run("acquire", "cli-g1", "--job", "cli-a", "--hold", "0", "--target", cluster.target)
+    result = run(
+        "acquire",
+        "cli-g1",
+        "--job",
+        "cli-a",
+        "--hold",
+        "0",
+        "--allow-unknown",
+        "--target",
+        cluster.target,
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("granted epoch=") and " waited=" in lines[0]
@@ -224,7 +234,16 @@ class Acquirer:
     def __init__(self, cluster: LocalCluster, group: str, job: str) -> None:
         self.group = group
         self.proc = subprocess.Popen(
-            [*TIMESLICE, "acquire", group, "--job", job, "--target", cluster.target],
+            [
+                *TIMESLICE,
+                "acquire",
+                group,
+                "--job",
+                job,
+                "--allow-unknown",
+                "--target",
+                cluster.target,
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -363,7 +382,7 @@ def test_acquire_timeout_is_a_typed_error(cluster: LocalCluster) -> None:
         line = holder.line()
         assert line is not None and line.startswith("granted epoch=")
         started = time.monotonic()
-        result = run("acquire", group, "--job", "cli-w4", "--timeout", "0.5",
+        result = run("acquire", group, "--job", "cli-w4", "--allow-unknown", "--timeout", "0.5",
                      "--target", cluster.target)  # fmt: skip
         assert time.monotonic() - started < 15
         assert result.returncode == 5

@@ -247,7 +247,8 @@ def test_dev_cluster_command_ready_then_clean_stop(
             for job, code in (("job-a", 0), ("job-b", 7)):
                 held = subprocess.run(
                     [sys.executable, "-m", "timeslice.cli", "acquire", "g", "--job", job,
-                     "--hold", "0", "--timeout", "20", "--target", ",".join(targets)],
+                     "--allow-unknown", "--hold", "0", "--timeout", "20",
+                     "--target", ",".join(targets)],
                     capture_output=True, text=True, timeout=60, check=False, env=job_env,
                 )  # fmt: skip
                 assert held.returncode == code, (job, held.stderr)

@@ -12,12 +12,13 @@ from timeslice.cli.base import (
     add_target_option,
     call,
     epoch,
+    job_of,
     operator_metadata,
     out,
     parse_targets,
     print_json,
 )
-from timeslice.ids import validate_group_id, validate_job_id, validate_node
+from timeslice.ids import validate_group_id, validate_node
 from timeslice_proto.timeslice.v1 import (
     GroupStatus,
     SetGroupMembersRequest,
@@ -44,7 +45,7 @@ def register(commands: Commands) -> None:
         "  timeslice yield trainer-group --job job-a --epoch 42 --json",
     )
     yield_.add_argument("group", metavar="GROUP")
-    yield_.add_argument("--job", required=True, metavar="J")
+    yield_.add_argument("--job", metavar="J", help="the job (default: $TIMESLICE_JOB_ID)")
     yield_.add_argument("--epoch", required=True, type=epoch, metavar="E")
     add_target_option(yield_)
     add_operator_option(yield_)
@@ -74,7 +75,7 @@ def register(commands: Commands) -> None:
 def cmd_yield(args: argparse.Namespace) -> int:
     """``timeslice yield GROUP --job J --epoch E``."""
     group = validate_group_id(args.group)
-    job = validate_job_id(args.job)
+    job = job_of(args)
     targets = parse_targets(args.target)
     # An empty session_id is the operator yield: by (job, epoch), with the operator token.
     request = YieldRequest(session_id="", job_id=job, group_id=group, epoch=args.epoch)

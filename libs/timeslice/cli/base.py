@@ -39,6 +39,7 @@ from timeslice.errors import (
     Unauthenticated,
     Unavailable,
 )
+from timeslice.ids import validate_job_id
 from timeslice.targets import DEFAULT_TARGET, TARGET_ENV, Target, targets_from_env
 from timeslice.tls import client_tls
 from timeslice_proto.timeslice.v1 import TimeSliceStub
@@ -403,3 +404,11 @@ async def call(
         raise Unavailable(f"no orchestrator reachable: {problems}") from None
     finally:
         transport.close()
+
+
+def job_of(args: argparse.Namespace) -> str:
+    """``--job``, else ``$TIMESLICE_JOB_ID`` (as the SDK reads it)."""
+    job = args.job or os.environ.get("TIMESLICE_JOB_ID")
+    if not job:
+        raise InvalidArgument("no job: pass --job J or set TIMESLICE_JOB_ID")
+    return validate_job_id(job)
