@@ -49,6 +49,7 @@ from timeslice_orchestrator.pool_plans import (
     MAX_GROUPS,
     MAX_ROLES,
     RoleResult,
+    claims_of,
     declared_profile,
     plan_place,
     rule_change,
@@ -68,6 +69,7 @@ from timeslice_proto.timeslice.placement.v1 import (
     CreatePoolRequest,
     ExcludedPair,
     GetPoolRequest,
+    GroupClaim,
     GroupDuty,
     Pin,
     PlacementBase,
@@ -276,6 +278,7 @@ class PlacementService(PlacementBase):
                         expected_busy=r.expected_busy,
                         predicted_duty=r.predicted_duty,
                         previous_group_id=r.previous_group,
+                        claim=r.claim,
                     )
                     for r in results
                 ],
@@ -326,9 +329,10 @@ class PlacementService(PlacementBase):
             cap = message.cap or DEFAULT_CAP
             if not 0 < cap <= 1:
                 raise InvalidArgument(f"cap must be within (0, 1], got {cap!r}")
-            state = await self._store.create(pool, groups, cap, self._replica)
+            claims = claims_of(groups, message.claims)
+            state = await self._store.create(pool, groups, cap, self._replica, claims)
             self._duty.seen(state)
-            log.info("pool %s: groups %s, cap %g", pool, ",".join(groups), cap)
+            log.info("pool %s: groups %s, cap %g, claims %s", pool, ",".join(groups), cap, claims)
             return self._pool(state)
 
     async def _update_pool(self, message: UpdatePoolRequest, operator: bool) -> Pool:
@@ -339,6 +343,7 @@ class PlacementService(PlacementBase):
                 assert state is not None
                 config = rule_change(state.config, message)
                 what = RuleKind(message.kind).name.lower()
+                kind_claim = message.kind is RuleKind.CLAIM
                 entry = AuditEntryRecord(
                     at=time.time(),
                     what=f"rule:{what}",
@@ -346,7 +351,8 @@ class PlacementService(PlacementBase):
                     role=message.role,
                     group=message.group_id,
                     reason=f"operator {what}"
-                    + (f" with {message.other_job_id}" if message.other_job_id else ""),
+                    + (f" with {message.other_job_id}" if message.other_job_id else "")
+                    + (f" {message.claim}" if kind_claim else ""),
                     replica=self._replica,
                     own_reason=f"operator {what}",
                 )
@@ -424,4 +430,5 @@ class PlacementService(PlacementBase):
                 )
                 for g in config.groups
             ],
+            claims=[GroupClaim(g, config.claims[g]) for g in config.groups if g in config.claims],
         )

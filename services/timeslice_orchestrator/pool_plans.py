@@ -9,6 +9,7 @@ restart point are.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ from timeslice_orchestrator.store.records import (
     RoleAssignment,
 )
 from timeslice_proto.timeslice.placement.v1 import (
+    GroupClaim,
     Mode,
     RoleProfile,
     RuleKind,
@@ -44,6 +46,59 @@ MAX_ROLES = 16
 MAX_GROUPS = 256
 _MODES = {Mode.UNSPECIFIED: opt.Mode.SYNC, Mode.SYNC: opt.Mode.SYNC}
 _MODES[Mode.ASYNC] = opt.Mode.ASYNC
+MAX_CLAIM = 253
+# A Kubernetes object name (a ResourceClaim's): a DNS-1123 subdomain, lower-case letters,
+# digits, '-' and '.', starting and ending with a letter or digit (RFC 1123 labels between dots).
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+# -- launcher handles -----------------------------------------------------------------------------
+
+
+def validate_claim(name: str, where: str) -> str:
+    """``name`` if it can name a Kubernetes ResourceClaim (a DNS-1123 subdomain, each label
+    at most 63 characters), else InvalidArgument naming ``where`` (the field)."""
+    if (
+        not name
+        or len(name) > MAX_CLAIM
+        or not _DNS_SUBDOMAIN.fullmatch(name)
+        or any(len(label) > 63 for label in name.split("."))
+    ):
+        raise InvalidArgument(
+            f"{where}: {name!r} is not a Kubernetes object name (a DNS-1123 subdomain: "
+            f"lower-case letters, digits, '-' and '.', at most {MAX_CLAIM} characters, "
+            "starting and ending with a letter or digit)"
+        )
+    return name
+
+
+def claims_of(groups: Sequence[str], claims: Sequence[GroupClaim]) -> dict[str, str]:
+    """CreatePool's claims as group -> claim: each names a group of the pool, at most once,
+    and no two groups share a claim (one ResourceClaim per group: two groups on one claim
+    would put both groups' processes on the same devices)."""
+    found: dict[str, str] = {}
+    for i, c in enumerate(claims):
+        where = f"claims[{i}]"
+        if c.group_id not in groups:
+            raise InvalidArgument(
+                f"{where}.group_id: {c.group_id!r} is not a group of the pool ({', '.join(groups)})"
+            )
+        if c.group_id in found:
+            raise InvalidArgument(f"{where}.group_id: group {c.group_id!r} has two claims")
+        found[c.group_id] = validate_claim(c.claim, f"{where}.claim")
+    _distinct(found)
+    return found
+
+
+def _distinct(claims: Mapping[str, str]) -> None:
+    seen: dict[str, str] = {}
+    for group, claim in claims.items():
+        if claim in seen:
+            raise InvalidArgument(
+                f"claim: {claim!r} is already the claim of group {seen[claim]!r}, "
+                f"not also of {group!r} (one ResourceClaim per group)"
+            )
+        seen[claim] = group
 
 
 # -- profiles ---------------------------------------------------------------------------------
@@ -137,6 +192,7 @@ class RoleResult:
     expected_busy: float
     predicted_duty: float
     previous_group: str = ""
+    claim: str = ""  # the group's launcher handle (the pool's claims), "" when none
 
     @property
     def provisional(self) -> bool:
@@ -236,6 +292,7 @@ def plan_place(
                 expected_busy=profile.busy,
                 predicted_duty=duty.get(group, 0.0),
                 previous_group=reason.previous_group or (previous.group if previous else ""),
+                claim=config.claims.get(group, "") if group else "",
             )
         )
         if not group or reason.decision is opt.Decision.KEPT:
@@ -279,6 +336,7 @@ def rule_change(config: PoolRecord, request: UpdatePoolRequest) -> PoolRecord:
     pins = list(config.pins)
     excluded = [list(pair) for pair in config.excluded]
     drained = list(config.drained)
+    claims = dict(config.claims)
     if kind in (RuleKind.PIN, RuleKind.UNPIN):
         job = validate_job_id(request.job_id)
         role = validate_id(request.role or "main", "role")
@@ -297,6 +355,12 @@ def rule_change(config: PoolRecord, request: UpdatePoolRequest) -> PoolRecord:
         drained = [g for g in drained if g != group]
         if kind is RuleKind.DRAIN:
             drained.append(group)
+    elif kind in (RuleKind.CLAIM, RuleKind.UNCLAIM):
+        group = _pool_group(config, request.group_id)
+        claims.pop(group, None)
+        if kind is RuleKind.CLAIM:
+            claims[group] = validate_claim(request.claim, "claim")
+            _distinct(claims)
     else:
         raise InvalidArgument(f"unknown rule kind {int(kind)}")
     return PoolRecord(
@@ -306,6 +370,7 @@ def rule_change(config: PoolRecord, request: UpdatePoolRequest) -> PoolRecord:
         pins=pins,
         excluded=sorted(excluded),
         drained=sorted(drained),
+        claims={g: claims[g] for g in config.groups if g in claims},
     )
 
 

@@ -9,6 +9,8 @@
 - The monitoring component's PodMonitors select the orchestrator's and the agents' pods and a
   port they have; the scrape annotations name the same port.
 - The image the manifests run is the one ``make image`` builds, from files that exist.
+- Placed: the pool docs/deployment.md creates for a launcher has the example's claims, one
+  per group, and Place answers each role a group of it with the claim that group's pods name.
 - Started: the base deployment as local processes (tests.deploy.test_k8s_start), then the
   example's pods, each with its container's rendered environment (downward API from its labels,
   its job's Secret mounted) and tests/deploy/shared_job_pod.py as its command. Job A's trainer
@@ -42,6 +44,10 @@ from tests.deploy.test_k8s_start import (
     provision_node,
     start,
 )
+from timeslice.cli.place import parse_claims
+from timeslice_orchestrator.pool_plans import claims_of, plan_place
+from timeslice_orchestrator.store.pools import PoolState
+from timeslice_orchestrator.store.records import PoolAssignmentsRecord, PoolAuditRecord, PoolRecord
 
 kubernetes_validate = pytest.importorskip(
     "kubernetes_validate", reason="kubernetes-validate (the dev extra) is not installed"
@@ -272,3 +278,44 @@ def test_two_jobs_switch_on_the_shared_claims(tmp_path: Path) -> None:
             if pod.name.startswith("rl-job-"):
                 assert pod.proc is not None
                 assert pod.proc.wait(timeout=60) == 0, pods.fail(f"{pod.name} failed", pod)
+
+
+def _documented_pool() -> tuple[str, list[str], list[str]]:
+    """The pool, groups and ``--claim`` arguments of docs/deployment.md's ``timeslice pool
+    create`` (the one a launcher of this example places with)."""
+    (line,) = [
+        line for line in DOCS.read_text().splitlines() if line.startswith("timeslice pool create")
+    ]
+    argv = shlex.split(line)
+    claims = [argv[i + 1] for i, a in enumerate(argv) if a == "--claim"]
+    return argv[3], argv[argv.index("--groups") + 1].split(","), claims
+
+
+def test_a_placed_role_gets_the_claim_the_examples_pods_of_its_group_name() -> None:
+    docs = _example()
+    # The example's claims by the group they serve (their timeslice.io/group label).
+    example = {
+        d["metadata"]["labels"]["timeslice.io/group"]: d["metadata"]["name"]
+        for d in docs
+        if d["kind"] == "ResourceClaim"
+    }
+    pool, groups, args = _documented_pool()
+    assert sorted(groups) == sorted(example), (groups, example)
+    # The documented pool, checked as CreatePool checks it, has exactly the example's claims.
+    claims = claims_of(groups, parse_claims(args))
+    assert claims == example
+    for job in _pods(docs):
+        template = job["spec"]["template"]
+        (ref,) = template["spec"]["resourceClaims"]
+        assert (
+            ref["resourceClaimName"] == claims[template["metadata"]["labels"]["timeslice.io/group"]]
+        )
+    # What Place answers a new job's roles: a group of the pool and that group's claim.
+    config = PoolRecord(groups=groups, cap=0.9, created_at=0.0, claims=claims)
+    state = PoolState(pool, config, PoolAssignmentsRecord(), PoolAuditRecord())
+    _, results = plan_place(
+        state, "rl-job-c", ["trainer", "sampler"], {}, usage=lambda g, j: None,
+        running=False, replica="r0", now=1.0,
+    )  # fmt: skip
+    assert {r.group for r in results} == set(groups), results
+    assert all(r.claim == example[r.group] for r in results), results

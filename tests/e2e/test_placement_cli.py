@@ -133,3 +133,68 @@ def test_acquire_resolves_a_role_and_status_shows_the_pools_decisions(
     finally:
         for w in workers:
             w.close()
+
+
+def test_place_answers_the_groups_claim_for_a_kubernetes_launcher(
+    cluster_factory: ClusterFactory,
+) -> None:
+    # The pool records each group's ResourceClaim (k8s/examples/shared-gpus: one per group);
+    # Place answers it with the group, for the pod spec's resourceClaimName.
+    cluster = cluster_factory(agents=0)
+    operator, job = cluster.client_env, cluster.job_env("k8s-a")
+    pool, groups = "claim-pool", ["kc-1", "kc-2"]
+    claims = {"kc-1": "gpus-a", "kc-2": "gpus-b"}
+    create = ["pool", "create", pool, "--groups", ",".join(groups)]
+    created, bad = run_many(
+        cluster,
+        (operator, [*create, *(f"--claim={g}={c}" for g, c in claims.items()), "--json"]),
+        (
+            operator,
+            ["pool", "create", "other", "--groups", "kc-1", "--claim", "kc-1=GPUs_A", "--json"],
+        ),
+    )
+    assert created.returncode == 0, created
+    assert {(c["groupId"], c["claim"]) for c in json.loads(created.stdout)["claims"]} == set(
+        claims.items()
+    )
+    # Not a Kubernetes name: a typed error naming the field, and no pool.
+    assert bad.returncode == 2, bad
+    error = json.loads(bad.stderr)
+    assert error["error"] == "invalid_argument" and "claims[0].claim" in error["message"], error
+    as_json, as_env, nowhere = run_many(
+        cluster,
+        (job, ["place", pool, "--job", "k8s-a", "--role", "trainer", "--json"]),
+        (job, ["place", pool, "--job", "k8s-a", "--role", "sampler", "--env"]),
+        (operator, ["pool", "show", "other"]),
+    )
+    assert nowhere.returncode == 3, nowhere
+    assert as_json.returncode == 0, as_json
+    (trainer,) = json.loads(as_json.stdout)["roles"]
+    assert trainer["groupId"] in groups and trainer["claim"] == claims[trainer["groupId"]]
+    assert as_env.returncode == 0, as_env
+    env = dict(line.split("=", 1) for line in as_env.stdout.splitlines())
+    assert env.keys() == {"TIMESLICE_GROUP", "TIMESLICE_CLAIM"}, as_env.stdout
+    assert env["TIMESLICE_CLAIM"] == claims[env["TIMESLICE_GROUP"]]
+    # Operators change a group's claim; the next Place answers the new one, status shows it.
+    other = next(g for g in groups if g != trainer["groupId"])
+    changed, refused, again = run_many(
+        cluster,
+        (operator, ["pool", "claim", pool, "--group", trainer["groupId"], "--claim", "gpus-c"]),
+        (operator, ["pool", "claim", pool, "--group", other, "--claim", "gpus-c.x-"]),
+        (operator, ["pool", "unclaim", pool, "--group", other, "--json"]),
+    )
+    assert changed.returncode == 0, changed
+    assert refused.returncode == 2 and "invalid_argument" in refused.stderr, refused
+    assert again.returncode == 0, again
+    placed, shown = run_many(
+        cluster,
+        (job, ["place", pool, "--job", "k8s-a", "--role", "trainer", "--json"]),
+        (operator, ["status", "--pool", pool]),
+    )
+    assert placed.returncode == 0, placed
+    (trainer_again,) = json.loads(placed.stdout)["roles"]
+    assert (trainer_again["groupId"], trainer_again["claim"]) == (trainer["groupId"], "gpus-c")
+    assert shown.returncode == 0, shown
+    lines = shown.stdout.splitlines()
+    assert any(line.startswith(f"  {trainer['groupId']} (claim gpus-c): ") for line in lines)
+    assert any(line.startswith(f"  {other}: expected duty") for line in lines), shown.stdout

@@ -7,7 +7,14 @@ import pytest
 
 from timeslice.errors import InvalidArgument
 from timeslice.placement import Decision, Source
-from timeslice_orchestrator.pool_plans import MIN_HOLDS, measured_profile, plan_place, rule_change
+from timeslice_orchestrator.pool_plans import (
+    MIN_HOLDS,
+    claims_of,
+    measured_profile,
+    plan_place,
+    rule_change,
+    validate_claim,
+)
 from timeslice_orchestrator.store.pools import PoolState
 from timeslice_orchestrator.store.records import (
     DeclaredProfile,
@@ -18,7 +25,7 @@ from timeslice_orchestrator.store.records import (
     RoleAssignment,
 )
 from timeslice_orchestrator.visibility import OTHER_JOB
-from timeslice_proto.timeslice.placement.v1 import RuleKind, UpdatePoolRequest
+from timeslice_proto.timeslice.placement.v1 import GroupClaim, RuleKind, UpdatePoolRequest
 
 DECLARED = DeclaredProfile(0.2, 1.0, 0.5, "sync", 0.0, "declared")
 
@@ -119,3 +126,64 @@ def test_a_job_reads_no_other_jobs_id_in_its_reasons() -> None:
     )  # fmt: skip
     assert "with b/s" in r.reason
     assert "b/s" not in r.own_reason and f"with {OTHER_JOB}/s" in r.own_reason
+
+
+def test_place_answers_the_claim_of_the_group_it_chose() -> None:
+    state = _state()
+    state.config.claims = {"g1": "gpus-a", "g2": "gpus-b"}
+    _, results = plan_place(
+        state, "n", ["s", "t"], {"s": DECLARED, "t": DECLARED}, usage=lambda g, j: None,
+        running=False, replica="r", now=1.0,
+    )  # fmt: skip
+    assert {r.group for r in results} <= {"g1", "g2"} and results
+    assert all(r.claim == state.config.claims[r.group] for r in results)
+    # A group without a claim answers none.
+    state.config.claims = {}
+    _, (r,) = plan_place(
+        state, "m", ["s"], {}, usage=lambda g, j: None, running=False, replica="r", now=1.0
+    )
+    assert r.group and r.claim == ""
+
+
+def test_claims_are_kubernetes_names_one_per_group() -> None:
+    for good in ("gpus-a", "trainer-pool", "a", "gpus.node-0", "x" * 63 + ".b"):
+        assert validate_claim(good, "claim") == good
+    for bad in ("", "Gpus", "-a", "a-", "a_b", "a..b", ".a", "x" * 64, "a/b", "a b"):
+        with pytest.raises(InvalidArgument, match="claim"):
+            validate_claim(bad, "claim")
+    groups = ["g1", "g2"]
+    claims = [GroupClaim("g1", "gpus-a"), GroupClaim("g2", "gpus-b")]
+    assert claims_of(groups, claims) == {"g1": "gpus-a", "g2": "gpus-b"}
+    for bad_claims, field in (
+        ([GroupClaim("g3", "gpus-a")], r"claims\[0\]\.group_id"),  # not in the pool
+        ([GroupClaim("g1", "a"), GroupClaim("g1", "b")], r"claims\[1\]\.group_id"),  # twice
+        ([GroupClaim("g1", "a"), GroupClaim("g2", "a")], "one ResourceClaim per group"),
+        ([GroupClaim("g1", "Not_A_Name")], r"claims\[0\]\.claim"),
+    ):
+        with pytest.raises(InvalidArgument, match=field):
+            claims_of(groups, bad_claims)
+
+
+def test_a_claim_is_set_and_unset_by_a_rule_and_survives_other_rules() -> None:
+    config = PoolRecord(groups=["g1", "g2"], cap=0.9, created_at=0.0)
+    claimed = rule_change(config, UpdatePoolRequest("p", RuleKind.CLAIM, group_id="g2", claim="c2"))
+    assert claimed.claims == {"g2": "c2"}
+    drained = rule_change(claimed, UpdatePoolRequest("p", RuleKind.DRAIN, group_id="g1"))
+    assert drained.claims == {"g2": "c2"}
+    # Round trip through etcd's encoding, and a record written before claims existed.
+    assert PoolRecord.decode(drained.encode()).claims == {"g2": "c2"}
+    older = b'{"groups":["g1"],"cap":0.9,"created_at":0.0,"pins":[],"excluded":[],"drained":[]}'
+    assert PoolRecord.decode(older).claims == {}
+    newer = older[:-1] + b',"from_a_newer_version":1}'
+    assert PoolRecord.decode(newer).groups == ["g1"]
+    for bad in (
+        UpdatePoolRequest("p", RuleKind.CLAIM, group_id="g1", claim="Bad_Name"),
+        UpdatePoolRequest("p", RuleKind.CLAIM, group_id="g1", claim=""),
+        UpdatePoolRequest("p", RuleKind.CLAIM, group_id="g1", claim="c2"),  # g2's already
+        UpdatePoolRequest("p", RuleKind.CLAIM, group_id="elsewhere", claim="c3"),
+    ):
+        with pytest.raises(InvalidArgument):
+            rule_change(claimed, bad)
+    assert claimed.claims == {"g2": "c2"}  # nothing changed in place
+    unclaimed = rule_change(claimed, UpdatePoolRequest("p", RuleKind.UNCLAIM, group_id="g2"))
+    assert unclaimed.claims == {}

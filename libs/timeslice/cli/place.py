@@ -4,7 +4,7 @@
 
     timeslice place POOL --job J --role R [--role R2 ...] [--profile R:BUSY:PERIOD[:async]]
     timeslice place POOL --show
-    timeslice pool create POOL --groups G1,G2,... [--cap C]
+    timeslice pool create POOL --groups G1,G2,... [--cap C] [--claim G=CLAIM ...]
     timeslice pool show POOL
     timeslice pool pin POOL --job J [--role R] --group G      (unpin: no --group)
     timeslice pool unpin POOL --job J [--role R]
@@ -12,9 +12,12 @@
     timeslice pool include POOL --job A --other B
     timeslice pool drain POOL --group G                        (undrain: undo)
     timeslice pool undrain POOL --group G
+    timeslice pool claim POOL --group G --claim CLAIM          (unclaim: no --claim)
+    timeslice pool unclaim POOL --group G
 
 ``place`` is what a launcher calls before it starts a job's processes: each role's group,
-the group's pinned nodes and the reason (docs/placement.md). The ``pool`` commands other than
+the group's pinned nodes, its claim (the Kubernetes ResourceClaim the group's pods name, when
+the pool records one) and the reason (docs/placement.md). The ``pool`` commands other than
 ``show`` need the operator token or an operator certificate.
 """
 
@@ -42,6 +45,7 @@ from timeslice.targets import Target
 from timeslice_proto.timeslice.placement.v1 import (
     CreatePoolRequest,
     GetPoolRequest,
+    GroupClaim,
     Mode,
     PlacementStub,
     PlaceRequest,
@@ -58,6 +62,7 @@ __all__ = [
     "cmd_pool",
     "env_lines",
     "get_pool",
+    "parse_claims",
     "parse_profile",
     "pool_view",
     "register",
@@ -71,6 +76,8 @@ _RULES = {
     "include": RuleKind.INCLUDE,
     "drain": RuleKind.DRAIN,
     "undrain": RuleKind.UNDRAIN,
+    "claim": RuleKind.CLAIM,
+    "unclaim": RuleKind.UNCLAIM,
 }
 
 
@@ -83,7 +90,8 @@ def register(commands: Commands) -> None:
         description="Ask the orchestrator which group of POOL each role of job J uses: its "
         "recorded group while the job runs, else a placement made now from the roles' "
         "measured (or declared, --profile) phases. Prints each role's group, the group's "
-        "pinned nodes and the reason. --show prints the pool instead: its groups, rules, "
+        "pinned nodes, its claim (the ResourceClaim its pods name, if the pool has one) and "
+        "the reason. --show prints the pool instead: its groups, rules, "
         "assignments, audit trail and each group's expected and measured duty.",
         epilog="examples:\n"
         "  timeslice place h100-pool --job grpo-7 --role sampler --role trainer --json\n"
@@ -106,7 +114,8 @@ def register(commands: Commands) -> None:
         "--env",
         action="store_true",
         help="print TIMESLICE_GROUP=<group> (one role) or TIMESLICE_GROUP_<ROLE>=<group> lines "
-        "for a launcher's environment (the agent finds job processes by TIMESLICE_GROUP)",
+        "for a launcher's environment (the agent finds job processes by TIMESLICE_GROUP), "
+        "and TIMESLICE_CLAIM[_<ROLE>]=<claim> for a group with a claim",
     )
     add_target_option(place)
     add_operator_option(place)
@@ -118,10 +127,13 @@ def register(commands: Commands) -> None:
         help="declare a placement pool, show it, or change its rules (operators)",
         description="Operators declare a pool's groups and load cap (create), pin a job's "
         "role to a group, exclude a pair of jobs from sharing a group, drain a group (no new "
-        "placements; what runs there stays), or undo these. Every change is in the pool's "
-        "audit trail (show).",
+        "placements; what runs there stays), set a group's claim (the Kubernetes "
+        "ResourceClaim its pods name, which place answers), or undo these. Every change is in "
+        "the pool's audit trail (show).",
         epilog="examples:\n"
         "  timeslice pool create h100-pool --groups g1,g2,g3 --cap 0.9\n"
+        "  timeslice pool create h100-pool --groups g1,g2 --claim g1=gpus-a --claim g2=gpus-b\n"
+        "  timeslice pool claim h100-pool --group g3 --claim gpus-c\n"
         "  timeslice pool pin h100-pool --job grpo-7 --role trainer --group g2\n"
         "  timeslice pool exclude h100-pool --job grpo-7 --other grpo-9\n"
         "  timeslice pool drain h100-pool --group g3\n"
@@ -135,6 +147,14 @@ def register(commands: Commands) -> None:
     pool.add_argument("--role", default="main", metavar="R")
     pool.add_argument("--group", metavar="G")
     pool.add_argument("--other", metavar="J2", help="exclude/include: the other job")
+    pool.add_argument(
+        "--claim",
+        action="append",
+        default=[],
+        metavar="G=CLAIM",
+        help="create: a group's Kubernetes ResourceClaim (repeat per group); "
+        "claim: the claim of --group",
+    )
     add_target_option(pool)
     add_operator_option(pool)
     add_json_option(pool)
@@ -152,6 +172,17 @@ def parse_profile(text: str) -> RoleProfile:
     mode = Mode.ASYNC if len(parts) == 4 and parts[3] == "async" else Mode.SYNC
     role = validate_id(parts[0], "role")
     return RoleProfile(role=role, busy=busy, period_seconds=period, cv=0.5, mode=mode)
+
+
+def parse_claims(texts: Sequence[str]) -> list[GroupClaim]:
+    """``G=CLAIM`` each -> the groups' claims (the orchestrator checks the names)."""
+    claims = []
+    for text in texts:
+        group, sep, claim = text.partition("=")
+        if not sep or not claim:
+            raise InvalidArgument(f"--claim {text!r}: expected GROUP=CLAIM")
+        claims.append(GroupClaim(group_id=validate_group_id(group.strip()), claim=claim.strip()))
+    return claims
 
 
 def cmd_place(args: argparse.Namespace) -> int:
@@ -179,20 +210,26 @@ def cmd_place(args: argparse.Namespace) -> int:
     else:
         for r in answer.roles:
             nodes = ",".join(r.nodes) or "-"
-            out(f"{job}/{r.role}: {r.group_id or '(none)'}  nodes {nodes}  {r.reason}")
+            claim = f"  claim {r.claim}" if r.claim else ""
+            out(f"{job}/{r.role}: {r.group_id or '(none)'}  nodes {nodes}{claim}  {r.reason}")
     return 0 if answer.placed else 1
 
 
 def env_lines(answer: PlaceResponse) -> list[str]:
-    """``TIMESLICE_GROUP=g`` for one placed role, else ``TIMESLICE_GROUP_<ROLE>=g`` each
+    """``TIMESLICE_GROUP=g`` (and ``TIMESLICE_CLAIM=c`` when the group has a claim) for one
+    placed role, else ``TIMESLICE_GROUP_<ROLE>=g`` (and ``TIMESLICE_CLAIM_<ROLE>=c``) each
     (the role upper-cased, other characters than letters and digits as ``_``)."""
     placed = [r for r in answer.roles if r.group_id]
     if len(answer.roles) == 1 and placed:
-        return [f"TIMESLICE_GROUP={placed[0].group_id}"]
+        (r,) = placed
+        claim = [f"TIMESLICE_CLAIM={r.claim}"] if r.claim else []
+        return [f"TIMESLICE_GROUP={r.group_id}", *claim]
     lines = []
     for r in placed:
         name = "".join(c if c.isalnum() else "_" for c in r.role.upper())
         lines.append(f"TIMESLICE_GROUP_{name}={r.group_id}")
+        if r.claim:
+            lines.append(f"TIMESLICE_CLAIM_{name}={r.claim}")
     return lines
 
 
@@ -225,12 +262,14 @@ def pool_view(pool: Pool) -> list[str]:
     assignment with its decision, whether it is provisional and its reason, the audit's tail.
     The one rendering of a pool (``place --show``, ``pool show``, ``status --pool``)."""
     lines = [f"pool {pool.pool}: cap {pool.cap:.0%}, groups {', '.join(pool.groups)}"]
+    claims = {c.group_id: c.claim for c in pool.claims}
     for d in pool.duty:
         flag = "  (drained)" if d.drained else ""
+        claim = f" (claim {claims[d.group_id]})" if d.group_id in claims else ""
         jobs = ", ".join(d.jobs) or "-"
         lines.append(
-            f"  {d.group_id}: expected duty {d.expected:.0%}, measured {d.measured:.0%}; "
-            f"{jobs}{flag}"
+            f"  {d.group_id}{claim}: expected duty {d.expected:.0%}, "
+            f"measured {d.measured:.0%}; {jobs}{flag}"
         )
     for p in pool.pins:
         lines.append(f"  pin {p.job_id}/{p.role} -> {p.group_id}")
@@ -262,13 +301,22 @@ def cmd_pool(args: argparse.Namespace) -> int:
         groups = [validate_group_id(g.strip()) for g in args.groups.split(",") if g.strip()]
         if not 0 <= args.cap <= 1:
             raise InvalidArgument(f"--cap must be within (0, 1], got {args.cap}")
-        create = CreatePoolRequest(pool=pool, groups=groups, cap=args.cap)
+        create = CreatePoolRequest(
+            pool=pool, groups=groups, cap=args.cap, claims=parse_claims(args.claim)
+        )
 
         async def rpc(stub: TimeSliceStub, timeout: float) -> Pool:
             placement = PlacementStub(stub.channel)
             return await placement.create_pool(create, timeout=timeout, metadata=metadata)
 
     else:
+        claim = ""
+        if args.action == "claim":
+            if len(args.claim) != 1 or "=" in args.claim[0]:
+                raise InvalidArgument("pool claim needs --group G and one --claim CLAIM")
+            claim = args.claim[0]
+        elif args.claim:
+            raise InvalidArgument(f"pool {args.action} takes no --claim")
         update = UpdatePoolRequest(
             pool=pool,
             kind=_RULES[args.action],
@@ -276,6 +324,7 @@ def cmd_pool(args: argparse.Namespace) -> int:
             role=args.role,
             group_id=args.group or "",
             other_job_id=args.other or "",
+            claim=claim,
         )
 
         async def rpc(stub: TimeSliceStub, timeout: float) -> Pool:

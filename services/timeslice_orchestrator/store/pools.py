@@ -93,14 +93,24 @@ class PoolStore(StoreBase):
             revision,
         )
 
-    async def create(self, pool: str, groups: list[str], cap: float, who: str) -> PoolState:
-        """Declare ``pool`` with ``groups`` and ``cap``, or replace those of an existing pool
-        (its rules and assignments stay)."""
+    async def create(
+        self,
+        pool: str,
+        groups: list[str],
+        cap: float,
+        who: str,
+        claims: dict[str, str] | None = None,
+    ) -> PoolState:
+        """Declare ``pool`` with ``groups``, ``cap`` and the groups' ``claims`` (launcher
+        handles, group -> claim), or replace those of an existing pool (its rules and
+        assignments stay)."""
+        claims = dict(claims or {})
+        shown = "".join(f", claim {g}={c}" for g, c in claims.items())
 
         def change(state: PoolState | None) -> PoolChange:
             now = time.time()
             if state is None:
-                config = PoolRecord(groups=list(groups), cap=cap, created_at=now)
+                config = PoolRecord(groups=list(groups), cap=cap, created_at=now, claims=claims)
             else:
                 config = PoolRecord(
                     groups=list(groups),
@@ -109,9 +119,13 @@ class PoolStore(StoreBase):
                     pins=state.config.pins,
                     excluded=state.config.excluded,
                     drained=state.config.drained,
+                    claims=claims,
                 )
             entry = AuditEntryRecord(
-                at=now, what="pool", reason=f"groups {','.join(groups)}, cap {cap:g}", replica=who
+                at=now,
+                what="pool",
+                reason=f"groups {','.join(groups)}, cap {cap:g}{shown}",
+                replica=who,
             )
             return PoolChange(config=config, audit=[entry])
 

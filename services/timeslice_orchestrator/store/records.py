@@ -488,10 +488,15 @@ class PoolRecord(_Record):
     pins: list[PoolPin] = field(default_factory=list)
     excluded: list[list[str]] = field(default_factory=list)  # pairs of jobs, each sorted
     drained: list[str] = field(default_factory=list)
+    # group -> its launcher handle: the Kubernetes ResourceClaim the group's pods name.
+    claims: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def _from_dict(cls, data: dict[str, Any]) -> Self:
-        data = dict(data)
+        # Fields a newer version added are left out (a rolling upgrade shares etcd); the ones
+        # this version added after the first (claims) default when an older one wrote it.
+        known = {f.name for f in dataclasses.fields(cls)}
+        data = {k: v for k, v in data.items() if k in known}
         data["pins"] = [PoolPin(**p) for p in data.get("pins", [])]
         return cls(**data)
 

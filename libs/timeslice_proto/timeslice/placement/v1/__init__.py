@@ -9,6 +9,7 @@ __all__ = (
     "CreatePoolRequest",
     "ExcludedPair",
     "GetPoolRequest",
+    "GroupClaim",
     "GroupDuty",
     "Mode",
     "Pin",
@@ -101,6 +102,16 @@ class RuleKind(betterproto2.Enum):
     group_id
     """
 
+    CLAIM = 7
+    """
+    group_id, claim (set the group's launcher handle)
+    """
+
+    UNCLAIM = 8
+    """
+    group_id (the group has no handle any more)
+    """
+
     @classmethod
     def betterproto_value_to_renamed_proto_names(cls) -> dict[int, str]:
         return {
@@ -111,6 +122,8 @@ class RuleKind(betterproto2.Enum):
             4: "RULE_KIND_INCLUDE",
             5: "RULE_KIND_DRAIN",
             6: "RULE_KIND_UNDRAIN",
+            7: "RULE_KIND_CLAIM",
+            8: "RULE_KIND_UNCLAIM",
         }
 
     @classmethod
@@ -123,6 +136,8 @@ class RuleKind(betterproto2.Enum):
             "RULE_KIND_INCLUDE": 4,
             "RULE_KIND_DRAIN": 5,
             "RULE_KIND_UNDRAIN": 6,
+            "RULE_KIND_CLAIM": 7,
+            "RULE_KIND_UNCLAIM": 8,
         }
 
 
@@ -201,6 +216,12 @@ class CreatePoolRequest(betterproto2.Message):
     the most load a shared group may carry, (0, 1]; 0: 0.9
     """
 
+    claims: "list[GroupClaim]" = betterproto2.field(4, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    Each group's launcher handle (optional, at most one per group, distinct): the Kubernetes
+    ResourceClaim its pods name, a DNS-1123 subdomain. They replace the pool's claims.
+    """
+
 
 default_message_pool.register_message(
     "timeslice.placement.v1", "CreatePoolRequest", CreatePoolRequest
@@ -223,6 +244,20 @@ class GetPoolRequest(betterproto2.Message):
 
 
 default_message_pool.register_message("timeslice.placement.v1", "GetPoolRequest", GetPoolRequest)
+
+
+@dataclass(eq=False, repr=False)
+class GroupClaim(betterproto2.Message):
+    """
+    A group of the pool and the ResourceClaim a launcher puts its processes on.
+    """
+
+    group_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    claim: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+
+
+default_message_pool.register_message("timeslice.placement.v1", "GroupClaim", GroupClaim)
 
 
 @dataclass(eq=False, repr=False)
@@ -325,6 +360,11 @@ class Pool(betterproto2.Message):
 
     duty: "list[GroupDuty]" = betterproto2.field(9, betterproto2.TYPE_MESSAGE, repeated=True)
 
+    claims: "list[GroupClaim]" = betterproto2.field(10, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    in the pool's group order
+    """
+
 
 default_message_pool.register_message("timeslice.placement.v1", "Pool", Pool)
 
@@ -371,6 +411,13 @@ class RolePlacement(betterproto2.Message):
     """
 
     previous_group_id: "str" = betterproto2.field(10, betterproto2.TYPE_STRING)
+
+    claim: "str" = betterproto2.field(11, betterproto2.TYPE_STRING)
+    """
+    The group's launcher handle (CreatePool claims, RULE_KIND_CLAIM): in the Kubernetes
+    examples the ResourceClaim every pod of the group names (resourceClaimName); "" when the
+    pool records none for the group, or the role is unplaced.
+    """
 
 
 default_message_pool.register_message("timeslice.placement.v1", "RolePlacement", RolePlacement)
@@ -425,6 +472,11 @@ class UpdatePoolRequest(betterproto2.Message):
     group_id: "str" = betterproto2.field(5, betterproto2.TYPE_STRING)
 
     other_job_id: "str" = betterproto2.field(6, betterproto2.TYPE_STRING)
+
+    claim: "str" = betterproto2.field(7, betterproto2.TYPE_STRING)
+    """
+    RULE_KIND_CLAIM: a DNS-1123 subdomain (a Kubernetes ResourceClaim's name)
+    """
 
 
 default_message_pool.register_message(
