@@ -135,9 +135,12 @@ def call_in_loop(
         else:
             finished.wait(grace)
 
+    work = runner()
     try:
-        future = asyncio.run_coroutine_threadsafe(runner(), loop)
+        future = asyncio.run_coroutine_threadsafe(work, loop)
     except RuntimeError:
+        # Neither coroutine will run: close both, or each warns "never awaited" when collected.
+        work.close()
         coro.close()
         raise Cancelled(f"{what}: the client's event loop is closed") from None
     deadline = None if wait is None else time.monotonic() + wait

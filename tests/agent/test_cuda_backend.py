@@ -98,7 +98,7 @@ PIDS = (1001, 1002, 1003)
 
 async def unchecked(job: JobContext, pids: tuple[int, ...]) -> None:
     """These tests drive the step logic with invented pids, so the check that a pid is still
-    the registered process is left out here; test_agent_trust.py tests it on real processes."""
+    the registered process is left out here; test_agent_peers.py tests it on real processes."""
 
 
 def job(

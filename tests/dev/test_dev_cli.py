@@ -3,7 +3,6 @@ against a real local orchestrator (real processes, gRPC over loopback)."""
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import queue
@@ -16,7 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cryptography import x509
 
 from timeslice.errors import InvalidArgument
 from timeslice.tls import CERT_ENV, KEY_ENV
@@ -130,15 +128,6 @@ def test_parse_targets_and_etcd() -> None:
     for bad in (",", "a", "a:", ":1", "a:0", "a:b"):
         with pytest.raises(InvalidArgument):
             cli.parse_targets(bad)
-
-
-def test_service_commands_exec_the_service_with_arguments_untouched() -> None:
-    result = run("orchestrator", "--help")
-    assert result.returncode == 0
-    assert "--listen" in result.stdout and "--replica-id" in result.stdout
-    result = run("orchestrator", "--no-such-flag")
-    assert result.returncode == 2
-    assert "--no-such-flag" in result.stderr
 
 
 def test_status_text_shows_everything_an_operator_needs() -> None:
@@ -429,31 +418,3 @@ def test_members_needs_the_operator_token_and_a_known_node(cluster: LocalCluster
     # An operator's certificate needs no token (the session's default certificate is one).
     by_cert = run("members", "cli-pinned", "--clear", *target)
     assert by_cert.returncode == 0, by_cert.stderr
-
-
-def test_dev_certs_writes_a_deployment_and_keeps_an_existing_ca(tmp_path: Path) -> None:
-    out_dir = tmp_path / "certs"
-    made = run("dev", "certs", "--out", str(out_dir), "--nodes", "gpu-1", "--jobs", "rl-a",
-               "--hosts", "timeslice-orchestrator", "10.0.0.7")  # fmt: skip
-    assert made.returncode == 0, made.stderr
-    names = {Path(line).name for line in made.stdout.split()}
-    for stem in ("ca", "orchestrator", "etcd-server", "etcd-client", "etcd-root", "operator",
-                 "node-gpu-1", "job-rl-a"):  # fmt: skip
-        assert {f"{stem}.crt", f"{stem}.key"} <= names, (stem, names)
-        assert (out_dir / f"{stem}.key").stat().st_mode & 0o777 == 0o600
-    server = x509.load_pem_x509_certificate((out_dir / "orchestrator.crt").read_bytes())
-    sans = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert "timeslice-orchestrator" in sans.get_values_for_type(x509.DNSName)
-    assert ipaddress.ip_address("10.0.0.7") in sans.get_values_for_type(x509.IPAddress)
-    node = x509.load_pem_x509_certificate((out_dir / "node-gpu-1.crt").read_bytes())
-    uris = node.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert uris.get_values_for_type(x509.UniformResourceIdentifier) == ["timeslice://node/gpu-1"]
-    # A second run would replace the CA that everything trusts: only with --force.
-    ca = (out_dir / "ca.crt").read_bytes()
-    again = run("dev", "certs", "--out", str(out_dir))
-    assert again.returncode == 2 and "already holds a CA" in again.stderr
-    assert (out_dir / "ca.crt").read_bytes() == ca
-    forced = run("dev", "certs", "--out", str(out_dir), "--force")
-    assert forced.returncode == 0 and (out_dir / "ca.crt").read_bytes() != ca
-    bad = run("dev", "certs", "--out", str(tmp_path / "x"), "--nodes", "../escape")
-    assert bad.returncode == 2 and "file name" in bad.stderr

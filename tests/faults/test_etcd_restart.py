@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 # Two repeats: the race this test once found only sometimes (a watch's creation response
 # moving the mirror ahead of its events) has a deterministic test of its own now,
-# test_etcd_store.py::test_no_batch_reports_a_revision_ahead_of_the_events_it_brought.
+# test_etcd_watch.py::test_no_batch_reports_a_revision_ahead_of_the_events_it_brought.
 @pytest.mark.parametrize("repeat", range(2))
 async def test_etcd_restart_under_load(cluster_factory: ClusterFactory, repeat: int) -> None:
     # A private etcd (etcd_endpoint=None) so that this test alone sees it go away.

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from agent_harness import WORKER_SCRIPT, AgentFactory, FakeHub, WorkerProcess, directive
 from test_agent_executor import CKPT, REST
-from test_agent_trust import StateSampler, asleep, sleeper
+from test_agent_peers import StateSampler, asleep, sleeper
 
 from timeslice.errors import PermissionDenied
 from timeslice_agent.peers import PeerCredentials, RegistrationRefused, authorize_registration
