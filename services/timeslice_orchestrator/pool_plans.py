@@ -9,6 +9,7 @@ restart point are.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -38,9 +39,9 @@ from timeslice_proto.timeslice.placement.v1 import (
 MIN_HOLDS = 3
 """Holds since a role was placed before its measured profile replaces the declared one."""
 MEASURED_CV = 0.3
-"""Phase-to-phase variation of a measured profile: the usage ledger keeps totals per job
-(held seconds, holds, first and last seen), not each hold, so the variation is not measured;
-this middle value (the default profile assumes 0.5) is used instead."""
+"""Phase-to-phase variation of a measured profile whose ledger has too few samples since the
+placement (or was written by a replica from before the ledger's phase sums): a middle value
+(the default profile assumes 0.5)."""
 DEFAULT_CAP = 0.9
 MAX_ROLES = 16
 MAX_GROUPS = 256
@@ -169,11 +170,44 @@ def measured_profile(assigned: RoleAssignment, usage: JobUsageRecord | None) -> 
     return opt.JobProfile(
         busy=min(1.0, held / holds / period),
         period_seconds=period,
-        cv=MEASURED_CV,
+        cv=measured_variation(assigned, usage),
         mode=kept.mode,
         switch_seconds=kept.switch_seconds,
         source=opt.Source.MEASURED,
     )
+
+
+def measured_variation(assigned: RoleAssignment, usage: JobUsageRecord) -> float:
+    """The phase-to-phase variation since the placement, as the optimizer's
+    :meth:`~timeslice.placement.JobProfile.measured` reads it from single holds: the larger
+    coefficient of variation of the hold lengths and of the grant-to-grant intervals. With
+    fewer than :data:`MIN_HOLDS` samples of both (or a ledger from before the phase sums),
+    :data:`MEASURED_CV`."""
+    found = [
+        cv
+        for cv in (
+            _variation(
+                usage.holds - assigned.holds,
+                usage.held_seconds - assigned.held_seconds,
+                usage.held_sq - assigned.held_sq,
+            ),
+            _variation(
+                usage.periods - assigned.periods,
+                usage.period_sum - assigned.period_sum,
+                usage.period_sq - assigned.period_sq,
+            ),
+        )
+        if cv is not None
+    ]
+    return min(5.0, max(found)) if found else MEASURED_CV
+
+
+def _variation(n: int, total: float, squares: float) -> float | None:
+    """Coefficient of variation of ``n`` samples from their sum and sum of squares."""
+    if n < MIN_HOLDS or total <= 0 or squares <= 0:
+        return None
+    mean = total / n
+    return math.sqrt(max(0.0, squares / n - mean * mean)) / mean
 
 
 # -- the plan of one Place ----------------------------------------------------------------------
@@ -310,6 +344,10 @@ def plan_place(
             held_seconds=seen.held_seconds,
             holds=seen.holds,
             last_seen=seen.last_seen,
+            held_sq=seen.held_sq,
+            periods=seen.periods,
+            period_sum=seen.period_sum,
+            period_sq=seen.period_sq,
         )
         audit.append(
             AuditEntryRecord(

@@ -3,11 +3,14 @@ Place over a pool's recorded state, and the operators' rules."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from timeslice.errors import InvalidArgument
 from timeslice.placement import Decision, Source
 from timeslice_orchestrator.pool_plans import (
+    MEASURED_CV,
     MIN_HOLDS,
     claims_of,
     measured_profile,
@@ -23,6 +26,7 @@ from timeslice_orchestrator.store.records import (
     PoolAuditRecord,
     PoolRecord,
     RoleAssignment,
+    UsageRecord,
 )
 from timeslice_orchestrator.visibility import OTHER_JOB
 from timeslice_proto.timeslice.placement.v1 import GroupClaim, RuleKind, UpdatePoolRequest
@@ -54,6 +58,52 @@ def test_measured_from_the_holds_since_the_placement() -> None:
     later = JobUsageRecord(held_seconds=1.0 + 4 * 0.5, holds=14, first_seen=50.0, last_seen=202.0)
     p = measured_profile(again, later)
     assert p.period_seconds == pytest.approx(0.5) and p.busy == pytest.approx(1.0)
+
+
+def _ledger(holds: list[tuple[float, float]], session: str = "s1") -> JobUsageRecord:
+    """The group's ledger for job ``j`` after these holds (of one session), as releases
+    write it."""
+    ledger = UsageRecord()
+    for granted, released in holds:
+        ledger.add("j", granted, released, session)
+    return ledger.jobs["j"]
+
+
+def test_the_variation_is_measured_from_the_ledgers_phase_sums() -> None:
+    a = _assigned("g1", placed_at=100.0)
+    steady = [(101.0 + i, 101.6 + i) for i in range(8)]
+    assert measured_profile(a, _ledger(steady)).cv == pytest.approx(0.0, abs=1e-6)
+    # Holds of 0.2 s and 1.0 s in turn, granted every 2 s: hold lengths vary by 2/3.
+    jittery = [(101.0 + 2 * i, 101.0 + 2 * i + (0.2 if i % 2 else 1.0)) for i in range(8)]
+    profile = measured_profile(a, _ledger(jittery))
+    assert profile.source is Source.MEASURED
+    assert profile.cv == pytest.approx(0.4 / 0.6, rel=1e-3)
+    # Grants that come at uneven intervals (1 s, 3 s, ...) with steady holds: the intervals'.
+    uneven = [(start, start + 0.5) for start in (101.0, 102.0, 105.0, 106.0, 109.0, 110.0)]
+    assert measured_profile(a, _ledger(uneven)).cv == pytest.approx(0.96**0.5 / 1.8, rel=1e-6)
+
+
+def test_only_the_samples_since_the_placement_count_for_the_variation() -> None:
+    before = [(10.0 + 2 * i, 10.0 + 2 * i + (0.2 if i % 2 else 1.0)) for i in range(6)]
+    seen = _ledger(before)
+    a = _assigned("g1", placed_at=30.0, holds=seen.holds)
+    a = dataclasses.replace(
+        a,
+        held_seconds=seen.held_seconds,
+        last_seen=seen.last_seen,
+        held_sq=seen.held_sq,
+        periods=seen.periods,
+        period_sum=seen.period_sum,
+        period_sq=seen.period_sq,
+    )
+    ledger = UsageRecord(jobs={"j": seen})
+    for i in range(6):  # steady since the placement, in the job's new session (a restart)
+        ledger.add("j", 40.0 + i, 40.5 + i, "s2")
+    # The restart's gap (20 s) is no period: the holds and intervals since are steady.
+    assert measured_profile(a, ledger.jobs["j"]).cv == pytest.approx(0.0, abs=1e-6)
+    # A ledger without phase sums (rewritten by the version before them): the default.
+    old = JobUsageRecord(held_seconds=3.0, holds=5, first_seen=101.0, last_seen=105.6)
+    assert measured_profile(_assigned("g1", placed_at=100.0), old).cv == MEASURED_CV
 
 
 def _state(**jobs: dict[str, RoleAssignment]) -> PoolState:

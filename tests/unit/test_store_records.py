@@ -87,3 +87,18 @@ def test_usage_adds_holds_and_copies_are_independent() -> None:
     assert (a.held_seconds, a.holds, a.first_seen, a.last_seen) == (2.5, 2, 10.0, 19.0)
     assert copy.jobs["a"].holds == 3
     assert UsageRecord.decode(usage.encode()) == usage
+
+
+def test_usage_phase_sums_travel_beside_the_totals_an_older_replica_reads() -> None:
+    usage = UsageRecord()
+    for i, session in enumerate(["s1", "s1", "s1", "s2", "s2"]):
+        usage.add("a", granted_at=10.0 * i, released_at=10.0 * i + 2.0, session=session)
+    job = usage.jobs["a"]
+    assert (job.holds, job.held_sq, job.periods, job.period_sum) == (5, 20.0, 3, 30.0)
+    raw = json.loads(usage.encode())
+    # What a replica from before the sums decodes strictly: exactly its four totals.
+    assert set(raw["jobs"]["a"]) == {"held_seconds", "holds", "first_seen", "last_seen"}
+    assert UsageRecord.decode(usage.encode()) == usage
+    # Its rewrite (totals only) decodes here with the sums started again.
+    older = UsageRecord.decode(json.dumps({"jobs": raw["jobs"]}).encode())
+    assert older.jobs["a"].holds == 5 and older.jobs["a"].periods == 0

@@ -420,7 +420,7 @@ def ledger_after(
 ) -> UsageRecord:
     """The group's usage ledger once ``current`` (the hold being released) has ended."""
     ledger = seen.record.copy() if seen is not None else UsageRecord()
-    ledger.add(hold.job, current.record.granted_at, time.time())
+    ledger.add(hold.job, current.record.granted_at, time.time(), current.record.session)
     return ledger
 
 

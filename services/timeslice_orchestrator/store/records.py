@@ -316,10 +316,24 @@ class MembersRecord(_Record):
 
 @dataclass(slots=True)
 class JobUsageRecord:
+    """One job's use of a group: totals, and the sums its phase-to-phase variation comes from
+    (squared hold lengths; grant-to-grant intervals and their squares)."""
+
     held_seconds: float = 0.0
     holds: int = 0
     first_seen: float = 0.0
     last_seen: float = 0.0
+    held_sq: float = 0.0
+    last_granted: float = 0.0
+    last_session: str = ""  # an interval counts only within one session (one run of the job)
+    periods: int = 0
+    period_sum: float = 0.0
+    period_sq: float = 0.0
+
+
+# What a replica before the phase sums reads of each job (strictly: ``JobUsageRecord(**u)``).
+_USAGE_TOTALS = ("held_seconds", "holds", "first_seen", "last_seen")
+_USAGE_PHASES = ("held_sq", "last_granted", "last_session", "periods", "period_sum", "period_sq")
 
 
 @dataclass(slots=True)
@@ -331,15 +345,41 @@ class UsageRecord(_Record):
 
     @classmethod
     def _from_dict(cls, data: dict[str, Any]) -> Self:
-        return cls({job: JobUsageRecord(**u) for job, u in data["jobs"].items()})
+        phases = data.get("phases", {})
+        jobs = {}
+        for job, totals in data["jobs"].items():
+            fields = {k: v for k, v in totals.items() if k in _USAGE_TOTALS}
+            fields |= {k: v for k, v in phases.get(job, {}).items() if k in _USAGE_PHASES}
+            jobs[job] = JobUsageRecord(**fields)
+        return cls(jobs)
+
+    def encode(self) -> bytes:
+        # The phase sums travel beside each job's totals, not inside them: a replica of the
+        # version before decodes the totals strictly and ignores a key it does not know
+        # (during a rolling upgrade its rewrite drops the sums: they start again).
+        jobs = {j: {k: getattr(u, k) for k in _USAGE_TOTALS} for j, u in self.jobs.items()}
+        phases = {j: {k: getattr(u, k) for k in _USAGE_PHASES} for j, u in self.jobs.items()}
+        return _ENCODER.encode({"jobs": jobs, "phases": phases}).encode()
 
     def copy(self) -> UsageRecord:
         """A copy to edit."""
         return UsageRecord({job: dataclasses.replace(u) for job, u in self.jobs.items()})
 
-    def add(self, job: str, granted_at: float, released_at: float) -> None:
+    def add(self, job: str, granted_at: float, released_at: float, session: str = "") -> None:
+        """Count one hold of ``job`` (of its ``session``): the time between two grants is a
+        period only within one session, not across a restart of the job."""
         usage = self.jobs.setdefault(job, JobUsageRecord(first_seen=granted_at))
-        usage.held_seconds += max(0.0, released_at - granted_at)
+        held = max(0.0, released_at - granted_at)
+        usage.held_seconds += held
+        usage.held_sq += held * held
+        same_run = bool(session) and session == usage.last_session
+        if same_run and granted_at > usage.last_granted:
+            period = granted_at - usage.last_granted
+            usage.periods += 1
+            usage.period_sum += period
+            usage.period_sq += period * period
+        usage.last_granted = granted_at
+        usage.last_session = session
         usage.holds += 1
         usage.last_seen = released_at
 
@@ -528,6 +568,10 @@ class RoleAssignment:
     held_seconds: float = 0.0  # the job's usage of the group when placed
     holds: int = 0
     last_seen: float = 0.0
+    held_sq: float = 0.0  # and its phase sums then (JobUsageRecord)
+    periods: int = 0
+    period_sum: float = 0.0
+    period_sq: float = 0.0
     own_reason: str = ""  # the reason with other jobs' ids hidden (the job's own reads)
 
     @classmethod
