@@ -23,6 +23,7 @@ from __future__ import annotations
 from grpclib.const import Status
 from grpclib.encoding.base import StatusDetailsCodecBase
 
+from timeslice._protowire import MalformedMessage, read_varint
 from timeslice.errors import ErrorKind
 
 __all__ = ["DOMAIN", "ERROR_INFO_TYPE_URL", "KIND_CODEC", "KindDetailsCodec", "decode", "encode"]
@@ -64,46 +65,29 @@ def encode(status: Status, message: str | None, kind: ErrorKind) -> bytes:
     return bytes(out)
 
 
-class _Malformed(ValueError):
-    pass
-
-
-def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
-    result = 0
-    for shift in range(0, 64, 7):
-        if pos >= len(data):
-            raise _Malformed("truncated varint")
-        byte = data[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return result, pos
-    raise _Malformed("varint too long")
-
-
 def _fields(data: bytes) -> list[tuple[int, bytes]]:
     """The length-delimited fields of ``data`` (number, body); others are skipped."""
     out: list[tuple[int, bytes]] = []
     pos = 0
     while pos < len(data):
-        tag, pos = _read_varint(data, pos)
+        tag, pos = read_varint(data, pos)
         number, wire = tag >> 3, tag & 7
         if wire == _VARINT:
-            _, pos = _read_varint(data, pos)
+            _, pos = read_varint(data, pos)
         elif wire == 1:
             pos += 8
         elif wire == 5:
             pos += 4
         elif wire == _LEN:
-            length, pos = _read_varint(data, pos)
+            length, pos = read_varint(data, pos)
             if pos + length > len(data):
-                raise _Malformed("truncated field")
+                raise MalformedMessage("truncated field")
             out.append((number, data[pos : pos + length]))
             pos += length
         else:
-            raise _Malformed(f"wire type {wire}")
+            raise MalformedMessage(f"wire type {wire}")
         if pos > len(data):
-            raise _Malformed("truncated field")
+            raise MalformedMessage("truncated field")
     return out
 
 
@@ -124,7 +108,7 @@ def decode(data: bytes) -> ErrorKind | None:
                 return ErrorKind[info.get(1, b"").decode()]
             except KeyError:  # a kind from a newer version: the status code decides
                 return None
-    except (_Malformed, UnicodeDecodeError):
+    except (MalformedMessage, UnicodeDecodeError):
         return None
     return None
 

@@ -36,6 +36,7 @@ from grpclib.events import RecvRequest, listen
 from grpclib.exceptions import GRPCError
 from grpclib.server import Server
 
+from timeslice._protowire import MalformedMessage, read_varint
 from timeslice.errors import InvalidArgument, ResourceExhausted
 from timeslice.status_details import KIND_CODEC
 
@@ -58,25 +59,6 @@ _VARINT_TYPES = {
 }
 _FIXED32_TYPES = {betterproto2.TYPE_FLOAT, betterproto2.TYPE_FIXED32, betterproto2.TYPE_SFIXED32}
 _FIXED64_TYPES = {betterproto2.TYPE_DOUBLE, betterproto2.TYPE_FIXED64, betterproto2.TYPE_SFIXED64}
-
-
-class MalformedMessage(ValueError):
-    """The bytes are not a valid encoding of the expected message."""
-
-
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
-    result = 0
-    for shift in range(0, 70, 7):
-        if pos >= len(data):
-            raise MalformedMessage("truncated varint")
-        byte = data[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            if result >= _U64:
-                raise MalformedMessage("varint does not fit in 64 bits")
-            return result, pos
-    raise MalformedMessage("varint longer than 10 bytes")
 
 
 def _check_varint(value: int, meta: betterproto2.FieldMetadata, owner: type, name: str) -> None:
@@ -106,12 +88,12 @@ def validate(data: bytes, message_type: type, depth: int = 0) -> None:
     meta_cls = message_type._betterproto  # type: ignore[attr-defined]
     pos, end = 0, len(data)
     while pos < end:
-        tag, pos = _varint(data, pos)
+        tag, pos = read_varint(data, pos)
         number, wire = tag >> 3, tag & 7
         if number < 1 or number > (1 << 29) - 1:
             raise MalformedMessage(f"field number {number} is out of range")
         if wire == _VARINT:
-            value, pos = _varint(data, pos)
+            value, pos = read_varint(data, pos)
             body = b""
         elif wire in (_FIXED64, _FIXED32):
             size = 8 if wire == _FIXED64 else 4
@@ -119,7 +101,7 @@ def validate(data: bytes, message_type: type, depth: int = 0) -> None:
                 raise MalformedMessage(f"field {number} is truncated")
             body, pos, value = data[pos : pos + size], pos + size, 0
         elif wire == _LEN:
-            length, pos = _varint(data, pos)
+            length, pos = read_varint(data, pos)
             if length > end - pos:
                 raise MalformedMessage(
                     f"field {number} claims {length} bytes; {end - pos} are left (truncated)"
@@ -144,7 +126,7 @@ def _check_field(
         if packed:
             pos = 0
             while pos < len(body):
-                item, pos = _varint(body, pos)
+                item, pos = read_varint(body, pos)
                 _check_varint(item, meta, owner, name)
         elif wire == _VARINT:
             _check_varint(value, meta, owner, name)
