@@ -89,6 +89,7 @@ def pool_json(state: PoolState, duty: DutySource, max_assignments: int) -> dict[
                 "expected": round(state.assignments.expected.get(g, 0.0), 4),
                 "measured": round(duty.measured(state, g), 4),
                 "drained": g in config.drained,
+                "claim": config.claims.get(g, ""),
                 "jobs": [
                     f"{job}/{role}"
                     for job, slots in sorted(assigned.items())

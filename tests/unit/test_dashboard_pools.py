@@ -45,6 +45,7 @@ def pool_state() -> PoolState:
         pins=[PoolPin("b", "trainer", "g2")],
         excluded=[["a", "c"]],
         drained=["g2"],
+        claims={"g1": "gpus-a"},
     )
     assignments = PoolAssignmentsRecord(
         jobs={
@@ -103,6 +104,7 @@ async def test_the_pools_json_has_each_groups_duty_and_each_roles_decision_and_r
             "expected": 0.3123,
             "measured": 0.25,
             "drained": False,
+            "claim": "gpus-a",
             "jobs": ["a/sampler"],
         },
         {
@@ -111,6 +113,7 @@ async def test_the_pools_json_has_each_groups_duty_and_each_roles_decision_and_r
             "expected": 0.5,
             "measured": 0.0,
             "drained": True,
+            "claim": "",
             "jobs": ["b/trainer"],
         },
     ]
