@@ -102,3 +102,15 @@ def test_usage_phase_sums_travel_beside_the_totals_an_older_replica_reads() -> N
     # Its rewrite (totals only) decodes here with the sums started again.
     older = UsageRecord.decode(json.dumps({"jobs": raw["jobs"]}).encode())
     assert older.jobs["a"].holds == 5 and older.jobs["a"].periods == 0
+
+
+def test_usage_fields_of_a_newer_version_are_left_out() -> None:
+    raw = json.dumps(
+        {
+            "jobs": {"a": {"held_seconds": 1.0, "holds": 1, "first_seen": 0.0, "last_seen": 1.0,
+                           "future": 1}},
+            "phases": {"a": {"held_sq": 1.0, "later": 2}},
+        }
+    ).encode()  # fmt: skip
+    job = UsageRecord.decode(raw).jobs["a"]
+    assert (job.holds, job.held_sq) == (1, 1.0)

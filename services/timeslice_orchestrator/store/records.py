@@ -348,17 +348,36 @@ class UsageRecord(_Record):
         phases = data.get("phases", {})
         jobs = {}
         for job, totals in data["jobs"].items():
-            fields = {k: v for k, v in totals.items() if k in _USAGE_TOTALS}
-            fields |= {k: v for k, v in phases.get(job, {}).items() if k in _USAGE_PHASES}
-            jobs[job] = JobUsageRecord(**fields)
+            sums = phases.get(job, {})
+            try:  # the shape this version writes, read on every write of the key
+                jobs[job] = JobUsageRecord(**totals, **sums)
+            except TypeError:  # a field of another version: kept out
+                fields = {k: v for k, v in totals.items() if k in _USAGE_TOTALS}
+                fields |= {k: v for k, v in sums.items() if k in _USAGE_PHASES}
+                jobs[job] = JobUsageRecord(**fields)
         return cls(jobs)
 
     def encode(self) -> bytes:
         # The phase sums travel beside each job's totals, not inside them: a replica of the
         # version before decodes the totals strictly and ignores a key it does not know
         # (during a rolling upgrade its rewrite drops the sums: they start again).
-        jobs = {j: {k: getattr(u, k) for k in _USAGE_TOTALS} for j, u in self.jobs.items()}
-        phases = {j: {k: getattr(u, k) for k in _USAGE_PHASES} for j, u in self.jobs.items()}
+        jobs = {}
+        phases = {}
+        for j, u in self.jobs.items():
+            jobs[j] = {
+                "held_seconds": u.held_seconds,
+                "holds": u.holds,
+                "first_seen": u.first_seen,
+                "last_seen": u.last_seen,
+            }
+            phases[j] = {
+                "held_sq": u.held_sq,
+                "last_granted": u.last_granted,
+                "last_session": u.last_session,
+                "periods": u.periods,
+                "period_sum": u.period_sum,
+                "period_sq": u.period_sq,
+            }
         return _ENCODER.encode({"jobs": jobs, "phases": phases}).encode()
 
     def copy(self) -> UsageRecord:
