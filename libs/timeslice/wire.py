@@ -36,7 +36,8 @@ from grpclib.events import RecvRequest, listen
 from grpclib.exceptions import GRPCError
 from grpclib.server import Server
 
-from timeslice._protowire import MalformedMessage, read_varint
+from timeslice._protowire import MalformedMessage as MalformedMessage  # re-exported
+from timeslice._protowire import read_varint
 from timeslice.errors import InvalidArgument, ResourceExhausted
 from timeslice.status_details import KIND_CODEC
 
