@@ -19,6 +19,8 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 
+from timeslice.errors import NotFound
+from timeslice_orchestrator.store.follower import MIRROR_LAG_TIMEOUT, Mirror
 from timeslice_orchestrator.store.mirror import GroupView
 from timeslice_orchestrator.store.records import (
     AgentRecord,
@@ -55,6 +57,38 @@ def unknown_group_text(group: str) -> str:
         "agent before acquiring (timeslice.worker.register), or have an operator create it "
         f"(`timeslice members {group} --set NODES`)"
     )
+
+
+class KnownGroups:
+    """Whether a group is known, as the mirror shows it (docs/groups.md): the grant's
+    warning and strict mode's refusal, asked at every grant (the cheap answer first: a group
+    an operator created needs no view and no agent record)."""
+
+    def __init__(self, mirror: Mirror) -> None:
+        self._mirror = mirror
+
+    def known(self, group: str) -> bool:
+        creator = self._mirror.group_creator(group)
+        if creator == "":
+            return True
+        return group_known(self._mirror.group(group), creator, self._mirror.agents())
+
+    def warning(self, group: str) -> str:
+        """The grant's warning, "" for a known group. Judged at the grant, once the mirror
+        holds the Acquire's own write, so also every worker registration confirmed before it
+        was sent (their writes precede it in etcd)."""
+        return "" if self.known(group) else unknown_group_text(group)
+
+    async def require(self, group: str) -> None:
+        """Raise NotFound unless ``group`` is known; writes nothing of the group."""
+        if self.known(group):
+            return
+        # The mirror may not show yet a registration or pin just made through another
+        # replica: look again once it holds everything etcd held (a write of the replica's
+        # beacon key, no group key), before refusing.
+        await self._mirror.catch_up(MIRROR_LAG_TIMEOUT)
+        if not self.known(group):
+            raise NotFound(f"{unknown_group_text(group)}. Refused: strict groups are on")
 
 
 def holder_for(

@@ -35,12 +35,11 @@ from timeslice.tracing import current_carrier
 from timeslice_orchestrator.authz import new_session_secret, secret_hash, secret_matches
 from timeslice_orchestrator.grants import (
     HandOvers,
+    KnownGroups,
     changed,
-    group_known,
     holder_for,
     in_place,
     resident_after_grant,
-    unknown_group_text,
 )
 from timeslice_orchestrator.metrics import Metrics
 from timeslice_orchestrator.policy import Policy, order
@@ -99,6 +98,10 @@ class _LocalWaiter:
     ended: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+def _no_warning(group: str) -> str:
+    return ""
+
+
 class LockService:
     def __init__(
         self,
@@ -111,6 +114,7 @@ class LockService:
     ) -> None:
         self._store = store
         self._mirror = mirror
+        self._known_groups = KnownGroups(mirror)
         self._metrics = metrics
         self._default_ttl = default_ttl
         self.policy = policy
@@ -197,7 +201,7 @@ class LockService:
     ) -> AsyncGenerator[Progress, None]:
         """Queue ``job`` for ``group`` and yield its progress; the last item is GRANTED.
 
-        A group that is not known (:func:`~timeslice_orchestrator.grants.group_known`): with
+        A group that is not known (:class:`~timeslice_orchestrator.grants.KnownGroups`): with
         ``strict`` refused with NotFound before anything is written; else, with ``warn``,
         granted with a warning. The v1alpha1 (llm-d) API asks for neither: its groups are
         created on first acquire, as the reference's are.
@@ -213,7 +217,8 @@ class LockService:
         if len(request_id) > 64:
             raise InvalidArgument("request_id must be at most 64 characters")
         if strict:
-            await self._check_known(group)
+            await self._known_groups.require(group)
+        warning = self._known_groups.warning if warn else _no_warning
         attempt = uuid.uuid4().hex[:16]
         request = EnqueueRequest(
             session, session_id, group, priority, request_id, attempt, current_carrier()
@@ -232,7 +237,7 @@ class LockService:
                     epoch=enqueued.epoch,
                     ticket=enqueued.entry_revision,
                     attempt=attempt,
-                    warning=self._warning(group, job, warn),
+                    warning=warning(group),
                 )
                 return
             topic = group_topic(group)
@@ -248,7 +253,7 @@ class LockService:
                     yield dataclasses.replace(
                         waiter.granted.result(),
                         attempt=attempt,
-                        warning=self._warning(group, job, warn),
+                        warning=warning(group),
                     )
                     return
                 seen = self._mirror.version(topic)
@@ -261,7 +266,7 @@ class LockService:
                 if progress.stage is AcquireStage.GRANTED:
                     granted = True
                     log.debug("%s granted %s after %.3f s", job, group, time.monotonic() - started)
-                    yield dataclasses.replace(progress, warning=self._warning(group, job, warn))
+                    yield dataclasses.replace(progress, warning=warning(group))
                     return
                 if (progress.stage, progress.position) != last:
                     last = (progress.stage, progress.position)
@@ -275,34 +280,6 @@ class LockService:
                 self._metrics.waiters.dec()
             if not granted and not self.draining:
                 await run_to_completion(self._store.withdraw(enqueued))
-
-    def _known(self, group: str) -> bool:
-        # Asked at every grant: the cheap answers first (an operator's group: no view, no
-        # agent record read).
-        creator = self._mirror.group_creator(group)
-        if creator == "":
-            return True
-        return group_known(self._mirror.group(group), creator, self._mirror.agents())
-
-    def _warning(self, group: str, job: str, warn: bool) -> str:
-        """The grant's warning (with ``warn``): judged at the grant, once the mirror holds the
-        Acquire's own write, so also every worker registration confirmed before it was sent
-        (their writes precede it in etcd)."""
-        if not warn or self._known(group):
-            return ""
-        log.debug("%s was granted %s, which is not known", job, group)
-        return unknown_group_text(group)
-
-    async def _check_known(self, group: str) -> None:
-        """Raise NotFound unless ``group`` is known; writes nothing of the group."""
-        if self._known(group):
-            return
-        # The mirror may not show yet a registration or pin just made through another
-        # replica: look again once it holds everything etcd held (a write of the replica's
-        # beacon key, no group key), before refusing.
-        await self._mirror.catch_up(MIRROR_LAG_TIMEOUT)
-        if not self._known(group):
-            raise NotFound(f"{unknown_group_text(group)}. Refused: strict groups are on")
 
     async def _enqueue(self, request: EnqueueRequest) -> Enqueued:
         """Take the group (free and nobody waiting) or queue for it, cancel-safe.
