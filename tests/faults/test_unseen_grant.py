@@ -23,7 +23,7 @@ import pytest
 from tests.conftest import ClusterFactory
 from tests.faults.harness import wait_for_status
 from tests.faults.proxy import HoldingProxy
-from timeslice import AsyncTimeSliceClient
+from timeslice import AcquireStage, AsyncTimeSliceClient
 from timeslice.errors import Timeout
 
 pytestmark = pytest.mark.slow
@@ -85,7 +85,19 @@ async def test_a_queue_entry_left_by_an_aborted_acquire_is_taken_back(
         AsyncTimeSliceClient([r1], job_id="observer") as observer,
     ):
         first = await a.acquire(GROUP, timeout=30)
-        waiter = asyncio.create_task(b.acquire(GROUP, timeout=3))
+        queued = asyncio.Event()
+        waiter = asyncio.create_task(
+            b.acquire(
+                GROUP,
+                timeout=3,
+                on_progress=lambda p: queued.set() if p.state is AcquireStage.QUEUED else None,
+            )
+        )
+        # b itself must know it is queued: the observer can see the entry in etcd before the
+        # QUEUED event reaches b, and an acquire that never heard from a replica ends as
+        # ReplicasUnreachable, not Timeout (tests/sdk/test_connection_errors.py).
+        async with asyncio.timeout(10):
+            await queued.wait()
         await wait_for_status(observer, GROUP, lambda s: [q.job_id for q in s.queue] == ["b"], 10)
         os.kill(paused, signal.SIGSTOP)
         try:
