@@ -125,3 +125,38 @@ def cluster_factory(
     yield make
     for cluster in clusters:
         cluster.stop()
+
+
+# Folders in order of their tests' mean duration (CI's --durations): the longest start first,
+# so that two workers end together on short unit tests instead of one finishing a soak alone.
+_LONGEST_FIRST = (
+    "faults",
+    "multinode",
+    "deploy",
+    "compat",
+    "integrations",
+    "bench",
+    "e2e",
+    "integration",
+    "dev",
+    "sdk",
+    "agent",
+    "tracing",
+    "fuzz",
+    "unit",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    tests = Path(__file__).parent
+
+    def rank(item: pytest.Item) -> int:
+        try:
+            folder = item.path.relative_to(tests).parts[0]
+        except ValueError:
+            return len(_LONGEST_FIRST)
+        if folder in _LONGEST_FIRST:
+            return _LONGEST_FIRST.index(folder)
+        return len(_LONGEST_FIRST)
+
+    items.sort(key=rank)
