@@ -38,13 +38,17 @@ class _Record:
 
     @classmethod
     def _from_dict(cls, data: dict[str, Any]) -> Self:
-        # Fields a newer version added are left out: replicas of two versions share etcd
-        # during a rolling upgrade.
-        known = _FIELD_NAMES.get(cls)
-        if known is None:
-            fields = dataclasses.fields(cls)  # type: ignore[arg-type]  # every record is one
-            known = _FIELD_NAMES[cls] = frozenset(f.name for f in fields)
-        return cls(**{k: v for k, v in data.items() if k in known})
+        return cls(**_known(cls, data))
+
+
+def _known(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` without the keys ``cls`` has no field for. Every record, and every value
+    nested in one, is read through this: fields a newer version added are left out, since
+    replicas of two versions share etcd during a rolling upgrade."""
+    known = _FIELD_NAMES.get(cls)
+    if known is None:
+        known = _FIELD_NAMES[cls] = frozenset(f.name for f in dataclasses.fields(cls))
+    return {k: v for k, v in data.items() if k in known}
 
 
 def _plain(obj: object) -> object:
@@ -212,6 +216,17 @@ class SwitchPhase(enum.Enum):
     ROLLBACK = "rollback"
 
 
+class SwitchKind(enum.Enum):
+    """What a switch is for, read from the two fields the record stores (``prefetch``,
+    ``operation``: what replicas of earlier versions read)."""
+
+    HANDOVER = "handover"  # the group is free: bring the head waiter in, then grant it
+    # Beside the hold: bring a waiter's state in while the holder runs (or the holder's own,
+    # on a node that came back without it: its catch-up); ends without a grant.
+    PREFETCH = "prefetch"
+    OPERATION = "operation"  # an operator's snapshot or restore; ends without a grant
+
+
 @dataclass(slots=True)
 class NodeStep:
     """One node's part of a switch: what leaves the devices and what comes back."""
@@ -232,7 +247,7 @@ class SwitchRecord(_Record):
     driver: str
     started_at: float
     attempt: int = 1
-    # Prefetch: bring to_job's state in while the holder still runs; ends without a grant.
+    # Begun beside a holder (a prefetch, a catch-up, or an operation): the holder runs on.
     prefetch: bool = False
     # Nodes fenced out during this switch: never sent another directive of it, whatever
     # driver carries it on; their residency is unknown until their next hello.
@@ -245,10 +260,16 @@ class SwitchRecord(_Record):
 
     @classmethod
     def _from_dict(cls, data: dict[str, Any]) -> Self:
-        data = dict(data)
-        data["steps"] = [NodeStep(**s) for s in data["steps"]]
+        data = _known(cls, data)
+        data["steps"] = [NodeStep(**_known(NodeStep, s)) for s in data["steps"]]
         data["phase"] = SwitchPhase(data["phase"])
         return cls(**data)
+
+    @property
+    def kind(self) -> SwitchKind:
+        if self.operation:
+            return SwitchKind.OPERATION
+        return SwitchKind.PREFETCH if self.prefetch else SwitchKind.HANDOVER
 
     @property
     def from_jobs(self) -> list[str]:
@@ -295,7 +316,7 @@ class OperationRecord(_Record):
 
     @classmethod
     def _from_dict(cls, data: dict[str, Any]) -> Self:
-        data = dict(data)
+        data = _known(cls, data)
         data["kind"] = OperationKind(data["kind"])
         data["state"] = OperationState(data["state"])
         return cls(**data)
@@ -453,8 +474,8 @@ class AgentRecord(_Record):
 
     @classmethod
     def _from_dict(cls, data: dict[str, Any]) -> Self:
-        data = dict(data)
-        data["workers"] = [WorkerRecord(**w) for w in data["workers"]]
+        data = _known(cls, data)
+        data["workers"] = [WorkerRecord(**_known(WorkerRecord, w)) for w in data["workers"]]
         return cls(**data)
 
     def jobs_of(self, group: str) -> set[str]:
@@ -552,11 +573,10 @@ class PoolRecord(_Record):
 
     @classmethod
     def _from_dict(cls, data: dict[str, Any]) -> Self:
-        # Fields a newer version added are left out (a rolling upgrade shares etcd); the ones
-        # this version added after the first (claims) default when an older one wrote it.
-        known = {f.name for f in dataclasses.fields(cls)}
-        data = {k: v for k, v in data.items() if k in known}
-        data["pins"] = [PoolPin(**p) for p in data.get("pins", [])]
+        # The fields this version added after the first (claims) default when an older one
+        # wrote it.
+        data = _known(cls, data)
+        data["pins"] = [PoolPin(**_known(PoolPin, p)) for p in data.get("pins", [])]
         return cls(**data)
 
 
@@ -595,8 +615,8 @@ class RoleAssignment:
 
     @classmethod
     def _from_dict(cls, data: dict[str, Any]) -> Self:
-        data = dict(data)
-        data["profile"] = DeclaredProfile(**data["profile"])
+        data = _known(cls, data)
+        data["profile"] = DeclaredProfile(**_known(DeclaredProfile, data["profile"]))
         return cls(**data)
 
 
@@ -639,4 +659,4 @@ class PoolAuditRecord(_Record):
 
     @classmethod
     def _from_dict(cls, data: dict[str, Any]) -> Self:
-        return cls([AuditEntryRecord(**e) for e in data["entries"]])
+        return cls([AuditEntryRecord(**_known(AuditEntryRecord, e)) for e in data["entries"]])
