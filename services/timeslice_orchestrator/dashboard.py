@@ -833,6 +833,7 @@ def _switch_json(view: GroupView, acked: Iterable[str]) -> dict[str, Any]:
         "started_at": record.started_at,
         "attempt": record.attempt,
         "prefetch": record.prefetch,
+        "kind": record.kind.value,
         "nodes": nodes,
         "done": sum(1 for n in nodes if n["state"] != "working"),
         "total": len(nodes),

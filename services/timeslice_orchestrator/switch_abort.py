@@ -24,7 +24,7 @@ from timeslice_orchestrator.reconcile import DriverConfig, Next, OwnWrites
 from timeslice_orchestrator.retries import Retry, RetryLedger
 from timeslice_orchestrator.store.follower import Mirror
 from timeslice_orchestrator.store.groups import Authority, Fault, GroupStore
-from timeslice_orchestrator.store.records import SwitchRecord
+from timeslice_orchestrator.store.records import SwitchKind, SwitchRecord
 
 # The driver's logger, as every part of the driver: a group's switches read in one stream.
 log = logging.getLogger("timeslice_orchestrator.driver")
@@ -74,10 +74,10 @@ class AbortRule:
         resident, so nothing to move); until then the group's ``last_error`` says why it
         waits. Granting it beside the stuck state instead could run a device out of memory.
         """
-        if record.prefetch:
-            return Next.IDLE  # an optimisation that did not work out: the switch will do it
-        if record.operation:
+        if record.kind is SwitchKind.OPERATION:
             return Next.AGAIN  # its outcome (failed) is written; operations are not retried
+        if record.kind is SwitchKind.PREFETCH:
+            return Next.IDLE  # an optimisation that did not work out: the switch will do it
         key = (group, record.to_job, record.to_revision)
         retry = self._retries.get(key)
         attempt = max(retry.attempts if retry is not None else 0, record.attempt)

@@ -51,6 +51,7 @@ from timeslice_orchestrator.store.records import (
     OperationState,
     ResidentRecord,
     Stored,
+    SwitchKind,
     SwitchPhase,
     SwitchRecord,
 )
@@ -268,7 +269,7 @@ class SwitchMachine:
         if head is not None and head.revision != record.to_revision:
             head = None
         held: list[str] = []
-        if head is not None and not record.prefetch and not record.operation:
+        if head is not None and record.kind is SwitchKind.HANDOVER:
             # Restored where it could be, but parked on a node that went (or is back without
             # its workers): it must not be told it holds the group while its processes there
             # stay parked. The switch ends without a grant; the next pass holds it back.
@@ -281,7 +282,11 @@ class SwitchMachine:
             stats.last_error = f"{record.to_job}: {error}"
             # A prefetch is only an optimisation: its waiter keeps its place, and the switch
             # that serves it restores it again.
-            fault = Fault(head, str(error)) if head is not None and not record.prefetch else None
+            fault = (
+                Fault(head, str(error))
+                if head is not None and record.kind is SwitchKind.HANDOVER
+                else None
+            )
             stats.faults += fault is not None
             ended = self._writes.wrote(
                 group,
@@ -298,14 +303,14 @@ class SwitchMachine:
             )
             if ended:
                 self._metrics.switches.labels(outcome="restore_failed").inc()
-                if record.prefetch and head is not None:
+                if record.kind is SwitchKind.PREFETCH and head is not None:
                     log.warning("group %s: prefetch of %s failed: %s", group, record.to_job, error)
                 elif head is not None:
                     log.error("group %s: %s isolated: %s", group, record.to_job, error)
                 else:
                     log.warning("group %s: restore of %s failed: %s", group, record.to_job, error)
             return Next.AGAIN
-        if record.prefetch or head is None or held:
+        if record.kind is not SwitchKind.HANDOVER or head is None or held:
             # A prefetch ends here, and so does a switch whose waiter left, a catch-up and
             # an operator operation (no waiter): keep what the devices now hold, drop the
             # record (closing the operation with it); a grant (in place) comes on its own.
@@ -332,11 +337,14 @@ class SwitchMachine:
                 ),
             )
             if ended:
-                outcome = "prefetched" if record.prefetch else "waiter_left"
-                if record.operation:
+                if record.kind is SwitchKind.OPERATION:
                     outcome = "operation"
                 elif held:
                     outcome = "held_back"
+                elif record.kind is SwitchKind.PREFETCH:
+                    outcome = "prefetched"
+                else:
+                    outcome = "waiter_left"
                 self._metrics.switches.labels(outcome=outcome).inc()
             return Next.AGAIN
         elapsed = max(time.monotonic() - started, time.time() - record.started_at)
@@ -532,6 +540,7 @@ def _span_attributes(switch: Stored[SwitchRecord], replica_id: str) -> dict[str,
     return {
         "timeslice.group": record.group,
         "timeslice.switch_id": record.switch_id,
+        "timeslice.switch_kind": record.kind.value,
         "timeslice.epoch": switch.create_revision,
         "timeslice.from_jobs": ",".join(record.from_jobs),
         "timeslice.to_job": record.to_job,

@@ -59,6 +59,7 @@ async def test_a_switch_arrives_at_an_otlp_receiver_as_one_trace(
         await asyncio.sleep(0.1)
 
     (root,) = roots
+    assert root.attributes["timeslice.switch_kind"] == "handover"
     by_id = {s.span_id: s for s in trace}
     assert root.service == "timeslice-orchestrator" and root.parent_span_id == b""
     phases = {s.name: s for s in trace if s.parent_span_id == root.span_id}
