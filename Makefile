@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 PKGS   := -p timeslice -p timeslice_tools -p timeslice_orchestrator -p timeslice_agent
 
-.PHONY: venv test test-fast fuzz lint typecheck protos demo demo-rl cluster bench bench-quick soak clean
+.PHONY: venv test test-fast fuzz faults lint typecheck protos demo demo-rl cluster bench bench-quick soak clean
 
 venv: $(STAMP)
 
@@ -28,7 +28,7 @@ $(DEMO_STAMP): pyproject.toml
 	touch $(DEMO_STAMP)
 
 test: $(STAMP) lint
-	$(BIN)/pytest -n auto -q --durations=30
+	$(BIN)/pytest -n auto --dist worksteal -q --durations=30
 
 test-fast: $(STAMP)
 	$(BIN)/pytest -n auto -q -m "not slow"
@@ -38,6 +38,10 @@ test-fast: $(STAMP)
 fuzz: $(STAMP)
 	TIMESLICE_FUZZ_PROFILE=fuzz TIMESLICE_FUZZ_EXAMPLES=$${TIMESLICE_FUZZ_EXAMPLES:-5000} \
 		$(BIN)/pytest -q -s -p no:cacheprovider --timeout 3600 tests/fuzz
+
+# The fault scenarios that race real timing, ten times each instead of make test's two.
+faults: $(STAMP)
+	TIMESLICE_FAULT_REPEATS=$${TIMESLICE_FAULT_REPEATS:-10} $(BIN)/pytest -n auto -q tests/faults
 
 lint: $(STAMP)
 	$(BIN)/ruff check libs/timeslice libs/timeslice_tools services tests scripts bench

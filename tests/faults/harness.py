@@ -29,6 +29,14 @@ from timeslice_tools.history import (
 
 REPORT = Path(os.environ.get("TIMESLICE_FAULT_REPORT", ".timeslice/fault-recovery.jsonl"))
 
+
+def repeats() -> range:
+    """How many times a fault scenario that races real timing runs: twice in `make test`,
+    ten times in `make faults` (``TIMESLICE_FAULT_REPEATS``), which hunts the rarer
+    interleavings. A race a repeat once found gets a deterministic test of its own."""
+    return range(int(os.environ.get("TIMESLICE_FAULT_REPEATS", "2")))
+
+
 _TERMS = re.compile(rb"^timeslice_replica_terms_total (\S+)$", re.MULTILINE)
 
 

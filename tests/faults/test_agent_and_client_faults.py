@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tests.conftest import ClusterFactory
-from tests.faults.harness import check_switches, report_recovery, wait_for_status
+from tests.faults.harness import check_switches, repeats, report_recovery, wait_for_status
 from timeslice import AsyncTimeSliceClient, register
 from timeslice.errors import GroupFaulted
 from timeslice_proto.timeslice.v1 import SwitchPhase
@@ -23,7 +23,7 @@ SLOW_SIM = ["--sim-bandwidth-gbps", "2", "--sim-state-gb", "2"]
 AGENT_TTL = 3
 SESSION_TTL = 2
 RECOVERY_BOUND = SESSION_TTL + 2.5
-REPEATS = range(5)
+REPEATS = repeats()
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tests.conftest import ClusterFactory
-from tests.faults.harness import check_switches, cycle, describe, report_recovery
+from tests.faults.harness import check_switches, cycle, describe, repeats, report_recovery
 from timeslice import AsyncTimeSliceClient, register
 from timeslice_tools.history import (
     Recorder,
@@ -25,10 +25,10 @@ OUTAGE = 2.0
 pytestmark = pytest.mark.slow
 
 
-# Two repeats: the race this test once found only sometimes (a watch's creation response
-# moving the mirror ahead of its events) has a deterministic test of its own now,
+# The race this test once found only sometimes (a watch's creation response moving the
+# mirror ahead of its events) has a deterministic test of its own now,
 # test_etcd_watch.py::test_no_batch_reports_a_revision_ahead_of_the_events_it_brought.
-@pytest.mark.parametrize("repeat", range(2))
+@pytest.mark.parametrize("repeat", repeats())
 async def test_etcd_restart_under_load(cluster_factory: ClusterFactory, repeat: int) -> None:
     # A private etcd (etcd_endpoint=None) so that this test alone sees it go away.
     cluster = cluster_factory(replicas=2, agents=1, etcd_endpoint=None, agent_args=FAST_SIM)

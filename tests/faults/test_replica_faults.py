@@ -19,6 +19,7 @@ from tests.faults.harness import (
     check_switches,
     describe,
     journals,
+    repeats,
     replica_index,
     report_recovery,
     wait_for_status,
@@ -53,7 +54,7 @@ def phase_deadline(phase: SwitchPhase) -> float:
     return SWITCH_START_DEADLINE + DRIVER.directive_timeout
 
 
-REPEATS = range(5)
+REPEATS = repeats()
 
 pytestmark = pytest.mark.slow
 
