@@ -346,10 +346,15 @@ class Dashboard:
     def start(self) -> None:
         """Remember the groups as they are (no switch ends for what happened before), then
         follow every change."""
-        for group in self._mirror.group_names():
+        mirror = self._mirror
+        for group in mirror.group_names():
             try:
+                holder = mirror.holder(group)
+                if holder is None and mirror.idle(group):
+                    # Seen first at its next change: a switch is written (a change) before
+                    # it can end. A deployment's 100,000 idle groups cost no decode here.
+                    continue
                 self._seen[group] = self._seen_now(group)[0]
-                holder = self._mirror.holder(group)
                 timeline = self.story.timeline(group) if holder is not None else None
                 if holder is not None and timeline is not None:  # the hold, from its grant
                     timeline.holder(holder.record.job, holder.record.granted_at)

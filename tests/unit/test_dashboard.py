@@ -77,6 +77,10 @@ class FakeMirror:
     def has_waiters(self, group: str) -> bool:
         return bool(self.group(group).queue)
 
+    def idle(self, group: str) -> bool:
+        v = self.group(group)
+        return not v.queue and v.switch is None and v.pending_operation() is None
+
     def agents(self) -> dict[str, AgentRecord]:
         return dict(self.agent_records)
 
@@ -600,3 +604,35 @@ async def test_host_memory_free_is_shown_for_streams_held_here_and_resent_with_s
             dash.sample()
             ((name, _),) = await read_events(resp, 1)
             assert name == "duty"
+
+
+def test_start_decodes_nothing_of_an_idle_group_and_still_sees_its_first_switch() -> None:
+    """A deployment of 100,000 idle groups: the start reads the held and busy ones only (the
+    replica's start on them, tests/integration/test_scale.py); an idle group is first seen at
+    its next change, before any switch of it can end."""
+
+    class CountingMirror(FakeMirror):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stats_read: list[str] = []
+
+        def stats(self, group: str) -> GroupStats | None:
+            self.stats_read.append(group)
+            return super().stats(group)
+
+    mirror = CountingMirror()
+    mirror.set(*(view(f"idle-{i}") for i in range(50)), view("held", holder="a"))
+    dash = Dashboard(mirror, HoldTracker())
+    dash.start()
+    assert mirror.stats_read == ["held"]
+
+    record = SwitchRecord(
+        "sw1", "idle-7", "b", 12, [NodeStep("n1", "", "b")], SwitchPhase.CHECKPOINT, "r1", 1.0
+    )
+    mirror.set(view("idle-7", queue=("b",), switch=record))
+    mirror.set(view("idle-7", holder="b", switches=1, last_switch=0.5))
+    (end,) = dash.recent
+    assert (end.group, end.to_job, end.outcome, end.seconds) == ("idle-7", "b", "committed", 0.5)
+    mirror.views.clear()
+    mirror.set()
+    dash.stop()
