@@ -147,16 +147,14 @@ _LONGEST_FIRST = (
 )
 
 
+_RANK = {folder: rank for rank, folder in enumerate(_LONGEST_FIRST)}
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     tests = Path(__file__).parent
 
     def rank(item: pytest.Item) -> int:
-        try:
-            folder = item.path.relative_to(tests).parts[0]
-        except ValueError:
-            return len(_LONGEST_FIRST)
-        if folder in _LONGEST_FIRST:
-            return _LONGEST_FIRST.index(folder)
-        return len(_LONGEST_FIRST)
+        folder = item.path.relative_to(tests).parts[0] if item.path.is_relative_to(tests) else ""
+        return _RANK.get(folder, len(_RANK))
 
     items.sort(key=rank)

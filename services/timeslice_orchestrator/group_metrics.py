@@ -111,7 +111,7 @@ class GroupMetrics(Collector):
         self._epochs = {g: e for g in names if (e := self._mirror.hold_epoch(g))}
         # A free idle group has nothing to track before its next change: most groups of a
         # large deployment are (tests/integration/test_scale.py starts on 100,000).
-        busy = [g for g in names if g in self._epochs or not self._mirror.idle(g)]
+        busy = [g for g in names if not self._mirror.quiet(g)]
         self.on_change({_GROUP_PREFIX + g for g in busy})
         self._mirror.add_listener(self.on_change)
 

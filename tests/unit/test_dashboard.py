@@ -77,9 +77,11 @@ class FakeMirror:
     def has_waiters(self, group: str) -> bool:
         return bool(self.group(group).queue)
 
-    def idle(self, group: str) -> bool:
+    def quiet(self, group: str) -> bool:
         v = self.group(group)
-        return not v.queue and v.switch is None and v.pending_operation() is None
+        return (
+            v.holder is None and not v.queue and v.switch is None and v.pending_operation() is None
+        )
 
     def agents(self) -> dict[str, AgentRecord]:
         return dict(self.agent_records)

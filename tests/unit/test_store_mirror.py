@@ -56,6 +56,23 @@ def test_a_group_with_a_hold_alone_is_idle_and_a_waiter_needs_a_driver() -> None
     assert index.idle("g")
 
 
+def test_a_group_is_quiet_only_while_free_and_idle() -> None:
+    """What a replica's start skips (the dashboard, the group metrics): nothing held, queued,
+    switching or pending."""
+    index = Index(KEYS)
+    index.put(KEYS.meta("g"), GroupMetaRecord("job-a").encode())
+    assert index.quiet("g")
+    holder = KEYS.holder("g")
+    index.put(holder, HolderRecord("job-a", "s1", 1.0).encode())
+    assert index.idle("g") and not index.quiet("g")
+    index.delete(holder)
+    entry = KEYS.queue_entry("g", "job-b")
+    index.put(entry, QueueRecord("s2", 0, 2.0).encode())
+    assert not index.quiet("g")
+    index.delete(entry)
+    assert index.quiet("g")
+
+
 def test_a_residency_written_after_the_hold_needs_a_driver() -> None:
     # A node that came back (after a fence) reported what it has: it may lack the holder's
     # state, so a driver must look, although nobody waits.

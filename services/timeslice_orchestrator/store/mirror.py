@@ -363,6 +363,12 @@ class MirrorIndex:
                 return False
         return True
 
+    def quiet(self, group: str) -> bool:
+        """Free and :meth:`idle`: nothing of the group to follow before its next change (most
+        groups of a large deployment, at a replica's start). Decodes nothing but operation
+        records."""
+        return self._kv(KeyRef(Kind.HOLDER, group)) is None and self.idle(group)
+
     def needs_driver(self, group: str) -> bool:
         """A switch record, a waiter, a pending operator operation, or a residency written
         after the hold began: the last is a node that came back (after a fence, a lost lease)
