@@ -125,6 +125,27 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     return ports
 
 
+def stop_process(pid: int, timeout: float = 5.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it has stopped.
+
+    The signal is delivered asynchronously: a thread running on another core answers one more
+    request after ``kill`` returned (a paused etcd committed a write that way), so a fault test
+    that pauses a service must wait for the stop before it counts on the silence."""
+    os.kill(pid, signal.SIGSTOP)
+    tasks = Path(f"/proc/{pid}/task")
+    if not tasks.is_dir():
+        return  # no procfs: nothing to wait on
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = []
+        for stat in tasks.glob("*/stat"):
+            with contextlib.suppress(OSError):  # a thread that just exited
+                states.append(stat.read_text().rpartition(")")[2].split()[0])
+        if all(state in ("T", "t", "Z", "X") for state in states):
+            return
+        time.sleep(0.001)
+
+
 def log_tail(path: Path, max_lines: int = 40) -> str:
     """The last lines of a log file, or a note saying why there is nothing to show."""
     try:

@@ -280,9 +280,10 @@ class EtcdServer:
         self._started_once = True
 
     def pause(self) -> None:
-        """SIGSTOP etcd: a member that keeps its connections open and answers nothing."""
+        """SIGSTOP etcd: a member that keeps its connections open and answers nothing (from
+        when this returns: every thread has stopped)."""
         if self._proc is not None and self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGSTOP)
+            _procs.stop_process(self._proc.pid)
 
     def resume(self) -> None:
         """SIGCONT a paused etcd."""
