@@ -365,8 +365,7 @@ class MirrorIndex:
 
     def quiet(self, group: str) -> bool:
         """Free and :meth:`idle`: nothing of the group to follow before its next change (most
-        groups of a large deployment, at a replica's start). Decodes nothing but operation
-        records."""
+        groups of a large deployment, at a replica's start). Decodes nothing, as :meth:`idle`."""
         return self._kv(KeyRef(Kind.HOLDER, group)) is None and self.idle(group)
 
     def needs_driver(self, group: str) -> bool:
